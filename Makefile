@@ -1,0 +1,28 @@
+# Every target installs the stack into .venv on first use (scripts/setup_env.sh; a no-op afterwards).
+PY := .venv/bin/python
+CONFIG ?= configs/cpu_demo.yaml
+
+.PHONY: setup demo test test-fast lint format bench
+
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup            ## the main job: a small GRPO run on CPU with a built-in tiny model
+	$(PY) -m rltrain.train --config $(CONFIG)
+
+test: setup            ## the whole CPU suite, slow end-to-end tests included (what CI runs)
+	$(PY) -m pytest
+
+test-fast: setup       ## unit and invariance tests only (seconds)
+	$(PY) -m pytest -m "not slow and not gpu"
+
+lint: setup
+	$(PY) -m ruff check rltrain tests benchmarks examples
+	$(PY) -m ruff format --check rltrain tests benchmarks examples
+
+format: setup
+	$(PY) -m ruff check --fix rltrain tests benchmarks examples
+	$(PY) -m ruff format rltrain tests benchmarks examples
+
+bench: setup           ## every benchmark, each printing a small table
+	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -1,0 +1,1 @@
+"""rltrain: RL for language models with exact token normalization."""

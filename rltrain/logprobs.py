@@ -1,0 +1,116 @@
+"""Per-token log-probs and entropy from logits without a full float32 log-softmax (pure torch).
+
+``logits.float().log_softmax(-1)`` on ``[B*T, V]`` bf16 logits allocates 4 bytes per vocabulary
+entry per token (plus the same again for autograd), several GB at a 150k vocabulary. Here rows are
+processed in chunks whose float32 working set stays under ``max_chunk_bytes``, and the backward pass
+recomputes each chunk's softmax instead of saving it: the only extra memory autograd keeps is one
+float per token (the log-normalizer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
+
+
+def _rows_per_chunk(vocab_size: int, max_chunk_bytes: int) -> int:
+    return max(1, max_chunk_bytes // (4 * vocab_size))
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log_softmax(logits / T)[target] per row, chunked in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, targets_N, temperature, rows_per_chunk):  # type: ignore[override]
+        n = logits_NV.shape[0]
+        logprobs_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        for start in range(0, n, rows_per_chunk):
+            rows = slice(start, start + rows_per_chunk)
+            z = logits_NV[rows].float() / temperature  # [chunk, V]
+            lse_N[rows] = torch.logsumexp(z, dim=-1)
+            logprobs_N[rows] = z.gather(-1, targets_N[rows, None]).squeeze(-1) - lse_N[rows]
+        ctx.save_for_backward(logits_NV, targets_N, lse_N)
+        ctx.temperature = temperature
+        ctx.rows_per_chunk = rows_per_chunk
+        return logprobs_N
+
+    @staticmethod
+    def backward(ctx, grad_N):  # type: ignore[override]
+        logits_NV, targets_N, lse_N = ctx.saved_tensors
+        t, step = ctx.temperature, ctx.rows_per_chunk
+        grad_logits_NV = torch.empty_like(logits_NV)
+        for start in range(0, logits_NV.shape[0], step):
+            rows = slice(start, start + step)
+            # d logp[target] / d logits = (onehot(target) - softmax(logits / T)) / T
+            g = grad_N[rows, None].float() / t
+            softmax = torch.exp(logits_NV[rows].float() / t - lse_N[rows, None])
+            chunk = -g * softmax
+            chunk.scatter_add_(-1, targets_N[rows, None], g)
+            grad_logits_NV[rows] = chunk.to(logits_NV.dtype)
+        return grad_logits_NV, None, None, None
+
+
+def token_logprobs(
+    logits_BTV: torch.Tensor,
+    token_ids_BT: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``token_ids``: float32 ``[B, T]``, differentiable.
+
+    ``logits_BTV[:, t]`` must already be the prediction for ``token_ids_BT[:, t]`` (shift first).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    *lead, vocab = logits_BTV.shape
+    logits_NV = logits_BTV.reshape(-1, vocab)
+    targets_N = token_ids_BT.reshape(-1).long()
+    rows = _rows_per_chunk(vocab, max_chunk_bytes)
+    return _SelectiveLogSoftmax.apply(logits_NV, targets_N, float(temperature), rows).reshape(lead)
+
+
+@torch.no_grad()
+def token_entropy(
+    logits_BTV: torch.Tensor, temperature: float = 1.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per position: float32 ``[B, T]``, no gradient.
+
+    ``H = logsumexp(z) - sum(softmax(z) * z)``, computed chunk by chunk.
+    """
+    *lead, vocab = logits_BTV.shape
+    logits_NV = logits_BTV.reshape(-1, vocab)
+    entropy_N = torch.empty(logits_NV.shape[0], dtype=torch.float32, device=logits_NV.device)
+    step = _rows_per_chunk(vocab, max_chunk_bytes)
+    for start in range(0, logits_NV.shape[0], step):
+        z = logits_NV[start : start + step].float() / temperature
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        entropy_N[start : start + step] = (lse - (torch.exp(z - lse) * z).sum(-1, keepdim=True)).squeeze(-1)
+    return entropy_N.reshape(lead)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0).
+
+    Position ``t`` holds ``log p(input_ids[t] | input_ids[:t])``, aligned with the input so a
+    response mask over ``input_ids`` selects the response tokens' log-probs directly.
+    """
+    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    logits_BTV = model(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids
+    ).logits
+    shifted_logits = logits_BTV[:, :-1]  # predicts tokens 1..T-1
+    logprobs = token_logprobs(shifted_logits, input_ids_BT[:, 1:], temperature)
+    zero_col = logprobs.new_zeros(logprobs.shape[0], 1)
+    logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
+    entropy_BT = None
+    if with_entropy:
+        entropy_BT = torch.cat([zero_col, token_entropy(shifted_logits, temperature)], dim=1)
+    return logprobs_BT, entropy_BT

@@ -1,0 +1,219 @@
+"""Per-token policy losses, KL estimators and the SFT cross-entropy (pure torch).
+
+Every loss here returns a *per-token* tensor ``[B, T]``; reduction is one call to
+:func:`rltrain.masked_mean.masked_mean` with a denominator chosen outside (the micro-batch's own
+count, a constant, or the global token total of the optimizer step). That keeps normalization in
+one place and makes every objective exact under accumulation and data parallelism.
+
+Departures from the papers:
+- PPO/DAPO: the lower and upper clip ranges are separate (DAPO's clip-higher); the optional dual
+  clip (Ye et al. 2020) bounds the loss of negative-advantage tokens at ``-A * dual_clip``.
+- CISPO (MiniMax-M1): REINFORCE on ``logprobs`` weighted by the clipped, stop-gradient ratio.
+- GSPO: the sequence ratio is the length-normalized ratio of the sequence; we use the GSPO-token
+  form (ratio value from the sequence, gradient per token), which equals GSPO when all tokens of a
+  sequence share one advantage, and reduce it with the same per-token denominators as the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rltrain.logprobs import token_logprobs
+from rltrain.masked_mean import loss_token_mask, masked_mean
+
+PolicyLossType = Literal["ppo", "cispo", "gspo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def ppo_clip_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token. Returns ``(loss_BT, clipped_BT)``.
+
+    ``loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with ``r = exp(logp - old)``;
+    with ``dual_clip = c > 1`` the loss of tokens with ``A < 0`` is further capped at ``-A * c``.
+    ``clipped_BT`` is True where the clipped branch was taken (no gradient flows there).
+    """
+    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
+    unclipped = -advantages_BT * ratio
+    clipped = -advantages_BT * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        cap = -advantages_BT * dual_clip
+        dual = (advantages_BT < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+def cispo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO per token: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``.
+
+    Unlike PPO, clipped tokens still get a gradient (through ``logp``); only their weight is
+    bounded. Returns ``(loss_BT, clipped_BT)``.
+    """
+    ratio = torch.exp(logprobs_BT - old_logprobs_BT).detach()
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages_BT * logprobs_BT, weight != ratio
+
+
+def gspo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO(-token) per token. Returns ``(loss_BT, clipped_BT)``.
+
+    The sequence ratio ``s_i = exp(mean_t (logp - old))`` over the sequence's loss tokens is shared
+    by its tokens as a value, ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))``, then clipped as in PPO.
+    The paper's clip ranges are tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean.
+    """
+    keep = mask_BT.bool()
+    log_ratio = torch.where(keep, logprobs_BT - old_logprobs_BT, torch.zeros_like(logprobs_BT))
+    seq_log_ratio_B = log_ratio.sum(-1) / keep.sum(-1).clamp(min=1)
+    token_ratio = torch.exp(seq_log_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach())
+    unclipped = -advantages_BT * token_ratio
+    clipped = -advantages_BT * torch.clamp(token_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def truncated_is_weights(
+    learner_logprobs_BT: torch.Tensor, generator_logprobs_BT: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(learner - generator), cap)``, without gradient.
+
+    Corrects for the generator (vLLM, possibly a step behind) sampling from a slightly different
+    distribution than the learner's old policy; multiply the per-token loss by these.
+    """
+    if cap <= 0:
+        raise ValueError(f"truncated importance-sampling cap must be > 0, got {cap}")
+    return torch.exp(learner_logprobs_BT - generator_logprobs_BT).clamp(max=cap).detach()
+
+
+def kl_penalty(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: KLEstimator = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1-k3).
+
+    With ``d = ref - logp``: k1 = ``-d``; k2 = ``d**2 / 2``; k3 = ``exp(d) - d - 1`` (unbiased and
+    never negative).
+    """
+    d = ref_logprobs_BT - logprobs_BT
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"kl estimator must be one of k1, k2, k3, got {estimator!r}")
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """What shapes the per-token policy loss (mirrors the ``loss`` section of the config)."""
+
+    kind: PolicyLossType = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    tis_cap: float | None = None
+
+
+def policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    denominator: float | torch.Tensor | None,
+    settings: PolicyLossSettings = PolicyLossSettings(),
+    tool_mask_BT: torch.Tensor | None = None,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    generator_logprobs_BT: torch.Tensor | None = None,
+    axis: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy objective for one micro-batch, reduced with ``masked_mean(..., denominator)``.
+
+    Loss tokens are ``mask & tool_mask``. Returns the scalar loss and detached per-token *sums*
+    over the loss tokens (``pg_loss``, ``kl``, ``clipped``, ``ratio``) plus ``tokens``: a caller
+    sums these over micro-batches and ranks and divides by the summed ``tokens`` to log global
+    token means rather than means of micro-batch means.
+    """
+    keep = loss_token_mask(mask_BT, tool_mask_BT)
+    advantages_BT = advantages_B[:, None].expand_as(logprobs_BT).to(logprobs_BT.dtype)
+    s = settings
+    if s.kind == "ppo":
+        pg, clipped = ppo_clip_loss(
+            logprobs_BT, old_logprobs_BT, advantages_BT, s.clip_low, s.clip_high, s.dual_clip
+        )
+    elif s.kind == "cispo":
+        pg, clipped = cispo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, s.clip_low, s.clip_high)
+    elif s.kind == "gspo":
+        pg, clipped = gspo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, keep, s.clip_low, s.clip_high)
+    else:
+        raise ValueError(f"policy loss kind must be ppo, cispo or gspo, got {s.kind!r}")
+    if s.tis_cap is not None and generator_logprobs_BT is not None:
+        pg = pg * truncated_is_weights(old_logprobs_BT, generator_logprobs_BT, s.tis_cap)
+
+    per_token = pg
+    kl = None
+    if s.kl_beta > 0:
+        if ref_logprobs_BT is None:
+            raise ValueError("kl_beta > 0 needs reference log-probs")
+        kl = kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator)
+        per_token = pg + s.kl_beta * kl
+
+    loss = masked_mean(per_token, keep, axis=axis, denominator=denominator)
+
+    def token_sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, x.detach().float(), 0.0).sum()
+
+    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
+    metrics = {
+        "pg_loss": token_sum(pg),
+        "clipped": token_sum(clipped.float()),
+        "ratio": token_sum(ratio),
+        "tokens": keep.sum().float(),
+    }
+    if kl is not None:
+        metrics["kl"] = token_sum(kl)
+    return loss, metrics
+
+
+def sft_cross_entropy(
+    logits_BTV: torch.Tensor,
+    labels_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-level SFT cross-entropy: summed negative log-likelihood of the masked labels / denominator.
+
+    ``logits_BTV[:, t]`` predicts ``labels_BT[:, t]`` (shift before calling). With the group token
+    total from :func:`rltrain.masked_mean.group_token_totals` as ``denominator`` (times the DP world
+    size when the engine averages over ranks, and without ``/accumulation_steps``) every supervised
+    token weighs the same whatever the micro-batching: no gradient rescaling pass after backward,
+    so it works unchanged under DeepSpeed, where parameter gradients are not reachable then.
+    """
+    nll_BT = -token_logprobs(logits_BTV, labels_BT)
+    return masked_mean(nll_BT, mask_BT, denominator=denominator)

@@ -1,0 +1,173 @@
+"""Masked means and the token totals that make them exact under accumulation and data parallelism.
+
+The bug this module exists to prevent: a trainer that takes the mean loss of each micro-batch and
+then averages those means (over accumulation steps with ``/accumulation_steps``, over ranks with the
+gradient all-reduce) weights a token in a short micro-batch more than a token in a long one, and the
+update changes with the number of GPUs. The fix is to divide every micro-batch's *token sum* by the
+number of loss tokens in the whole optimizer step: all micro-batches of the accumulation group, on
+all data-parallel ranks, after every mask (padding, tool output, truncation) is applied.
+
+Scaling, per micro-batch loss, for each ``masked_mean_denominator`` mode (``A`` accumulation steps,
+``W`` data-parallel ranks whose gradients the engine *averages*, as DeepSpeed/DDP/FSDP do):
+
+============  ==========================================================  ===================
+mode          micro-batch loss                                            then
+============  ==========================================================  ===================
+``None``      sum(loss * mask) / mask.sum()    (this micro-batch's mean)  divide by ``A``
+number ``c``  sum(loss * mask) / c             (Dr. GRPO's constant)      divide by ``A``
+``"token"``   sum(loss * mask) / (N_group / W)  where ``N_group`` is the   do NOT divide by ``A``
+              loss-token count of the group summed over all ranks
+============  ==========================================================  ===================
+
+In ``token`` mode the gradients summed over the ``A`` micro-batches and averaged over the ``W``
+ranks are ``(1/W) * sum_ranks sum_mb grad(sum loss) * W / N_group = grad(sum of all loss tokens) /
+N_group``: exactly the gradient of the global token mean. The factor ``W`` cancels the engine's
+averaging; skipping ``/A`` is right because ``N_group`` already counts every micro-batch. With an
+engine that *sums* gradients over ranks, use ``W = 1``.
+
+Only :func:`group_token_totals` touches ``torch.distributed``: one ``all_reduce`` for all groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Denominator = float | Literal["token"] | None
+
+DENOMINATOR_KEY = "masked_mean_denominator"
+_ACCEPTED = 'null (per-micro-batch mean), a positive number, or "token"'
+
+
+def masked_mean(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    axis: int | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is non-zero.
+
+    - ``axis=None``: ``sum(values * mask) / denominator``; the denominator defaults to
+      ``mask.sum()``. Pass a positive number (a constant, as Dr. GRPO does) or a scalar tensor
+      (a precomputed token total, see :func:`group_token_totals`).
+    - ``axis=k``: the masked mean of each slice along ``k`` (each slice's sum divided by its own
+      token count, or by ``denominator`` when given), then the mean over the slices that hold at
+      least one token, so an all-masked sequence does not dilute the others.
+
+    An all-zero mask gives ``0`` (never NaN or inf) and a zero gradient. Masked-out positions never
+    reach the result, even when they hold NaN or inf.
+    """
+    if denominator is not None and not isinstance(denominator, torch.Tensor):
+        if not _is_positive_number(denominator):
+            raise ValueError(f"masked_mean: denominator must be a positive number, got {denominator!r}")
+    keep = mask.bool()
+    masked = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if axis is None:
+        total = masked.sum()
+        den = keep.sum() if denominator is None else denominator
+        return _safe_divide(total, den)
+
+    slice_sums = masked.sum(axis)
+    slice_counts = keep.sum(axis)
+    slice_means = _safe_divide(slice_sums, slice_counts if denominator is None else denominator)
+    return _safe_divide(slice_means.sum(), (slice_counts > 0).sum())
+
+
+def _safe_divide(numerator: torch.Tensor, denominator: float | torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` where a zero denominator gives 0 (its numerator is 0 then).
+
+    The division runs on a denominator with zeros replaced by 1, rather than selecting after the
+    division: ``torch.where(den > 0, num / den, 0)`` would give NaN gradients through the branch
+    it discards.
+    """
+    den = torch.as_tensor(denominator, device=numerator.device)
+    den = torch.where(den > 0, den, torch.ones_like(den)).to(numerator.dtype)
+    return numerator / den
+
+
+def loss_token_mask(mask: torch.Tensor, tool_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions that count as loss tokens: ``mask`` and, when given, not tool output (``tool_mask`` 1)."""
+    keep = mask.bool()
+    if tool_mask is not None:
+        if tool_mask.shape != mask.shape:
+            raise ValueError(
+                f"tool_mask shape {tuple(tool_mask.shape)} does not match mask shape {tuple(mask.shape)}"
+            )
+        keep = keep & tool_mask.bool()
+    return keep
+
+
+def group_token_totals(
+    masks: Sequence[torch.Tensor],
+    accumulation_steps: int,
+    tool_masks: Sequence[torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Loss-token count of every accumulation group, summed over all ranks of ``group``.
+
+    ``masks`` are this rank's micro-batch loss masks in order; micro-batches
+    ``i*accumulation_steps .. (i+1)*accumulation_steps - 1`` form accumulation group ``i`` (the last
+    group may be shorter). ``tool_masks`` (same shapes) are 1 on tokens the policy generated and 0
+    on tokens a tool inserted; loss tokens are ``mask & tool_mask``.
+
+    Returns a float32 tensor of shape ``[num_groups]``. When ``torch.distributed`` is initialized
+    the counts are summed over ``group`` (default: the whole world) with exactly one
+    ``all_reduce`` for all groups together, so every rank must call this with the same number of
+    micro-batches (pad with all-zero masks). Counting happens in int64, so totals are exact.
+    """
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if tool_masks is not None and len(tool_masks) != len(masks):
+        raise ValueError(f"got {len(masks)} masks but {len(tool_masks)} tool_masks")
+    num_groups = math.ceil(len(masks) / accumulation_steps)
+    device = masks[0].device if masks else torch.device("cpu")
+    totals = torch.zeros(num_groups, dtype=torch.int64, device=device)
+    for i, mask in enumerate(masks):
+        tool_mask = None if tool_masks is None else tool_masks[i]
+        totals[i // accumulation_steps] += loss_token_mask(mask, tool_mask).sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+    return totals.to(torch.float32)
+
+
+def resolve_denominator(value: object, axis: int | None = None) -> Denominator:
+    """Validate a ``masked_mean_denominator`` setting and return its canonical form.
+
+    Accepts ``None``, a positive finite number (also as a numeric string, as YAML or the command
+    line may give it) and ``"token"``. ``"token"`` cannot be combined with a ``masked_mean_axis``:
+    per-sequence means have no global token denominator. Raises ``ValueError`` whose message names
+    the key, the bad value and the accepted forms.
+    """
+    if value is None:
+        resolved: Denominator = None
+    elif value == "token":
+        resolved = "token"
+    elif _is_positive_number(value):
+        resolved = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, str) and _is_positive_number(_parse_float(value)):
+        resolved = float(value)
+    else:
+        raise ValueError(f"{DENOMINATOR_KEY}: got {value!r}; expected {_ACCEPTED}")
+    if resolved == "token" and axis is not None:
+        raise ValueError(
+            f'{DENOMINATOR_KEY}: got "token" with masked_mean_axis={axis!r}; '
+            '"token" normalizes over all tokens of the step and needs masked_mean_axis: null'
+        )
+    return resolved
+
+
+def _parse_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _is_positive_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )

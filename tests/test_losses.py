@@ -1,0 +1,139 @@
+import math
+
+import pytest
+import torch
+
+from rltrain.losses import (
+    PolicyLossSettings,
+    cispo_loss,
+    gspo_loss,
+    kl_penalty,
+    policy_loss,
+    ppo_clip_loss,
+    sft_cross_entropy,
+    truncated_is_weights,
+)
+
+LN = math.log
+
+
+def test_ppo_clip_loss_hand_computed():
+    # ratios 1.5, 0.5, 1.1, 0.7 with advantages +1, +1, -1, -1; clip_low 0.2, clip_high 0.28
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[LN(1.5), LN(0.5), LN(1.1), LN(0.7)]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, clipped = ppo_clip_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    # t0: max(-1.5, -clip(1.5)=-1.28) = -1.28 (clipped)
+    # t1: max(-0.5, -clip(0.5)=-0.8)  = -0.5  (not clipped: pessimistic branch is the ratio)
+    # t2: max(1.1, clip(1.1)=1.1)     = 1.1
+    # t3: max(0.7, clip(0.7)=0.8)     = 0.8   (clipped)
+    assert loss[0].tolist() == pytest.approx([-1.28, -0.5, 1.1, 0.8])
+    assert clipped.tolist() == [[True, False, False, True]]
+
+
+def test_ppo_dual_clip_caps_negative_advantage_tokens():
+    # ratio 5 with A = -1: plain PPO loss = max(5, clip(5)=1.2) = 5; dual clip 3 caps it at 3
+    logp = torch.tensor([[LN(5.0), LN(5.0)]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    loss, clipped = ppo_clip_loss(logp, torch.zeros(1, 2), adv, 0.2, 0.2, dual_clip=3.0)
+    # the positive-advantage token is untouched: max(-5, -1.2) = -1.2
+    assert loss[0].tolist() == pytest.approx([3.0, -1.2])
+    assert clipped.tolist() == [[True, True]]
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(logp, torch.zeros(1, 2), adv, dual_clip=1.0)
+
+
+def test_cispo_weights_are_clipped_but_gradient_flows():
+    logp = torch.tensor([[LN(2.0), LN(0.5)]], requires_grad=True)
+    adv = torch.tensor([[1.0, 2.0]])
+    loss, clipped = cispo_loss(logp, torch.zeros(1, 2), adv, clip_low=1.0, clip_high=0.2)
+    # t0: weight clip(2, 0, 1.2) = 1.2 -> loss = -1.2 * 1 * ln 2; t1: weight 0.5 -> -0.5 * 2 * ln 0.5
+    assert loss[0].tolist() == pytest.approx([-1.2 * LN(2.0), -1.0 * LN(0.5)])
+    assert clipped.tolist() == [[True, False]]
+    loss.sum().backward()
+    # d/dlogp = -weight * A: -1.2 and -1.0 (the clipped token still learns, unlike PPO)
+    assert logp.grad[0].tolist() == pytest.approx([-1.2, -1.0])
+
+
+def test_gspo_uses_the_sequence_ratio():
+    # sequence 0: log-ratios ln 2 and ln 0.5 on its two loss tokens (third masked): s = exp(0) = 1
+    logp = torch.tensor([[LN(2.0), LN(0.5), 9.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0]])
+    adv = torch.ones(1, 3)
+    loss, clipped = gspo_loss(logp, torch.zeros(1, 3), adv, mask, clip_low=0.1, clip_high=0.1)
+    # every token carries -A * s = -1 as its value (no clipping at s = 1)
+    assert loss[:, :2][0].tolist() == pytest.approx([-1.0, -1.0])
+    assert not clipped[:, :2].any()
+    (loss * mask).sum().backward()
+    # GSPO-token gradient: d(-s * exp(logp - sg(logp)))/dlogp = -s = -1 per loss token
+    assert logp.grad[0].tolist() == pytest.approx([-1.0, -1.0, 0.0])
+
+
+def test_truncated_is_weights():
+    learner = torch.tensor([LN(0.5), LN(0.9)])
+    generator = torch.tensor([LN(0.1), LN(0.9)])
+    # exp(ln .5 - ln .1) = 5 -> capped at 2; exp(0) = 1
+    assert truncated_is_weights(learner, generator, cap=2.0).tolist() == pytest.approx([2.0, 1.0])
+
+
+def test_kl_estimators():
+    logp = torch.tensor([LN(0.5)])
+    ref = torch.tensor([LN(0.25)])
+    d = LN(0.25) - LN(0.5)  # = -ln 2
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(LN(2.0))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * d * d)
+    # k3 = exp(d) - d - 1 = 0.5 + ln 2 - 1
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + LN(2.0) - 1.0)
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_policy_loss_token_denominator_kl_and_tool_mask():
+    # two sequences, ratio 1 everywhere so PPO's per-token loss is -A
+    logp = torch.zeros(2, 3)
+    ref = torch.full((2, 3), -LN(2.0))  # d = ref - logp = -ln 2 -> k1 = ln 2 per token
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    tool = torch.tensor([[1, 0, 1], [1, 1, 1]])  # one tool token in sequence 0
+    settings = PolicyLossSettings(kind="ppo", kl_beta=0.1, kl_estimator="k1")
+    loss, m = policy_loss(logp, logp, adv, mask, 8.0, settings, tool_mask_BT=tool, ref_logprobs_BT=ref)
+    # loss tokens: seq0 t0, t2 (A=1 -> -1 each) and seq1 t0, t1 (A=-2 -> +2 each): pg sum = -2 + 4 = 2
+    # kl sum = 4 * ln 2; loss = (2 + 0.1 * 4 ln 2) / 8
+    assert loss.item() == pytest.approx((2 + 0.4 * LN(2.0)) / 8)
+    assert m["tokens"].item() == 4
+    assert m["pg_loss"].item() == pytest.approx(2.0)
+    assert m["kl"].item() == pytest.approx(4 * LN(2.0))
+    assert m["ratio"].item() == pytest.approx(4.0)
+
+
+def test_policy_loss_truncated_is_reweights_tokens():
+    logp = torch.zeros(1, 2)
+    gen = torch.tensor([[LN(0.25), 0.0]])  # weights: min(exp(0 - ln .25) = 4, 2) = 2, and 1
+    settings = PolicyLossSettings(tis_cap=2.0)
+    loss, _ = policy_loss(
+        logp, logp, torch.tensor([1.0]), torch.ones(1, 2), None, settings, generator_logprobs_BT=gen
+    )
+    # per-token -A * w = -2, -1; mean over 2 tokens = -1.5
+    assert loss.item() == pytest.approx(-1.5)
+
+
+def test_policy_loss_needs_reference_for_kl():
+    with pytest.raises(ValueError, match="reference"):
+        policy_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1),
+            torch.ones(1, 2),
+            None,
+            PolicyLossSettings(kl_beta=0.1),
+        )
+
+
+def test_sft_cross_entropy_with_token_denominator():
+    # vocab 2, uniform logits: every token's NLL is ln 2
+    logits = torch.zeros(1, 3, 2)
+    labels = torch.tensor([[0, 1, 1]])
+    mask = torch.tensor([[1, 1, 0]])
+    # two supervised tokens: default mean = ln 2; with a group total of 8: 2 ln 2 / 8
+    assert sft_cross_entropy(logits, labels, mask).item() == pytest.approx(LN(2.0))
+    assert sft_cross_entropy(logits, labels, mask, torch.tensor(8.0)).item() == pytest.approx(LN(2.0) / 4)

@@ -6,3 +6,29 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory):
+    """One local Ray instance for every test that needs actors (4 logical CPUs on 2 cores)."""
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=200 * 2**20,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    from rltrain.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))

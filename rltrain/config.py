@@ -1,0 +1,292 @@
+"""The typed, validated config tree: YAML file + dotted ``section.key=value`` overrides.
+
+Unknown keys and bad values fail here, before any actor starts, with one line that names the key,
+the value and what is allowed (:class:`ConfigError`). Importing this module is cheap: no ray,
+deepspeed or vllm.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rltrain.masked_mean import resolve_denominator
+
+TINY_MODEL = "builtin:tiny"
+BUILTIN_TASK = "builtin:arithmetic"
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing config problem."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = TINY_MODEL
+    """A local model directory, a Hugging Face hub name, or `builtin:tiny` (a ~100k-parameter Qwen2
+    model and byte-level tokenizer built locally, no download)."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the model and tokenizer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _local_path_exists(cls, value: str) -> str:
+        looks_local = value.startswith(("/", "./", "../", "~")) or os.sep * 2 in value
+        if looks_local and not Path(value).expanduser().is_dir():
+            raise ValueError(f"{value!r} is not a directory (give a local model folder or a hub name)")
+        return value
+
+
+class LearnerConfig(Section):
+    num_learners: int = Field(2, ge=1)
+    """Data-parallel learner actors (one DeepSpeed engine each)."""
+    cpus_per_learner: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each learner actor."""
+    gpus_per_learner: float = Field(0, ge=0)
+    """GPUs Ray reserves for each learner actor (0 on CPU machines)."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Sequences per forward/backward on one learner."""
+    num_mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the global batch per training step."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """AdamW for training; plain SGD makes the update linear in the gradient (used by exactness tests)."""
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the learning rate after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up from 0."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Gradient clipping threshold; 0 disables clipping."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU."""
+
+
+class LossConfig(Section):
+    kind: Literal["ppo", "cispo", "gspo"] = "ppo"
+    """Per-token policy loss: PPO/DAPO clipped surrogate, CISPO or GSPO."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip range (ratio <= 1 + clip_high); DAPO's clip-higher uses 0.28."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (e.g. 3.0); null disables."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3)."""
+    tis_cap: float | None = Field(2.0, gt=0)
+    """Cap of truncated importance weights learner/generator; null disables the correction."""
+    masked_mean_denominator: Any = "token"
+    """`token`: divide by the loss tokens of the whole optimizer step (all micro-batches, all ranks),
+    exact under any layout; null: per-micro-batch mean (the common, layout-dependent behaviour);
+    a positive number: a constant (Dr. GRPO)."""
+    masked_mean_axis: Literal[1] | None = None
+    """1: mean per sequence, then over sequences (original GRPO); null: over tokens."""
+
+    @model_validator(mode="after")
+    def _denominator(self) -> LossConfig:
+        resolved = resolve_denominator(self.masked_mean_denominator, self.masked_mean_axis)
+        object.__setattr__(self, "masked_mean_denominator", resolved)
+        return self
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Group advantage estimator."""
+    group_size: int = Field(4, ge=2)
+    """Completions sampled per prompt."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per training step (global batch = prompts_per_step * group_size sequences)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """With dynamic sampling, generation rounds per step before training on what was found."""
+    overlong: Literal["none", "filter", "soft_penalty"] = "none"
+    """Truncated completions: keep, exclude from the loss (`filter`), or DAPO's soft length penalty."""
+    overlong_buffer: int = Field(16, ge=1)
+    """Soft penalty: tokens before max_new_tokens where the penalty ramps from 0 to -overlong_penalty."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Soft penalty at max_new_tokens."""
+
+
+class ToolsConfig(Section):
+    enabled: list[Literal["calculator", "python"]] = []
+    """Tools the model may call with <tool:NAME>...</tool>; their output is appended and masked out of the loss."""
+    max_calls: int = Field(2, ge=0)
+    """Tool calls per completion."""
+    timeout_s: float = Field(2.0, gt=0)
+    """Wall-clock limit of one tool call."""
+    max_output_chars: int = Field(200, ge=1)
+    """Tool output is cut to this many characters."""
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Generator: vLLM engines, or transformers `generate` where vLLM is unavailable."""
+    num_engines: int = Field(1, ge=1)
+    """Generator actors."""
+    cpus_per_engine: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each generator actor."""
+    gpus_per_engine: float = Field(0, ge=0)
+    """GPUs Ray reserves for each generator actor."""
+    max_new_tokens: int = Field(32, ge=1)
+    """Completion length limit (tool output included)."""
+    max_model_len: int = Field(512, ge=16)
+    """vLLM context length."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the learner uses it for log-probs too)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    async_steps: int = Field(0, ge=0)
+    """Generate this many steps ahead of training (off-policy; corrected by loss.tis_cap)."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM CPU KV cache size."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM GPU memory share."""
+    tools: ToolsConfig = ToolsConfig()
+    """Tool use during generation."""
+
+
+class DataConfig(Section):
+    source: str = BUILTIN_TASK
+    """`builtin:arithmetic`, a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset name."""
+    split: str = "train"
+    """Dataset split."""
+    prompt_key: str = "prompt"
+    """Column with the question."""
+    answer_key: str = "answer"
+    """Column with the reference answer."""
+    system_prompt: str | None = None
+    """Optional system message for the chat template."""
+    max_prompt_tokens: int = Field(128, ge=1)
+    """Prompts longer than this are rejected when loading."""
+
+
+class RewardConfig(Section):
+    functions: dict[str, float] = {"math": 1.0}
+    """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`,
+    or a user function `module:function` taking (completion, answer) and returning a float."""
+    timeout_s: float = Field(5.0, gt=0)
+    """A reward call that takes longer scores 0 and is counted as a failure."""
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/demo"
+    """Run folder: resolved config, metrics, TensorBoard logs, checkpoints, plot."""
+    steps: int = Field(20, ge=1)
+    """Training steps."""
+    seed: int = 0
+    """Seed for data order, sampling and initialization."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Save a resumable checkpoint every N steps (and at the end); 0: only at the end."""
+    resume: bool = False
+    """Continue from the newest checkpoint in output_dir."""
+    stop_after: int | None = Field(None, ge=1)
+    """Stop (after checkpointing) once this step is reached, as a preempted job would."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project."""
+    ray_num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local Ray instance started when no cluster is given (default: all)."""
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    learner: LearnerConfig = LearnerConfig()
+    loss: LossConfig = LossConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _layout(self) -> Config:
+        batch = self.algorithm.prompts_per_step * self.algorithm.group_size
+        if self.learner.num_mini_batches > batch:
+            raise ValueError(
+                f"learner.num_mini_batches={self.learner.num_mini_batches} exceeds the global batch of "
+                f"{batch} sequences (algorithm.prompts_per_step * algorithm.group_size)"
+            )
+        return self
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read YAML, apply ``a.b=value`` overrides (values parsed as YAML), validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}".replace("\n", " ")) from e
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(value) if value else ""
+    return validate(raw)
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
+    if message.startswith("masked_mean_denominator:"):
+        return f"{key + '.' if key else ''}{message}"
+    shown = "" if first["type"] == "missing" else f"got {first['input']!r}; "
+    more = f" (+{len(error.errors()) - 1} more errors)" if len(error.errors()) > 1 else ""
+    return f"{key or 'config'}: {shown}{message}{more}"
+
+
+def dump(config: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def describe() -> str:
+    """Every key with its type, default and docstring, for ``--help-config``."""
+    lines = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            lines.append(f"{prefix}{name} = {field.default!r}\n    {(field.description or '').strip()}")
+
+    walk(Config, "")
+    return "\n".join(lines)

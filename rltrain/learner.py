@@ -1,0 +1,337 @@
+"""Policy learners: Ray actors that each own one DeepSpeed engine, driven together by LearnerGroup.
+
+One training step on a global batch of scored rollouts:
+
+1. The group plans the layout (:func:`rltrain.batch.plan_micro_batches`): accumulation groups
+   (one optimizer step each), an even share per rank, micro-batches per share, and empty
+   micro-batches so every rank runs the same number of forwards (ZeRO-3 gathers and the token
+   all-reduce are collectives).
+2. Every rank counts its loss tokens per accumulation group and sums them over ranks in one
+   all-reduce (:func:`rltrain.masked_mean.group_token_totals`).
+3. Forward/backward per micro-batch, with the accumulation boundary set explicitly: DeepSpeed's
+   ZeRO-1/2 keep only the last micro-batch's gradient under manual accumulation otherwise.
+   Loss scaling per ``masked_mean_denominator`` mode is documented in :mod:`rltrain.masked_mean`.
+4. One optimizer step per group; metrics are token sums reduced over micro-batches and ranks in
+   one all-reduce, so logged means are global token means.
+
+All ranks are always called together (``ray.get`` on every actor at once): driving them one after
+another deadlocks under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rltrain.batch import TrainBatch, plan_micro_batches
+from rltrain.config import Config
+from rltrain.logprobs import sequence_logprobs
+from rltrain.losses import PolicyLossSettings, policy_loss
+from rltrain.masked_mean import group_token_totals
+
+METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
+
+
+class PolicyLearner:
+    """One data-parallel rank. Created by :class:`LearnerGroup` as a Ray actor."""
+
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+        self.config, self.model_path = config, model_path
+        self.rank, self.world_size = rank, world_size
+        self.use_cuda = torch.cuda.is_available()
+        if not self.use_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            torch.set_num_threads(max(1, int(config.learner.cpus_per_learner)))
+        self.engine = None
+        self.ref_model = None
+        self.optimizer_steps = 0
+
+    def node_address(self) -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM, get_scheduler
+
+        lc = self.config.learner
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 there
+            LOCAL_RANK="0" if self.use_cuda else str(self.rank),
+        )
+        deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
+        model = self._load_model(AutoModelForCausalLM)
+        if self.config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if lc.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
+            )
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=lc.lr)
+        scheduler = get_scheduler(
+            lc.lr_schedule,
+            optimizer,
+            num_warmup_steps=lc.warmup_steps,
+            num_training_steps=total_optimizer_steps,
+        )
+        ds_config = {
+            "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+            "train_batch_size": lc.micro_batch_size * self.world_size,
+            # accumulation is manual (boundaries set per micro-batch) so DeepSpeed never divides by it
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": lc.max_grad_norm,
+            "zero_optimization": {"stage": lc.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": self.bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        if self.config.loss.kl_beta > 0:
+            # the frozen reference lives beside the policy on every learner: its forward runs on the
+            # rank's own shard only, so no extra actors and no transfer of log-probs are needed
+            self.ref_model = self._load_model(AutoModelForCausalLM).to(self.engine.device).eval()
+            self.ref_model.requires_grad_(False)
+
+    def _load_model(self, auto_cls):
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        return auto_cls.from_pretrained(
+            self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code
+        )
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
+        """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        cfg, lc = self.config, self.config.learner
+        groups = [[self._to_device(self._nonempty(mb)) for mb in group] for group in groups]
+        groups = self._add_reference_and_old_logprobs(groups)
+        flat = [mb for group in groups for mb in group]
+        # one collective for every accumulation group of the step (the same over PPO epochs)
+        totals = group_token_totals(
+            [mb.response_mask for mb in flat], len(groups[0]), [mb.tool_mask for mb in flat]
+        )
+        settings = PolicyLossSettings(
+            kind=cfg.loss.kind,
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
+            dual_clip=cfg.loss.dual_clip,
+            kl_beta=cfg.loss.kl_beta,
+            kl_estimator=cfg.loss.kl_estimator,
+            tis_cap=cfg.loss.tis_cap,
+        )
+        sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64)
+        grad_norms, lrs = [], []
+        for _epoch in range(lc.ppo_epochs):
+            for g, group in enumerate(groups):
+                for i, mb in enumerate(group):
+                    loss, metrics = self._micro_batch_loss(mb, settings, totals[g], len(group))
+                    self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
+                    self.engine.backward(loss)
+                    sums += torch.tensor(
+                        [float(metrics.get(k, 0.0)) for k in METRIC_SUMS], dtype=torch.float64
+                    )
+                lrs.append(self.engine.get_lr()[0])
+                self.engine.step()
+                self.optimizer_steps += 1
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    grad_norms.append(float(norm))
+        dist.all_reduce(sums)  # one collective for every metric: global token sums
+        tokens = max(sums[METRIC_SUMS.index("tokens")].item(), 1.0)
+        out = {f"train/{k}": sums[i].item() / tokens for i, k in enumerate(METRIC_SUMS) if k != "tokens"}
+        out["train/clip_fraction"] = out.pop("train/clipped")
+        out["train/tokens"] = sums[METRIC_SUMS.index("tokens")].item() / lc.ppo_epochs
+        out["train/lr"] = lrs[-1]
+        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out["train/optimizer_steps"] = float(self.optimizer_steps)
+        out["time/train_s"] = time.perf_counter() - start
+        return out
+
+    def _micro_batch_loss(self, mb: TrainBatch, settings, group_total, micro_batches_in_group: int):
+        cfg = self.config
+        logprobs, entropy = sequence_logprobs(
+            self.engine, mb.input_ids, mb.attention_mask, cfg.rollout.temperature, with_entropy=True
+        )
+        mode = cfg.loss.masked_mean_denominator
+        if mode == "token":
+            # the group's global token count / world size: DeepSpeed averages gradients over ranks,
+            # which the factor world_size cancels; no /accumulation_steps (the count covers them all)
+            denominator = group_total.to(logprobs.device) / self.world_size
+        else:
+            denominator = mode  # None (this micro-batch's own count) or a constant
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            mb.advantages,
+            mb.response_mask,
+            denominator,
+            settings,
+            tool_mask_BT=mb.tool_mask,
+            ref_logprobs_BT=mb.ref_logprobs,
+            generator_logprobs_BT=mb.generator_logprobs,
+            axis=cfg.loss.masked_mean_axis,
+        )
+        if mode != "token":
+            loss = loss / micro_batches_in_group
+        keep = mb.response_mask.bool() & mb.tool_mask.bool()
+        metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
+        return loss, metrics
+
+    @torch.no_grad()
+    def _add_reference_and_old_logprobs(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
+        pre-update policy's log-probs, so every step's ratio is against the same old policy."""
+        lc, temperature = self.config.learner, self.config.rollout.temperature
+        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1
+        out = []
+        for group in groups:
+            new_group = []
+            for mb in group:
+                changes = {}
+                if self.ref_model is not None:
+                    changes["ref_logprobs"], _ = sequence_logprobs(
+                        self.ref_model, mb.input_ids, mb.attention_mask, temperature
+                    )
+                if needs_old:
+                    changes["old_logprobs"], _ = sequence_logprobs(
+                        self.engine, mb.input_ids, mb.attention_mask, temperature
+                    )
+                new_group.append(mb.replace(**changes))
+            out.append(new_group)
+        return out
+
+    def _nonempty(self, mb: TrainBatch) -> TrainBatch:
+        """An empty micro-batch becomes one row with every mask 0 except attention: it runs the
+        forward/backward every rank must run together, and contributes exactly zero."""
+        if len(mb) > 0:
+            return mb
+        t = max(mb.input_ids.shape[1], 1)
+        zeros = torch.zeros(1, t, dtype=torch.long)
+        return TrainBatch(
+            input_ids=zeros,
+            attention_mask=torch.ones_like(zeros),
+            response_mask=zeros,
+            tool_mask=zeros,
+            advantages=torch.zeros(1),
+            generator_logprobs=None if mb.generator_logprobs is None else torch.zeros(1, t),
+            old_logprobs=None if mb.old_logprobs is None else torch.zeros(1, t),
+        )
+
+    def _to_device(self, mb: TrainBatch) -> TrainBatch:
+        device = self.engine.device
+        return mb.replace(**{k: v.to(device) for k, v in vars(mb).items() if v is not None})
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (None elsewhere); under ZeRO-3 every rank must call this together."""
+        import deepspeed
+
+        module = self.engine.module
+        state = {}
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], enabled=self.config.learner.zero_stage == 3):
+                if self.rank == 0:
+                    state[name] = param.detach().to("cpu", copy=True)
+        return state if self.rank == 0 else None
+
+    def save_hf(self, out_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        state = self.gathered_state_dict()
+        if self.rank == 0:
+            self.engine.module.save_pretrained(out_dir, state_dict=state)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+
+    def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state})
+
+    def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
+        path, state = self.engine.load_checkpoint(
+            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {ckpt_dir}")
+        ours = state["rltrain"]
+        torch.set_rng_state(ours["rng"]["torch"])
+        random.setstate(ours["rng"]["python"])
+        self.optimizer_steps = ours["optimizer_steps"]
+        return ours["client"]
+
+
+class LearnerGroup:
+    """Starts ``learner.num_learners`` :class:`PolicyLearner` actors in one placement group, forms
+    their torch.distributed group, and calls every rank at once."""
+
+    def __init__(self, config: Config, model_path: str, total_optimizer_steps: int):
+        lc = config.learner
+        self.config = config
+        bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
+        self.placement_group = placement_group([bundle] * lc.num_learners, strategy="PACK")
+        ray.get(self.placement_group.ready())
+        actor_cls = ray.remote(PolicyLearner)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=lc.cpus_per_learner,
+                num_gpus=lc.gpus_per_learner,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+            ).remote(config, model_path, i, lc.num_learners)
+            for i in range(lc.num_learners)
+        ]
+        addr, port = ray.get(self.actors[0].node_address.remote())
+        self._all("setup", addr, port, total_optimizer_steps)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        batch.validate()
+        lc = self.config.learner
+        plan = plan_micro_batches(len(batch), lc.num_learners, lc.num_mini_batches, lc.micro_batch_size)
+        shards = [[[batch.select(idx) for idx in group] for group in rank] for rank in plan.groups]
+        results = ray.get([a.train_step.remote(shard) for a, shard in zip(self.actors, shards)])
+        return results[0]  # every rank holds the same all-reduced metrics
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._all("gathered_state_dict")[0]
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        self._all("save_hf", str(out_dir))
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> None:
+        self._all("save_checkpoint", str(ckpt_dir), tag, client_state)
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
+        return self._all("load_checkpoint", str(ckpt_dir), tag)[0]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement_group)

@@ -1,0 +1,236 @@
+"""Generator actors: vLLM engines (or transformers ``generate``) behind one small interface.
+
+A backend turns prompts into :class:`~rltrain.batch.Segment` s and takes new weights in place;
+:class:`GeneratorActor` adds tool calls on top (:func:`rltrain.tools.generate_with_tools`);
+:class:`GeneratorPool` spreads requests over the engines.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Protocol
+
+import ray
+import torch
+
+from rltrain.batch import Completion, Segment
+from rltrain.config import Config, RolloutConfig
+from rltrain.tools import STOP, ToolRunner, generate_with_tools
+
+
+class GeneratorBackend(Protocol):
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]
+    ) -> list[Segment]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of every token given its prefix (position 0 gets 0), at the sampling temperature."""
+        ...
+
+
+class VLLMBackend:
+    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int):
+        # in-process engine: starts in seconds inside a Ray actor (its own process would need a
+        # __main__ guard and ~20 s on CPU)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(rc.kv_cache_gib))))
+        from vllm import LLM
+
+        cuda = torch.cuda.is_available()
+        self.rc, self.stop = rc, stop
+        self.llm = LLM(
+            model=model_path,
+            dtype="bfloat16" if cuda else "float32",
+            enforce_eager=not cuda,
+            max_model_len=rc.max_model_len,
+            seed=seed,
+            # log-probs after temperature: the distribution the tokens were sampled from, which the
+            # truncated importance-sampling correction compares against the learner
+            logprobs_mode="processed_logprobs",
+            **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else {}),
+        )
+
+    def _params(self, **kwargs):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=self.rc.temperature, top_p=self.rc.top_p, **kwargs)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Segment]:
+        params = [
+            self._params(
+                max_tokens=m, seed=s, logprobs=0, stop=self.stop or None, include_stop_str_in_output=True
+            )
+            for m, s in zip(max_tokens, seeds)
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        segments = []
+        for out in outputs:
+            c = out.outputs[0]
+            logprobs = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+            segments.append(
+                Segment(
+                    list(c.token_ids), logprobs, c.text, "length" if c.finish_reason == "length" else "stop"
+                )
+            )
+        return segments
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
+        # cached prefixes were computed with the old weights
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        params = self._params(max_tokens=1, prompt_logprobs=0)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        result = []
+        for seq, out in zip(sequences, outputs):
+            entries = out.prompt_logprobs  # first entry is None (no prefix)
+            result.append([0.0] + [entries[t][seq[t]].logprob for t in range(1, len(seq))])
+        return result
+
+
+class HFBackend:
+    """transformers ``generate``: slower, for environments without vLLM."""
+
+    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.rc, self.stop = rc, stop
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        if torch.cuda.is_available():
+            self.model.cuda()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Segment]:
+        eos = self.tokenizer.eos_token_id
+        segments = []
+        for prompt, m, seed in zip(prompts, max_tokens, seeds):
+            torch.manual_seed(seed)
+            ids = torch.tensor([prompt], device=self.model.device)
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=self.rc.temperature,
+                top_p=self.rc.top_p,
+                top_k=0,
+                max_new_tokens=m,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=eos,
+                stop_strings=self.stop or None,
+                tokenizer=self.tokenizer,
+            )[0, len(prompt) :].tolist()
+            if eos in out:
+                out = out[: out.index(eos) + 1]
+            logprobs = self.prompt_logprobs([prompt + out])[0][len(prompt) :]
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
+            segments.append(Segment(out, logprobs, text, "stop" if stopped or len(out) < m else "length"))
+        return segments
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_state_dict(dict(named_tensors), strict=True)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        from rltrain.logprobs import sequence_logprobs
+
+        result = []
+        for seq in sequences:
+            ids = torch.tensor([seq], device=self.model.device)
+            logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), self.rc.temperature)
+            result.append(logprobs[0].float().tolist())
+        return result
+
+
+class GeneratorActor:
+    """One generation engine plus the tool loop. Created by :class:`GeneratorPool` as a Ray actor."""
+
+    def __init__(self, config: Config, model_path: str, engine_index: int):
+        from transformers import AutoTokenizer
+
+        rc = config.rollout
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=config.model.trust_remote_code
+        )
+        self.tools = (
+            ToolRunner(rc.tools.enabled, rc.tools.timeout_s, rc.tools.max_output_chars)
+            if rc.tools.enabled
+            else None
+        )
+        stop = [STOP] if self.tools else []
+        if rc.backend == "vllm":
+            self.backend: GeneratorBackend = VLLMBackend(model_path, rc, stop, config.run.seed + engine_index)
+        else:
+            self.backend = HFBackend(model_path, rc, stop, config.model.trust_remote_code)
+
+    def rollout(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        rc = self.config.rollout
+        return generate_with_tools(
+            self.backend.generate,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            prompts,
+            rc.max_new_tokens,
+            self.tools,
+            rc.tools.max_calls,
+            seeds,
+        )
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.backend.load_weights(state_dict.items())
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.backend.prompt_logprobs(sequences)
+
+
+class GeneratorPool:
+    """``rollout.num_engines`` generator actors; requests are spread evenly over them."""
+
+    def __init__(self, config: Config, model_path: str):
+        rc = config.rollout
+        actor_cls = ray.remote(GeneratorActor).options(
+            num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
+        )
+        self.actors = [actor_cls.remote(config, model_path, i) for i in range(rc.num_engines)]
+
+    def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[ray.ObjectRef]:
+        """Start generating (non-blocking); :meth:`collect` the returned references."""
+        chunks = _split(list(range(len(prompts))), len(self.actors))
+        return [
+            actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx])
+            for actor, idx in zip(self.actors, chunks)
+            if idx
+        ]
+
+    @staticmethod
+    def collect(refs: list[ray.ObjectRef]) -> list[Completion]:
+        return [c for part in ray.get(refs) for c in part]
+
+    def load_weights(self, state_ref: ray.ObjectRef) -> None:
+        ray.get([actor.load_weights.remote(state_ref) for actor in self.actors])
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return ray.get(self.actors[0].prompt_logprobs.remote(sequences))
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    k, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (i < r)
+        out.append(items[start:end])
+        start = end
+    return out

@@ -1,0 +1,145 @@
+"""Tool calls during rollouts, and the tool masks they produce.
+
+A completion calls a tool by writing ``<tool:NAME>ARGUMENT</tool>``. Generation stops at
+``</tool>``, the tool runs (time-limited), its output ``<result>...</result>`` is appended to the
+sequence with ``tool_mask`` 0 (it is not the policy's action, so it is excluded from the loss and
+from the token totals), and generation continues until the completion ends or the token budget
+(``max_new_tokens``, tool output included) runs out.
+
+No ray, no deepspeed: :func:`generate_with_tools` takes the generator as a callable, so the loop is
+shared by the vLLM and transformers backends and tested with a scripted one.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+from rltrain.batch import Completion, Segment
+
+TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>\s*$", re.DOTALL)
+STOP = "</tool>"
+
+
+def calculator(expression: str) -> str:
+    """Evaluate + - * / // % ** and parentheses over numbers; nothing else is allowed."""
+    ops = {
+        ast.Add: operator.add,
+        ast.Sub: operator.sub,
+        ast.Mult: operator.mul,
+        ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv,
+        ast.Mod: operator.mod,
+        ast.Pow: operator.pow,
+        ast.USub: operator.neg,
+        ast.UAdd: operator.pos,
+    }
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            if isinstance(node.op, ast.Pow) and abs(ev(node.right)) > 100:
+                raise ValueError("exponent too large")
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.operand))
+        raise ValueError("only arithmetic is allowed")
+
+    value = ev(ast.parse(expression.strip(), mode="eval").body)
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def python_tool(code: str, timeout_s: float) -> str:
+    """Run ``code`` in a fresh isolated interpreter (``python -I``, no site, empty env); its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={},
+        stdin=subprocess.DEVNULL,
+    )
+    return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip().splitlines()[-1:]}"
+
+
+class ToolRunner:
+    """Runs the enabled tools with a time limit and cuts their output."""
+
+    def __init__(self, enabled: Sequence[str], timeout_s: float, max_output_chars: int):
+        self.enabled, self.timeout_s, self.max_output_chars = set(enabled), timeout_s, max_output_chars
+
+    def __call__(self, name: str, argument: str) -> tuple[str, bool]:
+        """Returns ``(output text, ok)``."""
+        try:
+            if name not in self.enabled:
+                raise ValueError(f"unknown tool {name!r}")
+            if name == "calculator":
+                out, ok = calculator(argument), True
+            else:
+                out, ok = python_tool(argument, self.timeout_s), True
+        except subprocess.TimeoutExpired:
+            out, ok = f"error: timed out after {self.timeout_s}s", False
+        except Exception as e:  # a tool's failure is the model's observation, never the run's
+            out, ok = f"error: {type(e).__name__}: {e}", False
+        return f"<result>{out.strip()[: self.max_output_chars]}</result>", ok
+
+
+# generate(prompts, max_tokens, seeds) -> one Segment per prompt
+GenerateFn = Callable[[list[list[int]], list[int], list[int]], list[Segment]]
+SEED_STRIDE = 1_000_003  # each generation round of a sequence samples with seed + round * SEED_STRIDE
+
+
+def generate_with_tools(
+    generate: GenerateFn,
+    encode: Callable[[str], list[int]],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tools: ToolRunner | None,
+    max_calls: int,
+    seeds: list[int],
+) -> list[Completion]:
+    """Generate one completion per prompt, running tool calls between generation rounds.
+
+    ``generate(prompts, max_tokens, seeds)`` returns one :class:`Segment` per prompt and must stop
+    at ``</tool>`` (keeping it in the output) when tools are on. Per-request seeds make a rollout a
+    function of (weights, prompt, seed), so a resumed run samples what an uninterrupted one did.
+    """
+    done = [Completion() for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        segments = generate(
+            [prompts[i] + done[i].token_ids for i in active],
+            [max_new_tokens - len(done[i].token_ids) for i in active],
+            [seeds[i] + done[i].tool_calls * SEED_STRIDE for i in active],
+        )
+        still_active = []
+        for i, seg in zip(active, segments):
+            c = done[i]
+            c.token_ids += seg.token_ids
+            c.logprobs += seg.logprobs
+            c.tool_mask += [1] * len(seg.token_ids)
+            c.text += seg.text
+            c.finish_reason = seg.finish_reason
+            call = TOOL_CALL.search(seg.text) if tools is not None and seg.finish_reason == "stop" else None
+            if call is None or c.tool_calls >= max_calls:
+                continue
+            output, ok = tools(call.group(1), call.group(2))
+            budget = max_new_tokens - len(c.token_ids)
+            output_ids = encode(output)[:budget]
+            c.token_ids += output_ids
+            c.logprobs += [0.0] * len(output_ids)
+            c.tool_mask += [0] * len(output_ids)
+            c.text += output
+            c.tool_calls += 1
+            c.tool_errors += not ok
+            if len(c.token_ids) >= max_new_tokens:
+                c.finish_reason = "length"
+            else:
+                still_active.append(i)
+        active = still_active
+    return done

@@ -1,0 +1,241 @@
+"""Entry point and the training loop: generate, score, compute advantages, train, sync.
+
+    python -m rltrain.train --config configs/cpu_demo.yaml [section.key=value ...]
+
+With ``RAY_ADDRESS`` set (as under ``ray job submit``) it joins that cluster; otherwise it starts a
+local Ray instance. Config problems exit with code 2 and one line before any actor starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from rltrain import checkpoint
+from rltrain.advantages import zero_variance_groups
+from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
+from rltrain.data import PromptSampler, load_rows, tokenize_prompts
+from rltrain.grpo import ScoredGroups, build_batch, score
+from rltrain.rewards import RewardScorer, load_reward_fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rltrain", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file (configs/*.yaml)")
+    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=5 loss.kl_beta=0.01")
+    args = parser.parse_args(argv)
+    if args.help_config:
+        print(describe())
+        return 0
+    try:
+        config = load_config(args.config, args.overrides)
+        preflight(config)
+        connect_ray(config)
+    except ConfigError as e:
+        print(f"rltrain: config error: {e}", file=sys.stderr)
+        return 2
+    train(config)
+    return 0
+
+
+def preflight(config: Config) -> None:
+    """Checks that need more than the schema, still before anything starts."""
+    for spec in config.reward.functions:
+        try:
+            load_reward_fn(spec)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
+    source = config.data.source
+    if source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists():
+        raise ConfigError(f"data.source: {source!r} does not exist")
+    if config.rollout.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.backend: 'vllm' is not installed (install vllm, or set rollout.backend=hf)"
+            )
+
+
+def connect_ray(config: Config) -> None:
+    """Join the cluster in RAY_ADDRESS, or start a local instance; then check the layout fits."""
+    import ray
+
+    lc, rc = config.learner, config.rollout
+    need_cpu = lc.num_learners * lc.cpus_per_learner + rc.num_engines * rc.cpus_per_engine
+    need_gpu = lc.num_learners * lc.gpus_per_learner + rc.num_engines * rc.gpus_per_engine
+    if not os.environ.get("RAY_ADDRESS"):
+        have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
+        _check_fits(need_cpu, have_cpu, need_gpu, _local_gpus(), config)
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        ray.init(
+            num_cpus=have_cpu, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20
+        )
+    else:
+        ray.init(log_to_driver=False)
+        resources = ray.cluster_resources()
+        _check_fits(need_cpu, resources.get("CPU", 0), need_gpu, resources.get("GPU", 0), config)
+
+
+def _local_gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def _check_fits(need_cpu: float, have_cpu: float, need_gpu: float, have_gpu: float, config: Config) -> None:
+    lc, rc = config.learner, config.rollout
+    if need_cpu > have_cpu:
+        raise ConfigError(
+            f"learner.num_learners: {lc.num_learners} learners x {lc.cpus_per_learner} CPU + {rc.num_engines} "
+            f"engines x {rc.cpus_per_engine} CPU need {need_cpu:g} CPUs, the cluster has {have_cpu:g} "
+            "(lower learner.num_learners, learner.cpus_per_learner or rollout.cpus_per_engine)"
+        )
+    if need_gpu > have_gpu:
+        raise ConfigError(
+            f"learner.gpus_per_learner: the layout needs {need_gpu:g} GPUs, the cluster has {have_gpu:g}"
+        )
+
+
+def train(config: Config) -> Path:
+    # ray, deepspeed, vllm and transformers load here, not at import: --help stays instant
+    from transformers import AutoTokenizer
+
+    from rltrain.learner import LearnerGroup
+    from rltrain.rollout import GeneratorPool
+    from rltrain.tracking import Tracker
+    from rltrain.weight_sync import ObjectStoreSync
+
+    out = Path(config.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dump(config, out / "config.yaml")
+    random.seed(config.run.seed)
+    torch.manual_seed(config.run.seed)
+    model_path = resolve_model(config, out)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    sampler = PromptSampler(tokenize_prompts(load_rows(config.data), tokenizer, config.data), config.run.seed)
+    scorer = RewardScorer(config.reward.functions, config.reward.timeout_s)
+    steps_per_batch = config.learner.num_mini_batches * config.learner.ppo_epochs
+    learners = LearnerGroup(config, model_path, total_optimizer_steps=config.run.steps * steps_per_batch)
+    generators = GeneratorPool(config, model_path)
+    weight_sync = ObjectStoreSync()
+
+    start_step = 0
+    if config.run.resume and checkpoint.latest_tag(out) is not None:
+        state = checkpoint.load(learners, out)
+        start_step = state["step"]
+        sampler.load_state(state["sampler"])
+        weight_sync.push(learners, generators)
+    tracker = Tracker(out, config, start_step)
+    pending: deque = deque()  # rollouts in flight: (step, refs, prompts, sampler state after taking them)
+    step = start_step
+    sampler_state_of_step = {start_step: sampler.state()}
+    try:
+        for step in range(start_step + 1, config.run.steps + 1):
+            while len(pending) <= config.rollout.async_steps and step + len(pending) <= config.run.steps:
+                launch_step = step + len(pending)
+                prompts = sampler.take(config.algorithm.prompts_per_step)
+                pending.append((launch_step, submit(generators, prompts, config, launch_step, 0), prompts))
+                sampler_state_of_step[launch_step] = sampler.state()
+            _, refs, prompts = pending.popleft()
+
+            t0 = time.perf_counter()
+            scored = collect_groups(generators, refs, prompts, sampler, config, scorer, step)
+            generate_s = time.perf_counter() - t0
+            if not scored.completions:
+                tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
+                continue
+            batch = build_batch(scored, config, tokenizer.pad_token_id)
+            metrics = learners.train_step(batch)
+            sync_s = weight_sync.push(learners, generators)
+
+            generated = sum(len(c.token_ids) for c in scored.completions)
+            step_s = time.perf_counter() - t0
+            tracker.log(
+                step,
+                {
+                    **scored.metrics,
+                    **metrics,
+                    "time/generate_s": generate_s,
+                    "time/sync_s": sync_s,
+                    "time/step_s": step_s,
+                    "perf/tokens_per_s": generated / step_s,
+                    "train/sequences": float(len(batch)),
+                },
+            )
+            last = step == config.run.steps or step == config.run.stop_after
+            if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
+                checkpoint.save(learners, out, step, {"sampler": sampler_state_of_step[step]})
+            if step == config.run.stop_after:
+                break
+    except KeyboardInterrupt:
+        tracker.bar.write(f"interrupted: saving a checkpoint of step {step - 1}")
+        if step - 1 > start_step:
+            checkpoint.save(learners, out, step - 1, {"sampler": sampler_state_of_step[step - 1]})
+        raise
+    finally:
+        tracker.close()
+    if step == config.run.steps:
+        learners.save_hf(out / "final_model")
+    learners.shutdown()
+    generators.shutdown()
+    return out
+
+
+def resolve_model(config: Config, out: Path) -> str:
+    if config.model.name_or_path == TINY_MODEL:
+        from rltrain.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
+    return config.model.name_or_path
+
+
+def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
+    """Distinct per-request seeds, a function of (run seed, step, round): resumable sampling."""
+    base = (config.run.seed * 1_000_003 + step * 10_007 + round_ * 101) * 1_000
+    return [(base + i) % 2**31 for i in range(count)]
+
+
+def submit(generators, prompts, config: Config, step: int, round_: int):
+    n = config.algorithm.group_size
+    ids = [p.token_ids for p in prompts for _ in range(n)]
+    return generators.submit(ids, request_seeds(config, step, round_, len(ids)))
+
+
+def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int):
+    """Completions of this step, scored; with dynamic sampling, zero-variance groups are dropped
+    and more prompts are generated (up to ``max_sampling_rounds``) to refill the batch."""
+    alg = config.algorithm
+    scored = score(prompts, generators.collect(refs), config, scorer)
+    if not alg.dynamic_sampling:
+        return scored
+    parts, found, rounds = [], 0, 1
+    while True:
+        informative = ~zero_variance_groups(scored.rewards, alg.group_size)
+        parts.append(scored.keep(informative, alg.group_size))
+        found += int(informative.sum())
+        if found >= alg.prompts_per_step or rounds >= alg.max_sampling_rounds:
+            break
+        more = sampler.take(alg.prompts_per_step)
+        scored = score(
+            more, generators.collect(submit(generators, more, config, step, rounds)), config, scorer
+        )
+        rounds += 1
+    merged = ScoredGroups.concat(parts)
+    merged = merged.keep(torch.arange(len(merged.prompts)) < alg.prompts_per_step, alg.group_size)
+    merged.metrics = {
+        **parts[0].metrics,
+        "rollout/sampling_rounds": float(rounds),
+        "rollout/informative_groups": float(len(merged.prompts)),
+    }
+    return merged
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Bad config fails before anything starts: exit code 2, one line naming key, value and what is allowed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rltrain.config import ConfigError, load_config
+from rltrain.train import main
+
+CASES = {
+    "unknown key": (["loss.masked_mean_denominater=token"], "loss.masked_mean_denominater: unknown key"),
+    "wrong type": (["learner.micro_batch_size=four"], "learner.micro_batch_size: got 'four'"),
+    "bad denominator": (
+        ["loss.masked_mean_denominator=tokens"],
+        "loss.masked_mean_denominator: got 'tokens'; expected null (per-micro-batch mean), "
+        'a positive number, or "token"',
+    ),
+    "zero denominator": (["loss.masked_mean_denominator=0"], "loss.masked_mean_denominator: got 0;"),
+    "token with axis": (
+        ["loss.masked_mean_axis=1"],
+        'masked_mean_denominator: got "token" with masked_mean_axis=1',
+    ),
+    "too many learners": (
+        ["learner.num_learners=8", "learner.cpus_per_learner=1", "run.ray_num_cpus=2"],
+        "learner.num_learners: 8 learners x 1.0 CPU + 1 engines x 0.5 CPU need 8.5 CPUs, the cluster has 2",
+    ),
+    "missing model": (["model.name_or_path=./no/such/model"], "model.name_or_path: got './no/such/model'"),
+    "out of range": (
+        ["algorithm.group_size=1"],
+        "algorithm.group_size: got 1; Input should be greater than or equal to 2",
+    ),
+    "bad reward": (["reward.functions={nosuch: 1.0}"], "reward.functions: 'nosuch' is neither a built-in"),
+    "missing data": (["data.source=./no/data.jsonl"], "data.source: './no/data.jsonl' does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_gives_one_line_and_exit_code_2(case, capsys):
+    overrides, expected = CASES[case]
+    assert main(["--config", "configs/cpu_demo.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("rltrain: config error: ")
+    assert expected in err, err
+
+
+def test_exit_code_and_no_traceback_in_a_real_process():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rltrain.train",
+            "--config",
+            "configs/cpu_demo.yaml",
+            "loss.masked_mean_denominator=abc",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().endswith(
+        """expected null (per-micro-batch mean), a positive number, or "token\""""
+    )
+
+
+def test_overrides_parse_yaml_values_and_shipped_configs_use_token_mode():
+    config = load_config("configs/cpu_demo.yaml", ["loss.masked_mean_denominator=2048", "run.steps=3"])
+    assert config.loss.masked_mean_denominator == 2048.0 and config.run.steps == 3
+    assert load_config("configs/cpu_demo.yaml").loss.masked_mean_denominator == "token"
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["run.steps"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+
+
+def test_help_config_lists_documented_keys(capsys):
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "loss.masked_mean_denominator = 'token'" in out
+    assert "exact under any layout" in out

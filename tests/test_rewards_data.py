@@ -1,0 +1,109 @@
+import json
+import time
+
+import pytest
+import torch
+
+from rltrain.batch import Completion, collate
+from rltrain.config import DataConfig
+from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_prompts
+from rltrain.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
+from rltrain.tiny_model import build_tokenizer
+
+
+def raising_reward(completion, answer):
+    raise RuntimeError("boom")
+
+
+def hanging_reward(completion, answer):
+    time.sleep(60)
+
+
+def length_reward(completion, answer):
+    return len(completion)
+
+
+def test_builtin_rewards():
+    scorer = RewardScorer({"math": 1.0, "exact_match": 1.0, "format": 1.0}, timeout_s=5)
+    scores = scorer(["so the answer is \\boxed{12}", "12", "eleven"], ["12", "12", "12"])
+    # math: 1, 1, 0; exact: 0, 1, 0; format (ends in \boxed{}): 1, 0, 0
+    assert scores.rewards == [2.0, 2.0, 0.0]
+    assert scores.per_function == pytest.approx({"math": 2 / 3, "exact_match": 1 / 3, "format": 1 / 3})
+    # digits: "a1 2" has visible characters a, 1, 2 -> 2/3
+    assert digits_reward("a1 2", "") == pytest.approx(2 / 3)
+
+
+def test_user_reward_function_and_failures_score_zero_and_are_counted():
+    scorer = RewardScorer(
+        {
+            f"{__name__}:length_reward": 0.5,
+            f"{__name__}:raising_reward": 1.0,
+            f"{__name__}:hanging_reward": 1.0,
+        },
+        timeout_s=0.3,
+    )
+    start = time.monotonic()
+    scores = scorer(["abcd", "xy"], ["", ""])
+    # only length_reward counts: 0.5 * 4, 0.5 * 2; the other two fail on both samples
+    assert scores.rewards == [2.0, 1.0]
+    assert scores.failures == 4
+    assert time.monotonic() - start < 2  # the hung calls share one 0.3 s deadline
+
+
+@pytest.mark.parametrize("spec", ["nope", "no_such_module:f", "json:no_such_fn", "json:__doc__"])
+def test_bad_reward_spec(spec):
+    with pytest.raises(ValueError):
+        load_reward_fn(spec)
+
+
+def test_soft_overlong_penalty():
+    # max 20, buffer 4: no penalty up to 16 tokens, then -0.5 * (len - 16) / 4
+    assert soft_overlong_penalty(16, 20, 4, 0.5) == 0.0
+    assert soft_overlong_penalty(18, 20, 4, 0.5) == pytest.approx(-0.25)
+    assert soft_overlong_penalty(20, 20, 4, 0.5) == pytest.approx(-0.5)
+
+
+def test_local_jsonl_and_missing_column(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}", "solution": i}) for i in range(3)))
+    rows = load_rows(DataConfig(source=str(path), prompt_key="question", answer_key="solution"))
+    assert rows[2] == {"prompt": "q2", "answer": "2"}
+    with pytest.raises(ValueError, match=r"no column\(s\) \['prompt'\]"):
+        load_rows(DataConfig(source=str(path), answer_key="solution"))
+
+
+def test_prompts_are_chat_templated_and_too_long_prompts_rejected():
+    tokenizer = build_tokenizer()
+    prompts = tokenize_prompts(arithmetic_rows(4), tokenizer, DataConfig(system_prompt="Be brief."))
+    text = tokenizer.decode(prompts[0].token_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is")
+    assert text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="over data.max_prompt_tokens=5"):
+        tokenize_prompts(arithmetic_rows(1), tokenizer, DataConfig(max_prompt_tokens=5))
+
+
+def test_sampler_resumes_the_same_order():
+    prompts = tokenize_prompts(arithmetic_rows(10), build_tokenizer(), DataConfig())
+    a = PromptSampler(prompts, seed=3)
+    a.take(7)
+    state = a.state()
+    expected = [p.index for p in a.take(8)]  # crosses into the second shuffled pass
+    b = PromptSampler(prompts, seed=3)
+    b.load_state(state)
+    assert [p.index for p in b.take(8)] == expected
+    assert len(set(expected[:3])) == 3
+
+
+def test_collate_aligns_prompts_completions_and_masks():
+    c1 = Completion(token_ids=[7, 8, 9], logprobs=[-1.0, 0.0, -3.0], tool_mask=[1, 0, 1])
+    c2 = Completion(token_ids=[5], logprobs=[-2.0], tool_mask=[1], finish_reason="length")
+    batch = collate(
+        [[1, 2], [3]], [c1, c2], torch.tensor([0.5, -0.5]), pad_id=0, exclude_from_loss=[False, True]
+    )
+    # prompt columns 0-1 (left-padded), completion columns 2-4 (right-padded)
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8, 9], [0, 3, 5, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]  # sequence 2 excluded
+    assert batch.tool_mask.tolist() == [[1, 1, 1, 0, 1], [1, 1, 1, 1, 1]]
+    assert batch.generator_logprobs.tolist() == [[0, 0, -1, 0, -3], [0, 0, -2, 0, 0]]
+    batch.validate()

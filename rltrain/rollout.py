@@ -27,7 +27,8 @@ class GeneratorBackend(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-prob of every token given its prefix (position 0 gets 0), at the sampling temperature."""
+        """Log-prob of every token given its prefix (position 0 gets 0) under the raw model
+        (temperature 1: vLLM does not apply sampling parameters to prompt log-probs)."""
         ...
 
 
@@ -130,7 +131,7 @@ class HFBackend:
             )[0, len(prompt) :].tolist()
             if eos in out:
                 out = out[: out.index(eos) + 1]
-            logprobs = self.prompt_logprobs([prompt + out])[0][len(prompt) :]
+            logprobs = self._logprobs(prompt + out, self.rc.temperature)[len(prompt) :]
             text = self.tokenizer.decode(out, skip_special_tokens=True)
             stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
             segments.append(Segment(out, logprobs, text, "stop" if stopped or len(out) < m else "length"))
@@ -139,16 +140,16 @@ class HFBackend:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=True)
 
-    @torch.no_grad()
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return [self._logprobs(seq, 1.0) for seq in sequences]
+
+    @torch.no_grad()
+    def _logprobs(self, sequence: list[int], temperature: float) -> list[float]:
         from rltrain.logprobs import sequence_logprobs
 
-        result = []
-        for seq in sequences:
-            ids = torch.tensor([seq], device=self.model.device)
-            logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), self.rc.temperature)
-            result.append(logprobs[0].float().tolist())
-        return result
+        ids = torch.tensor([sequence], device=self.model.device)
+        logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), temperature)
+        return logprobs[0].float().tolist()
 
 
 class GeneratorActor:

@@ -168,8 +168,13 @@ class RolloutConfig(Section):
 class DataConfig(Section):
     source: str = BUILTIN_TASK
     """`builtin:arithmetic`, a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset name."""
+    subset: str | None = None
+    """Hub dataset configuration name (e.g. `main` for openai/gsm8k)."""
     split: str = "train"
     """Dataset split."""
+    answer_pattern: str | None = None
+    """Regex whose first group extracts the reference answer from the answer column
+    (e.g. `#### (.+)$` for GSM8K); null keeps the column as it is."""
     prompt_key: str = "prompt"
     """Column with the question."""
     answer_key: str = "answer"
@@ -178,6 +183,19 @@ class DataConfig(Section):
     """Optional system message for the chat template."""
     max_prompt_tokens: int = Field(128, ge=1)
     """Prompts longer than this are rejected when loading."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None:
+            try:
+                if re.compile(value).groups < 1:
+                    raise ValueError("needs one (group) around the answer")
+            except re.error as e:
+                raise ValueError(f"not a valid regex: {e}") from None
+        return value
 
 
 class RewardConfig(Section):

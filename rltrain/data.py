@@ -8,6 +8,7 @@ Sources: ``builtin:arithmetic`` (generated, for the CPU demo), a local ``.jsonl`
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,14 +53,24 @@ def load_rows(config: DataConfig) -> list[dict]:
         builder = LOCAL_FORMATS[files[0].suffix]
         dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
     else:
-        dataset = datasets.load_dataset(config.source, split=config.split)
+        dataset = datasets.load_dataset(config.source, config.subset, split=config.split)
     missing = {config.prompt_key, config.answer_key} - set(dataset.column_names)
     if missing:
         raise ValueError(
             f"data.source {config.source!r} has no column(s) {sorted(missing)}; it has {dataset.column_names} "
             "(set data.prompt_key / data.answer_key)"
         )
-    return [{"prompt": r[config.prompt_key], "answer": str(r[config.answer_key])} for r in dataset]
+    rows = [{"prompt": r[config.prompt_key], "answer": str(r[config.answer_key])} for r in dataset]
+    if config.answer_pattern:
+        pattern = re.compile(config.answer_pattern, re.MULTILINE)
+        for i, row in enumerate(rows):
+            match = pattern.search(row["answer"])
+            if match is None:
+                raise ValueError(
+                    f"data.answer_pattern {config.answer_pattern!r} does not match row {i}'s answer"
+                )
+            row["answer"] = match.group(1).strip()
+    return rows
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Prompt]:

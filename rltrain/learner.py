@@ -290,13 +290,15 @@ class LearnerGroup:
     """Starts ``learner.num_learners`` :class:`PolicyLearner` actors in one placement group, forms
     their torch.distributed group, and calls every rank at once."""
 
-    def __init__(self, config: Config, model_path: str, total_optimizer_steps: int):
+    def __init__(
+        self, config: Config, model_path: str, total_optimizer_steps: int, learner_cls: type = PolicyLearner
+    ):
         lc = config.learner
         self.config = config
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
         self.placement_group = placement_group([bundle] * lc.num_learners, strategy="PACK")
         ray.get(self.placement_group.ready())
-        actor_cls = ray.remote(PolicyLearner)
+        actor_cls = ray.remote(learner_cls)
         self.actors = [
             actor_cls.options(
                 num_cpus=lc.cpus_per_learner,

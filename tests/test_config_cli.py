@@ -81,3 +81,9 @@ def test_help_config_lists_documented_keys(capsys):
     out = capsys.readouterr().out
     assert "loss.masked_mean_denominator = 'token'" in out
     assert "exact under any layout" in out
+
+
+def test_gpu_recipe_is_a_valid_config():
+    config = load_config("configs/gsm8k_qwen_gpu.yaml")
+    assert config.loss.masked_mean_denominator == "token"
+    assert config.learner.gpus_per_learner == 1 and config.data.subset == "main"

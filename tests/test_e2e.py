@@ -3,9 +3,12 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
 from rltrain.config import Config
+from rltrain.diagnostics import synthetic_rollouts
 from rltrain.learner import LearnerGroup
 from rltrain.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
@@ -95,8 +99,6 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
 
 
 def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_model_path):
-    from test_learner import rollout_batch
-
     temperature = 0.8
     config = Config.model_validate(
         {
@@ -108,7 +110,7 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
     generators = GeneratorPool(config, tiny_model_path)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     try:
-        learners.train_step(rollout_batch())  # the learners' weights now differ from the engine's
+        learners.train_step(synthetic_rollouts())  # the learners' weights now differ from the engine's
         stale = generators.prompt_logprobs(prompts)
         ObjectStoreSync().push(learners, generators)
         synced = generators.prompt_logprobs(prompts)
@@ -142,13 +144,16 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    ray = [str(Path(venv_bin) / "ray")]
+    ray = str(Path(venv_bin) / "ray")
     temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    subprocess.run(
-        ray
-        + [
+    # --block keeps the head's processes in this process group, so the test stops exactly this head
+    # (`ray stop` would kill every Ray process on the machine, other test clusters included)
+    head = subprocess.Popen(
+        [
+            ray,
             "start",
             "--head",
+            "--block",
             "--num-cpus",
             "2",
             "--port",
@@ -162,39 +167,51 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
             f"--temp-dir={temp_dir}",
         ],
         env=env,
-        check=True,
-        capture_output=True,
-        timeout=180,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
+        wait_for_dashboard("http://127.0.0.1:8265/api/version", timeout_s=120)
         out = tmp_path / "job"
-        done = subprocess.run(
-            ray
-            + [
-                "job",
-                "submit",
-                "--address",
-                "http://127.0.0.1:8265",
-                "--working-dir",
-                ".",
-                "--",
-                "python",
-                "-m",
-                "rltrain.train",
-                "--config",
-                "configs/cpu_demo.yaml",
-                *SMALL,
-                "run.steps=2",
-                f"run.output_dir={out}",
-            ],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        submit = [
+            ray,
+            "job",
+            "submit",
+            "--address",
+            "http://127.0.0.1:8265",
+            "--working-dir",
+            ".",
+            "--",
+            "python",
+            "-m",
+            "rltrain.train",
+            "--config",
+            "configs/cpu_demo.yaml",
+            *SMALL,
+            "run.steps=2",
+            f"run.output_dir={out}",
+        ]
+        for _attempt in range(30):  # the dashboard answers before its job agent has registered
+            done = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            if "No available agent to submit job" not in done.stderr:
+                break
+            time.sleep(2)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "succeeded" in done.stdout
         assert (out / "final_model" / "config.json").exists()
     finally:
-        subprocess.run(ray + ["stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+
+
+def wait_for_dashboard(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)

@@ -4,61 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rltrain.batch import TrainBatch
-from rltrain.config import Config
+from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
 from rltrain.learner import LearnerGroup
 from rltrain.logprobs import sequence_logprobs, token_entropy
 
 pytestmark = pytest.mark.slow
-
-
-def rollout_batch(n: int = 8, t: int = 14, seed: int = 0) -> TrainBatch:
-    """Left-padded prompts, uneven completions, tool tokens, one all-masked sequence (index 3)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (n, t), generator=g)
-    pos = torch.arange(t)[None, :]
-    prompt_start = torch.randint(0, 3, (n, 1), generator=g)
-    completion_end = torch.randint(6, t + 1, (n, 1), generator=g)
-    attention = (pos >= prompt_start) & (pos < completion_end)
-    response = attention & (pos >= 5)
-    response[3] = False
-    tool = torch.ones(n, t, dtype=torch.bool)
-    tool[0, 6:8] = False
-    tool[5, 7:10] = False
-    return TrainBatch(ids, attention.long(), response.long(), tool.long(), torch.randn(n, generator=g))
-
-
-def learner_config(num_learners, micro_batch_size, zero_stage, denominator="token", **learner) -> Config:
-    return Config.model_validate(
-        {
-            "learner": {
-                "num_learners": num_learners,
-                "micro_batch_size": micro_batch_size,
-                "zero_stage": zero_stage,
-                "optimizer": "sgd",
-                "lr": 0.5,
-                "max_grad_norm": 0,
-                **learner,
-            },
-            "loss": {"masked_mean_denominator": denominator},
-        }
-    )
-
-
-def update_after_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, torch.Tensor]:
-    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
-    try:
-        before = group.state_dict()
-        group.train_step(batch)
-        after = group.state_dict()
-    finally:
-        group.shutdown()
-    return {k: after[k] - before[k] for k in before}
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    num = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
-    return (num / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()
 
 
 # (learners, micro-batch size): 1 x 4 micro-batches of 2; 2 x 2 micro-batches of 2; 2 x (3 + 1)
@@ -66,13 +16,13 @@ LAYOUTS = {"1x4": (1, 2), "2x2": (2, 2), "2x3+1": (2, 3)}
 
 
 def check_layout_invariance(zero_stage, ray_local, tiny_model_path):
-    batch = rollout_batch()
+    batch = synthetic_rollouts()
     token = {
-        name: update_after_one_step(learner_config(*lay, zero_stage), tiny_model_path, batch)
+        name: update_after_one_step(layout_config(*lay, zero_stage), tiny_model_path, batch)
         for name, lay in LAYOUTS.items()
     }
     naive = {
-        name: update_after_one_step(learner_config(*LAYOUTS[name], zero_stage, None), tiny_model_path, batch)
+        name: update_after_one_step(layout_config(*LAYOUTS[name], zero_stage, None), tiny_model_path, batch)
         for name in ("1x4", "2x3+1")
     }
     token_diffs = {name: relative_difference(token[name], token["1x4"]) for name in ("2x2", "2x3+1")}
@@ -99,17 +49,17 @@ def test_token_mode_update_is_layout_invariant_zero3(ray_local, tiny_model_path)
 def test_uneven_batch_is_trained_in_full(ray_local, tiny_model_path):
     # 7 sequences on 2 learners with micro-batches of 3: shares 4 and 3, micro-batches (3, 1) and (3, pad);
     # the update must equal one learner taking all 7 in one micro-batch
-    batch = rollout_batch(n=7, seed=3)
-    split = update_after_one_step(learner_config(2, 3, 2), tiny_model_path, batch)
-    whole = update_after_one_step(learner_config(1, 7, 0), tiny_model_path, batch)
+    batch = synthetic_rollouts(n=7, seed=3)
+    split = update_after_one_step(layout_config(2, 3, 2), tiny_model_path, batch)
+    whole = update_after_one_step(layout_config(1, 7, 0), tiny_model_path, batch)
     assert relative_difference(split, whole) < 1e-5
 
 
 def test_checkpoint_round_trip_continues_exactly(ray_local, tiny_model_path, tmp_path):
-    config = learner_config(
+    config = layout_config(
         2, 2, 2, optimizer="adamw", lr=1e-2, warmup_steps=2, lr_schedule="linear", max_grad_norm=1.0
     )
-    first, second = rollout_batch(seed=1), rollout_batch(seed=2)
+    first, second = synthetic_rollouts(seed=1), synthetic_rollouts(seed=2)
     group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4)
     try:
         group.train_step(first)
@@ -133,8 +83,8 @@ def test_checkpoint_round_trip_continues_exactly(ray_local, tiny_model_path, tmp
 
 
 def test_logged_metrics_are_global_token_means(ray_local, tiny_model_path):
-    batch = rollout_batch(n=9, seed=4)
-    group = LearnerGroup(learner_config(2, 2, 2), tiny_model_path, total_optimizer_steps=1)
+    batch = synthetic_rollouts(n=9, seed=4)
+    group = LearnerGroup(layout_config(2, 2, 2), tiny_model_path, total_optimizer_steps=1)
     try:
         metrics = group.train_step(batch)
     finally:

@@ -72,6 +72,17 @@ def test_local_jsonl_and_missing_column(tmp_path):
         load_rows(DataConfig(source=str(path), answer_key="solution"))
 
 
+def test_answer_pattern_extracts_the_final_answer(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "3 + 4 = 7\n#### 7"}))
+    config = DataConfig(source=str(path), prompt_key="question", answer_pattern="#### (.+)$")
+    assert load_rows(config) == [{"prompt": "q", "answer": "7"}]
+    with pytest.raises(ValueError, match="does not match row 0"):
+        load_rows(config.model_copy(update={"answer_pattern": "@@ (.+)"}))
+    with pytest.raises(ValueError, match="needs one"):
+        DataConfig(answer_pattern="####")
+
+
 def test_prompts_are_chat_templated_and_too_long_prompts_rejected():
     tokenizer = build_tokenizer()
     prompts = tokenize_prompts(arithmetic_rows(4), tokenizer, DataConfig(system_prompt="Be brief."))

@@ -1,0 +1,114 @@
+"""Cost of exact normalization: learner step time and collectives per step, `token` mode vs the
+per-micro-batch mode, same batch, same layout, same engines, steps interleaved.
+
+    python benchmarks/bench_token_mode.py [--learners 2] [--sequences 64] [--micro-batch 8] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import ray
+import torch
+import torch.distributed as dist
+from common import model_folder, start_ray, table
+
+from rltrain.diagnostics import layout_config, synthetic_rollouts
+from rltrain.learner import LearnerGroup, PolicyLearner
+
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "all_reduce_coalesced",
+    "_reduce_scatter_base",
+    "_all_gather_base",
+]
+
+
+class CountingLearner(PolicyLearner):
+    """A learner whose train_step also reports how many torch.distributed collectives it issued."""
+
+    def set_denominator(self, mode) -> None:
+        self.config.loss.masked_mean_denominator = mode
+
+    def train_step(self, groups):
+        counts = {"n": 0}
+        saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+        def wrap(real):
+            def spy(*args, **kwargs):
+                counts["n"] += 1
+                return real(*args, **kwargs)
+
+            return spy
+
+        for name, real in saved.items():
+            setattr(dist, name, wrap(real))
+        try:
+            metrics = super().train_step(groups)
+        finally:
+            for name, real in saved.items():
+                setattr(dist, name, real)
+        return {**metrics, "collectives": float(counts["n"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--learners", type=int, default=2)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    start_ray()
+    path = model_folder(args.model, args.hidden, args.layers)
+    config = layout_config(args.learners, args.micro_batch, args.zero_stage, optimizer="adamw", lr=1e-6)
+    group = LearnerGroup(config, path, total_optimizer_steps=10**6, learner_cls=CountingLearner)
+    batch = synthetic_rollouts(n=args.sequences, t=args.length)
+    accumulation = -(-args.sequences // args.learners // args.micro_batch)
+    times = {"token": [], None: []}
+    collectives = {}
+    group.train_step(batch)  # warm-up
+    for _ in range(args.repeats):
+        for mode in ("token", None):
+            ray.get([a.set_denominator.remote(mode) for a in group.actors])
+            metrics = group.train_step(batch)
+            times[mode].append(metrics["time/train_s"])
+            collectives[mode] = int(metrics["collectives"])
+    group.shutdown()
+    token, naive = statistics.median(times["token"]), statistics.median(times[None])
+    print(
+        f"{args.learners} learners x {accumulation} accumulation steps x micro-batch {args.micro_batch}, "
+        f"{args.sequences} sequences x {args.length} tokens, ZeRO-{args.zero_stage}, "
+        f"median of {args.repeats} interleaved steps"
+    )
+    print(
+        table(
+            ["masked_mean_denominator", "step time (s)", "collectives per step"],
+            [
+                ["per-micro-batch (null)", f"{naive:.3f}", collectives[None]],
+                ["token", f"{token:.3f}", collectives["token"]],
+            ],
+        )
+    )
+    print(
+        f"token / per-micro-batch step time: {token / naive:.4f}  "
+        f"(extra collectives: {collectives['token'] - collectives[None]})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Layout checks a user can run on their own cluster: does one optimizer step on the same batch
+give the same update whatever the split over learners and micro-batches?"""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.batch import TrainBatch
+from rltrain.config import Config
+from rltrain.learner import LearnerGroup
+
+
+def synthetic_rollouts(n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0) -> TrainBatch:
+    """Left-padded prompts, uneven completions, tool tokens, one all-masked sequence (index 3)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    pos = torch.arange(t)[None, :]
+    prompt_start = torch.randint(0, 3, (n, 1), generator=g)
+    completion_end = torch.randint(6, t + 1, (n, 1), generator=g)
+    attention = (pos >= prompt_start) & (pos < completion_end)
+    response = attention & (pos >= 5)
+    response[min(3, n - 1)] = False
+    tool = torch.ones(n, t, dtype=torch.bool)
+    tool[0, 6:8] = False
+    tool[n // 2, 7:10] = False
+    return TrainBatch(ids, attention.long(), response.long(), tool.long(), torch.randn(n, generator=g))
+
+
+def layout_config(
+    num_learners: int, micro_batch_size: int, zero_stage: int, denominator="token", **learner
+) -> Config:
+    """Plain SGD without clipping: the update is then linear in the gradient, so a wrong
+    denominator shows up as a wrong update (Adam's first step is ~sign(g) and would hide it)."""
+    return Config.model_validate(
+        {
+            "learner": {
+                "num_learners": num_learners,
+                "micro_batch_size": micro_batch_size,
+                "zero_stage": zero_stage,
+                "optimizer": "sgd",
+                "lr": 0.5,
+                "max_grad_norm": 0,
+                **learner,
+            },
+            "loss": {"masked_mean_denominator": denominator},
+        }
+    )
+
+
+def update_after_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """Weights after one training step minus weights before, on fresh learners."""
+    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
+    try:
+        before = group.state_dict()
+        group.train_step(batch)
+        after = group.state_dict()
+    finally:
+        group.shutdown()
+    return {k: after[k] - before[k] for k in before}
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over all tensors together."""
+    num = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+    return (num / sum((b[k] ** 2).sum() for k in b) ** 0.5).item()

@@ -10,7 +10,6 @@ import argparse
 import statistics
 
 import ray
-import torch
 import torch.distributed as dist
 from common import model_folder, start_ray, table
 

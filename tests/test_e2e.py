@@ -146,52 +146,29 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
     env.pop("RAY_ADDRESS", None)
     ray = str(Path(venv_bin) / "ray")
     temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # Its own ports throughout: another Ray instance on this machine (this test session's) holds the
+    # defaults, and a job agent that cannot bind its port never registers ("No available agent").
+    ports = [
+        "--port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+    ]
+    port_args = [f"--{name.removeprefix('--')}={free_port()}" for name in ports]
     # --block keeps the head's processes in this process group, so the test stops exactly this head
     # (`ray stop` would kill every Ray process on the machine, other test clusters included)
     head = subprocess.Popen(
-        [
-            ray,
-            "start",
-            "--head",
-            "--block",
-            "--num-cpus",
-            "2",
-            "--port",
-            str(free_port()),
-            "--dashboard-host",
-            "127.0.0.1",
-            "--include-dashboard",
-            "true",
-            "--dashboard-port",
-            "8265",
-            f"--temp-dir={temp_dir}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+        [ray, "start", "--head", "--block", "--num-cpus=2", *port_args, "--dashboard-host=127.0.0.1",
+         "--include-dashboard=true", "--dashboard-port=8265", f"--temp-dir={temp_dir}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )  # fmt: skip
     try:
         wait_for_dashboard("http://127.0.0.1:8265/api/version", timeout_s=120)
         out = tmp_path / "job"
-        submit = [
-            ray,
-            "job",
-            "submit",
-            "--address",
-            "http://127.0.0.1:8265",
-            "--working-dir",
-            ".",
-            "--",
-            "python",
-            "-m",
-            "rltrain.train",
-            "--config",
-            "configs/cpu_demo.yaml",
-            *SMALL,
-            "run.steps=2",
-            f"run.output_dir={out}",
-        ]
+        submit = [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--",
+                  "python", "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, "run.steps=2",
+                  f"run.output_dir={out}"]  # fmt: skip
         for _attempt in range(30):  # the dashboard answers before its job agent has registered
             done = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             if "No available agent to submit job" not in done.stderr:

@@ -24,5 +24,6 @@ format: setup
 	$(PY) -m ruff check --fix rltrain tests benchmarks examples
 	$(PY) -m ruff format rltrain tests benchmarks examples
 
-bench: setup           ## every benchmark, each printing a small table
+bench: setup           ## every benchmark, each printing a small table (installs trl for the peer comparison)
+	@$(PY) -c "import trl" 2>/dev/null || $(PY) -m pip install -q -c constraints-cpu.txt "trl==1.16.0"
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -67,6 +67,7 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
         "run.steps=3",
         "run.checkpoint_every=2",
         "loss.kl_beta=0.01",
+        "rollout.async_steps=1",
         "rollout.tools.enabled=[calculator,python]",
     )
     assert "step 3/3 reward" in done.stdout  # the per-step summary line

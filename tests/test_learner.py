@@ -110,3 +110,25 @@ def test_logged_metrics_are_global_token_means(ray_local, tiny_model_path):
     assert metrics["train/entropy"] == pytest.approx(entropy[keep].mean().item(), rel=1e-5)
     assert metrics["train/clip_fraction"] == 0.0
     assert metrics["train/grad_norm"] > 0
+
+
+def test_several_optimizer_steps_per_batch_use_the_pre_update_policy_and_stay_invariant(
+    ray_local, tiny_model_path
+):
+    # 2 mini-batches = 2 optimizer steps on one batch: the second is taken at updated weights, so its
+    # ratio to the old (pre-update) log-probs moves away from 1; the layout still does not matter
+    batch = synthetic_rollouts(n=8, seed=5)
+    updates, metrics = {}, {}
+    for name, (learners, micro) in {"1x2": (1, 2), "2x3": (2, 3)}.items():
+        config = layout_config(learners, micro, 2, num_mini_batches=2)
+        group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=2)
+        try:
+            before = group.state_dict()
+            metrics[name] = group.train_step(batch)
+            after = group.state_dict()
+        finally:
+            group.shutdown()
+        updates[name] = {k: after[k] - before[k] for k in before}
+    assert metrics["1x2"]["train/optimizer_steps"] == 2
+    assert abs(metrics["1x2"]["train/ratio"] - 1.0) > 1e-4
+    assert relative_difference(updates["2x3"], updates["1x2"]) < 1e-5

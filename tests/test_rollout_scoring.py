@@ -1,0 +1,87 @@
+"""The transformers generation backend, and DAPO's dynamic sampling in the training loop."""
+
+import torch
+
+from rltrain.batch import Completion
+from rltrain.config import Config
+from rltrain.data import Prompt
+from rltrain.logprobs import sequence_logprobs
+from rltrain.rewards import RewardScorer
+from rltrain.rollout import GeneratorActor
+from rltrain.train import collect_groups
+
+
+def test_hf_backend_rollout_with_tools_and_generator_logprobs(tiny_model_path):
+    config = Config.model_validate(
+        {
+            "rollout": {
+                "backend": "hf",
+                "max_new_tokens": 12,
+                "temperature": 0.7,
+                "tools": {"enabled": ["calculator"]},
+            }
+        }
+    )
+    actor = GeneratorActor(config, tiny_model_path, engine_index=0)
+    prompts = [[256, 10, 20, 30], [256, 40]]
+    first = actor.rollout(prompts, seeds=[1, 2])
+    again = actor.rollout(prompts, seeds=[1, 2])
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]  # per-request seeds: reproducible
+    for prompt, c in zip(prompts, first):
+        assert 0 < len(c.token_ids) <= 12 and c.tool_mask == [1] * len(c.token_ids)
+        assert c.finish_reason in ("stop", "length")
+        ids = torch.tensor([prompt + c.token_ids])
+        expected, _ = sequence_logprobs(actor.backend.model, ids, torch.ones_like(ids), temperature=0.7)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected[0, len(prompt) :], atol=1e-5, rtol=0)
+
+
+class ScriptedPool:
+    """Stands in for the generator actors: round r answers with the texts given for round r."""
+
+    def __init__(self, rounds: list[list[str]]):
+        self.rounds, self.submitted = rounds, []
+
+    def submit(self, prompt_ids, seeds):
+        self.submitted.append(len(prompt_ids))
+        return self.rounds[len(self.submitted) - 1]
+
+    def collect(self, texts):
+        return [Completion(token_ids=[1], logprobs=[0.0], tool_mask=[1], text=t) for t in texts]
+
+
+class Sampler:
+    def __init__(self):
+        self.next = 100
+
+    def take(self, n):
+        self.next += n
+        return [Prompt(self.next - n + i, [1, 2], "7") for i in range(n)]
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
+    config = Config.model_validate(
+        {
+            "algorithm": {
+                "group_size": 2,
+                "prompts_per_step": 3,
+                "dynamic_sampling": True,
+                "max_sampling_rounds": 3,
+            }
+        }
+    )
+    scorer = RewardScorer({"exact_match": 1.0}, timeout_s=5)
+    # round 1 (the step's own prompts): groups (7, 7) same, (7, x) informative, (x, x) same
+    # round 2: (x, 7) informative, (7, 7) same, (7, x) informative -> 3 informative groups in all
+    pool = ScriptedPool([["7", "7", "7", "x", "x", "x"], ["x", "7", "7", "7", "7", "x"]])
+    sampler = Sampler()
+    first = sampler.take(3)
+    refs = pool.submit(
+        [p.token_ids for p in first for _ in range(2)], seeds=list(range(6))
+    )  # as the loop does
+    scored = collect_groups(pool, refs, first, sampler, config, scorer, step=1)
+    assert pool.submitted == [6, 6]  # one refill round of 3 prompts x 2
+    assert len(scored.prompts) == 3 and len(scored.completions) == 6
+    assert [c.text for c in scored.completions] == ["7", "x", "x", "7", "7", "x"]
+    assert scored.rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert scored.metrics["rollout/sampling_rounds"] == 2.0
+    assert scored.prompts[0].index == first[1].index  # the informative group of round 1 is kept, in order

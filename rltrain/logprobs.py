@@ -11,33 +11,46 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_MAX_CHUNK_BYTES = 256 * 2**20
+DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 
 
 def _rows_per_chunk(vocab_size: int, max_chunk_bytes: int) -> int:
     return max(1, max_chunk_bytes // (4 * vocab_size))
 
 
+def _upcast(chunk: torch.Tensor) -> torch.Tensor:
+    """A float32 *copy*: ``.float()`` on float32 returns the same storage, which in-place ops would
+    then overwrite."""
+    return chunk.to(torch.float32, copy=True)
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log_softmax(logits / T)[target] per row, chunked in forward and backward."""
+    """log_softmax(logits / T)[target] per row (and, optionally, the entropy), chunked in forward
+    and backward. Each chunk is upcast once and worked on in place."""
 
     @staticmethod
-    def forward(ctx, logits_NV, targets_N, temperature, rows_per_chunk):  # type: ignore[override]
+    def forward(ctx, logits_NV, targets_N, temperature, rows_per_chunk, with_entropy):  # type: ignore[override]
         n = logits_NV.shape[0]
         logprobs_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
         lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        entropy_N = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
         for start in range(0, n, rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
-            z = logits_NV[rows].float() / temperature  # [chunk, V]
-            lse_N[rows] = torch.logsumexp(z, dim=-1)
-            logprobs_N[rows] = z.gather(-1, targets_N[rows, None]).squeeze(-1) - lse_N[rows]
+            z = _upcast(logits_NV[rows]).div_(temperature)  # [chunk, V]
+            lse = torch.logsumexp(z, dim=-1)
+            lse_N[rows] = lse
+            logprobs_N[rows] = z.gather(-1, targets_N[rows, None]).squeeze(-1) - lse
+            if with_entropy:
+                # H = lse - sum(softmax * z)
+                entropy_N[rows] = lse - torch.exp(z - lse[:, None]).mul_(z).sum(-1)
         ctx.save_for_backward(logits_NV, targets_N, lse_N)
         ctx.temperature = temperature
         ctx.rows_per_chunk = rows_per_chunk
-        return logprobs_N
+        ctx.mark_non_differentiable(entropy_N)
+        return logprobs_N, entropy_N
 
     @staticmethod
-    def backward(ctx, grad_N):  # type: ignore[override]
+    def backward(ctx, grad_N, _grad_entropy):  # type: ignore[override]
         logits_NV, targets_N, lse_N = ctx.saved_tensors
         t, step = ctx.temperature, ctx.rows_per_chunk
         grad_logits_NV = torch.empty_like(logits_NV)
@@ -45,11 +58,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             rows = slice(start, start + step)
             # d logp[target] / d logits = (onehot(target) - softmax(logits / T)) / T
             g = grad_N[rows, None].float() / t
-            softmax = torch.exp(logits_NV[rows].float() / t - lse_N[rows, None])
-            chunk = -g * softmax
+            chunk = _upcast(logits_NV[rows]).div_(t).sub_(lse_N[rows, None]).exp_().mul_(-g)  # -g * softmax
             chunk.scatter_add_(-1, targets_N[rows, None], g)
-            grad_logits_NV[rows] = chunk.to(logits_NV.dtype)
-        return grad_logits_NV, None, None, None
+            grad_logits_NV[rows] = chunk
+        return grad_logits_NV, None, None, None, None
 
 
 def token_logprobs(
@@ -62,32 +74,34 @@ def token_logprobs(
 
     ``logits_BTV[:, t]`` must already be the prediction for ``token_ids_BT[:, t]`` (shift first).
     """
+    return token_logprobs_and_entropy(logits_BTV, token_ids_BT, temperature, max_chunk_bytes, False)[0]
+
+
+def token_logprobs_and_entropy(
+    logits_BTV: torch.Tensor,
+    token_ids_BT: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (differentiable) and entropy (no gradient) in one pass over the logits, ``[B, T]`` each."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     *lead, vocab = logits_BTV.shape
     logits_NV = logits_BTV.reshape(-1, vocab)
     targets_N = token_ids_BT.reshape(-1).long()
     rows = _rows_per_chunk(vocab, max_chunk_bytes)
-    return _SelectiveLogSoftmax.apply(logits_NV, targets_N, float(temperature), rows).reshape(lead)
+    logprobs, entropy = _SelectiveLogSoftmax.apply(logits_NV, targets_N, float(temperature), rows, with_entropy)
+    return logprobs.reshape(lead), entropy.reshape(lead) if with_entropy else None
 
 
 @torch.no_grad()
 def token_entropy(
     logits_BTV: torch.Tensor, temperature: float = 1.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
 ) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` per position: float32 ``[B, T]``, no gradient.
-
-    ``H = logsumexp(z) - sum(softmax(z) * z)``, computed chunk by chunk.
-    """
-    *lead, vocab = logits_BTV.shape
-    logits_NV = logits_BTV.reshape(-1, vocab)
-    entropy_N = torch.empty(logits_NV.shape[0], dtype=torch.float32, device=logits_NV.device)
-    step = _rows_per_chunk(vocab, max_chunk_bytes)
-    for start in range(0, logits_NV.shape[0], step):
-        z = logits_NV[start : start + step].float() / temperature
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        entropy_N[start : start + step] = (lse - (torch.exp(z - lse) * z).sum(-1, keepdim=True)).squeeze(-1)
-    return entropy_N.reshape(lead)
+    """Entropy of ``softmax(logits / temperature)`` per position: float32 ``[B, T]``, no gradient."""
+    zeros = torch.zeros(logits_BTV.shape[:-1], dtype=torch.long, device=logits_BTV.device)
+    return token_logprobs_and_entropy(logits_BTV, zeros, temperature, max_chunk_bytes)[1]
 
 
 def sequence_logprobs(
@@ -106,11 +120,11 @@ def sequence_logprobs(
     logits_BTV = model(
         input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids
     ).logits
-    shifted_logits = logits_BTV[:, :-1]  # predicts tokens 1..T-1
-    logprobs = token_logprobs(shifted_logits, input_ids_BT[:, 1:], temperature)
+    # logits at t predict token t+1
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits_BTV[:, :-1], input_ids_BT[:, 1:], temperature, with_entropy=with_entropy
+    )
     zero_col = logprobs.new_zeros(logprobs.shape[0], 1)
     logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
-    entropy_BT = None
-    if with_entropy:
-        entropy_BT = torch.cat([zero_col, token_entropy(shifted_logits, temperature)], dim=1)
+    entropy_BT = None if entropy is None else torch.cat([zero_col, entropy], dim=1)
     return logprobs_BT, entropy_BT

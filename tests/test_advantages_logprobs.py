@@ -70,3 +70,11 @@ def test_chunked_logprobs_match_full_log_softmax_values_and_gradients(dtype, tem
     torch.testing.assert_close(
         token_entropy(logits, temperature, max_chunk_bytes=400), entropy_full, atol=1e-4, rtol=1e-4
     )
+
+
+def test_logprobs_leave_float32_logits_untouched():
+    # the chunked kernel works in place on its float32 copy; the caller's logits must not change
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    before = logits.detach().clone()
+    token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), temperature=0.5).sum().backward()
+    assert torch.equal(logits.detach(), before)

@@ -1,7 +1,7 @@
 """Cost of exact normalization: learner step time and collectives per step, `token` mode vs the
 per-micro-batch mode, same batch, same layout, same engines, steps interleaved.
 
-    python benchmarks/bench_token_mode.py [--learners 2] [--sequences 64] [--micro-batch 8] [--repeats 5]
+    python benchmarks/bench_token_mode.py [--learners 2] [--sequences 64] [--micro-batch 8] [--repeats 11] [--hidden 512]
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--zero-stage", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     start_ray()
@@ -104,8 +104,8 @@ def main() -> None:
         )
     )
     print(
-        f"token / per-micro-batch step time: {token / naive:.4f}  "
-        f"(extra collectives: {collectives['token'] - collectives[None]})"
+        f"token / per-micro-batch step time: {token / naive:.4f} ({(token - naive) * 1e3:+.1f} ms per step); "
+        f"extra collectives: {collectives['token'] - collectives[None]}"
     )
 
 

@@ -130,10 +130,12 @@ class PolicyLearner:
         groups = [[self._to_device(self._nonempty(mb)) for mb in group] for group in groups]
         groups = self._add_reference_and_old_logprobs(groups)
         flat = [mb for group in groups for mb in group]
-        # one collective for every accumulation group of the step (the same over PPO epochs)
-        totals = group_token_totals(
-            [mb.response_mask for mb in flat], len(groups[0]), [mb.tool_mask for mb in flat]
-        )
+        totals = None
+        if cfg.loss.masked_mean_denominator == "token":
+            # one collective for every accumulation group of the step (the same over PPO epochs)
+            totals = group_token_totals(
+                [mb.response_mask for mb in flat], len(groups[0]), [mb.tool_mask for mb in flat]
+            )
         settings = PolicyLossSettings(
             kind=cfg.loss.kind,
             clip_low=cfg.loss.clip_low,
@@ -148,7 +150,7 @@ class PolicyLearner:
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
                 for i, mb in enumerate(group):
-                    loss, metrics = self._micro_batch_loss(mb, settings, totals[g], len(group))
+                    loss, metrics = self._micro_batch_loss(mb, settings, totals, g, len(group))
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
                     sums += torch.tensor(
@@ -171,7 +173,7 @@ class PolicyLearner:
         out["time/train_s"] = time.perf_counter() - start
         return out
 
-    def _micro_batch_loss(self, mb: TrainBatch, settings, group_total, micro_batches_in_group: int):
+    def _micro_batch_loss(self, mb: TrainBatch, settings, totals, group: int, micro_batches_in_group: int):
         cfg = self.config
         logprobs, entropy = sequence_logprobs(
             self.engine, mb.input_ids, mb.attention_mask, cfg.rollout.temperature, with_entropy=True
@@ -180,7 +182,7 @@ class PolicyLearner:
         if mode == "token":
             # the group's global token count / world size: DeepSpeed averages gradients over ranks,
             # which the factor world_size cancels; no /accumulation_steps (the count covers them all)
-            denominator = group_total.to(logprobs.device) / self.world_size
+            denominator = totals[group].to(logprobs.device) / self.world_size
         else:
             denominator = mode  # None (this micro-batch's own count) or a constant
         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()

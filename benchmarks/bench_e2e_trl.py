@@ -2,7 +2,7 @@
 GRPOTrainer: same tiny model, prompts, group size, completion length, reward, one optimizer step
 per training step. Generated tokens per second for both, and the ratio, measured in one run.
 
-    python benchmarks/bench_e2e_trl.py [--prompts 8] [--group 8] [--length 32] [--steps 6]
+    python benchmarks/bench_e2e_trl.py [--prompts 8] [--group 8] [--length 32] [--steps 6] [--hidden 64 --layers 2]
 
 rltrain runs its CPU layout (2 DeepSpeed learners + 1 vLLM engine on Ray); TRL runs its single
 process trainer with transformers `generate` (its vLLM colocate mode does not sync weights on CPU).
@@ -109,9 +109,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--hidden", type=int, default=64, help="size of the built-in model")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a model folder instead of the built-in one")
     args = parser.parse_args()
-    model = model_folder(args.model)
+    model = model_folder(args.model, args.hidden, args.layers)
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     results = {
         "rltrain": run_rltrain(model, args, tmp / "rltrain"),
@@ -122,11 +124,11 @@ def main() -> None:
         for name, (tokens, seconds) in results.items()
     ]
     speed = {name: tokens / seconds for name, (tokens, seconds) in results.items()}
-    print(
-        f"{args.prompts} prompts x {args.group} completions, up to {args.length} tokens, steps 2-{args.steps}, CPU"
-    )
+    size = args.model or f"built-in model (hidden {args.hidden}, {args.layers} layers)"
+    print(f"{size}; {args.prompts} prompts x {args.group} completions, up to {args.length} tokens; "
+          f"steps 2-{args.steps}; CPU")  # fmt: skip
     print(table(["trainer", "generated tokens", "seconds", "tokens/s"], rows))
-    print(f"rltrain / TRL tokens per second: {speed['rltrain'] / speed['TRL GRPOTrainer']:.1f}x")
+    print(f"rltrain / TRL tokens per second: {speed['rltrain'] / speed['TRL GRPOTrainer']:.2f}")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import ray
 import torch.distributed as dist
 from common import model_folder, start_ray, table
 
+import rltrain.learner
 from rltrain.diagnostics import layout_config, synthetic_rollouts
 from rltrain.learner import LearnerGroup, PolicyLearner
 
@@ -52,12 +54,23 @@ class CountingLearner(PolicyLearner):
 
         for name, real in saved.items():
             setattr(dist, name, wrap(real))
+        totals_fn, totals_s = rltrain.learner.group_token_totals, [0.0]
+
+        def timed_totals(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return totals_fn(*args, **kwargs)
+            finally:
+                totals_s[0] += time.perf_counter() - start
+
+        rltrain.learner.group_token_totals = timed_totals
         try:
             metrics = super().train_step(groups)
         finally:
             for name, real in saved.items():
                 setattr(dist, name, real)
-        return {**metrics, "collectives": float(counts["n"])}
+            rltrain.learner.group_token_totals = totals_fn
+        return {**metrics, "collectives": float(counts["n"]), "token_totals_s": totals_s[0]}
 
 
 def main() -> None:
@@ -78,8 +91,7 @@ def main() -> None:
     group = LearnerGroup(config, path, total_optimizer_steps=10**6, learner_cls=CountingLearner)
     batch = synthetic_rollouts(n=args.sequences, t=args.length)
     accumulation = -(-args.sequences // args.learners // args.micro_batch)
-    times = {"token": [], None: []}
-    collectives = {}
+    times, collectives, totals_s = {"token": [], None: []}, {}, []
     group.train_step(batch)  # warm-up
     for _ in range(args.repeats):
         for mode in ("token", None):
@@ -87,8 +99,13 @@ def main() -> None:
             metrics = group.train_step(batch)
             times[mode].append(metrics["time/train_s"])
             collectives[mode] = int(metrics["collectives"])
+            if mode == "token":
+                totals_s.append(metrics["token_totals_s"])
     group.shutdown()
     token, naive = statistics.median(times["token"]), statistics.median(times[None])
+    # adjacent steps share the machine's momentary load: the median of their ratios is steadier
+    paired = statistics.median(t / n for t, n in zip(times["token"], times[None]))
+    totals_ms = statistics.median(totals_s) * 1e3
     print(
         f"{args.learners} learners x {accumulation} accumulation steps x micro-batch {args.micro_batch}, "
         f"{args.sequences} sequences x {args.length} tokens, ZeRO-{args.zero_stage}, "
@@ -104,9 +121,11 @@ def main() -> None:
         )
     )
     print(
-        f"token / per-micro-batch step time: {token / naive:.4f} ({(token - naive) * 1e3:+.1f} ms per step); "
+        f"token / per-micro-batch step time, median of paired steps: {paired:.4f}; "
         f"extra collectives: {collectives['token'] - collectives[None]}"
     )
+    print(f"the added work itself (counting tokens + the all-reduce, timed inside the learner): "
+          f"{totals_ms:.2f} ms per step = {totals_ms / 1e3 / naive:.2%} of the step")  # fmt: skip
 
 
 if __name__ == "__main__":

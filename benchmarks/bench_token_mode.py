@@ -11,28 +11,11 @@ import statistics
 import time
 
 import ray
-import torch.distributed as dist
 from common import model_folder, start_ray, table
 
 import rltrain.learner
-from rltrain.diagnostics import layout_config, synthetic_rollouts
+from rltrain.diagnostics import count_collectives, layout_config, synthetic_rollouts
 from rltrain.learner import LearnerGroup, PolicyLearner
-
-COLLECTIVES = [
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "all_reduce_coalesced",
-    "_reduce_scatter_base",
-    "_all_gather_base",
-]
 
 
 class CountingLearner(PolicyLearner):
@@ -42,18 +25,6 @@ class CountingLearner(PolicyLearner):
         self.config.loss.masked_mean_denominator = mode
 
     def train_step(self, groups):
-        counts = {"n": 0}
-        saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-        def wrap(real):
-            def spy(*args, **kwargs):
-                counts["n"] += 1
-                return real(*args, **kwargs)
-
-            return spy
-
-        for name, real in saved.items():
-            setattr(dist, name, wrap(real))
         totals_fn, totals_s = rltrain.learner.group_token_totals, [0.0]
 
         def timed_totals(*args, **kwargs):
@@ -65,12 +36,11 @@ class CountingLearner(PolicyLearner):
 
         rltrain.learner.group_token_totals = timed_totals
         try:
-            metrics = super().train_step(groups)
+            with count_collectives() as calls:
+                metrics = super().train_step(groups)
         finally:
-            for name, real in saved.items():
-                setattr(dist, name, real)
             rltrain.learner.group_token_totals = totals_fn
-        return {**metrics, "collectives": float(counts["n"]), "token_totals_s": totals_s[0]}
+        return {**metrics, "collectives": float(sum(calls.values())), "token_totals_s": totals_s[0]}
 
 
 def main() -> None:

@@ -1,13 +1,44 @@
-"""Layout checks a user can run on their own cluster: does one optimizer step on the same batch
-give the same update whatever the split over learners and micro-batches?"""
+"""Checks a user can run on their own cluster: does one optimizer step on the same batch give the
+same update whatever the split over learners and micro-batches, and which collectives does a
+piece of code issue?"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
-from rltrain.learner import LearnerGroup
+
+COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_reduce_coalesced",
+               "_reduce_scatter_base", "_all_gather_base"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[dict[str, int]]:
+    """Count calls of torch.distributed collectives (they still run) while the block executes.
+
+    Catches every caller that looks the function up on ``torch.distributed`` at call time, as
+    rltrain and DeepSpeed's torch backend do.
+    """
+    calls: dict[str, int] = {}
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    for name, real in saved.items():
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, spy)
+    try:
+        yield calls
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
 
 
 def synthetic_rollouts(n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0) -> TrainBatch:
@@ -49,6 +80,8 @@ def layout_config(
 
 def update_after_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, torch.Tensor]:
     """Weights after one training step minus weights before, on fresh learners."""
+    from rltrain.learner import LearnerGroup  # ray and deepspeed load only for this check
+
     group = LearnerGroup(config, model_path, total_optimizer_steps=1)
     try:
         before = group.state_dict()

@@ -134,7 +134,7 @@ def train(config: Config) -> Path:
         weight_sync.push(learners, generators)
     tracker = Tracker(out, config, start_step)
     pending: deque = deque()  # rollouts in flight: (step, refs, prompts, sampler state after taking them)
-    step = start_step
+    step = trained = saved = start_step  # trained: the last step whose update was issued to the learners
     sampler_state_of_step = {start_step: sampler.state()}
     try:
         for step in range(start_step + 1, config.run.steps + 1):
@@ -152,6 +152,7 @@ def train(config: Config) -> Path:
                 tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
                 continue
             batch = build_batch(scored, config, tokenizer.pad_token_id)
+            trained = step
             metrics = learners.train_step(batch)
             sync_s = weight_sync.push(learners, generators)
 
@@ -172,12 +173,15 @@ def train(config: Config) -> Path:
             last = step == config.run.steps or step == config.run.stop_after
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 checkpoint.save(learners, out, step, {"sampler": sampler_state_of_step[step]})
+                saved = step
             if step == config.run.stop_after:
                 break
     except KeyboardInterrupt:
-        tracker.bar.write(f"interrupted: saving a checkpoint of step {step - 1}")
-        if step - 1 > start_step:
-            checkpoint.save(learners, out, step - 1, {"sampler": sampler_state_of_step[step - 1]})
+        # an update already issued completes on the learners before the save queued behind it
+        # (actors run calls in order), so the checkpoint holds exactly `trained` steps
+        if trained > saved:
+            tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
+            checkpoint.save(learners, out, trained, {"sampler": sampler_state_of_step[trained]})
         raise
     finally:
         tracker.close()

@@ -193,3 +193,26 @@ def wait_for_dashboard(url: str, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL,
+           "run.steps=200", "run.checkpoint_every=0", f"run.output_dir={out}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0
+    tag = (out / "checkpoints" / "latest").read_text()
+    saved_step = int(tag.removeprefix("step_"))
+    assert f"interrupted: saving a checkpoint of step {saved_step}" in output
+    assert saved_step >= 2
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / tag / "hf")
+    run_trainer(out, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true")
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == saved_step + 1

@@ -14,7 +14,9 @@ import random
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,13 +105,27 @@ def _check_fits(need_cpu: float, have_cpu: float, need_gpu: float, have_gpu: flo
         )
 
 
-def train(config: Config) -> Path:
+@dataclass
+class Run:
+    """Everything a training run holds, built by :func:`start_run`."""
+
+    out: Path
+    tokenizer: Any
+    sampler: PromptSampler
+    scorer: RewardScorer
+    learners: Any  # rltrain.learner.LearnerGroup
+    generators: Any  # rltrain.rollout.GeneratorPool
+    weight_sync: Any  # rltrain.weight_sync.WeightSync
+    start_step: int
+
+
+def start_run(config: Config) -> Run:
+    """Output folder, model, prompts, rewards, actors; restored from the newest checkpoint on resume."""
     # ray, deepspeed, vllm and transformers load here, not at import: --help stays instant
     from transformers import AutoTokenizer
 
     from rltrain.learner import LearnerGroup
     from rltrain.rollout import GeneratorPool
-    from rltrain.tracking import Tracker
     from rltrain.weight_sync import ObjectStoreSync
 
     out = Path(config.run.output_dir)
@@ -120,59 +136,56 @@ def train(config: Config) -> Path:
     model_path = resolve_model(config, out)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     sampler = PromptSampler(tokenize_prompts(load_rows(config.data), tokenizer, config.data), config.run.seed)
-    scorer = RewardScorer(config.reward.functions, config.reward.timeout_s)
     steps_per_batch = config.learner.num_mini_batches * config.learner.ppo_epochs
     learners = LearnerGroup(config, model_path, total_optimizer_steps=config.run.steps * steps_per_batch)
-    generators = GeneratorPool(config, model_path)
-    weight_sync = ObjectStoreSync()
-
-    start_step = 0
+    run = Run(out, tokenizer, sampler, RewardScorer(config.reward.functions, config.reward.timeout_s), learners,
+              GeneratorPool(config, model_path), ObjectStoreSync(), start_step=0)  # fmt: skip
     if config.run.resume and checkpoint.latest_tag(out) is not None:
         state = checkpoint.load(learners, out)
-        start_step = state["step"]
+        run.start_step = state["step"]
         sampler.load_state(state["sampler"])
-        weight_sync.push(learners, generators)
-    tracker = Tracker(out, config, start_step)
-    pending: deque = deque()  # rollouts in flight: (step, refs, prompts, sampler state after taking them)
-    step = trained = saved = start_step  # trained: the last step whose update was issued to the learners
-    sampler_state_of_step = {start_step: sampler.state()}
+        run.weight_sync.push(learners, run.generators)
+    return run
+
+
+def train(config: Config) -> Path:
+    """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
+    from rltrain.tracking import Tracker
+
+    run = start_run(config)
+    learners, generators, sampler = run.learners, run.generators, run.sampler
+    tracker = Tracker(run.out, config, run.start_step)
+    pending: deque = deque()  # rollouts in flight, oldest first: (refs, prompts)
+    sampler_state_after = {run.start_step: sampler.state()}  # per step, for checkpoints
+    step = trained = saved = run.start_step  # trained: the last step whose update was issued
     try:
-        for step in range(start_step + 1, config.run.steps + 1):
+        for step in range(run.start_step + 1, config.run.steps + 1):
+            # keep `async_steps` steps of generation in flight ahead of this one
             while len(pending) <= config.rollout.async_steps and step + len(pending) <= config.run.steps:
-                launch_step = step + len(pending)
                 prompts = sampler.take(config.algorithm.prompts_per_step)
-                pending.append((launch_step, submit(generators, prompts, config, launch_step, 0), prompts))
-                sampler_state_of_step[launch_step] = sampler.state()
-            _, refs, prompts = pending.popleft()
+                pending.append((submit(generators, prompts, config, step + len(pending), 0), prompts))
+                sampler_state_after[step + len(pending) - 1] = sampler.state()
+            refs, prompts = pending.popleft()
 
             t0 = time.perf_counter()
-            scored = collect_groups(generators, refs, prompts, sampler, config, scorer, step)
+            scored = collect_groups(generators, refs, prompts, sampler, config, run.scorer, step)
             generate_s = time.perf_counter() - t0
             if not scored.completions:
                 tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
                 continue
-            batch = build_batch(scored, config, tokenizer.pad_token_id)
+            batch = build_batch(scored, config, run.tokenizer.pad_token_id)
             trained = step
             metrics = learners.train_step(batch)
-            sync_s = weight_sync.push(learners, generators)
+            sync_s = run.weight_sync.push(learners, generators)
 
-            generated = sum(len(c.token_ids) for c in scored.completions)
             step_s = time.perf_counter() - t0
-            tracker.log(
-                step,
-                {
-                    **scored.metrics,
-                    **metrics,
-                    "time/generate_s": generate_s,
-                    "time/sync_s": sync_s,
-                    "time/step_s": step_s,
-                    "perf/tokens_per_s": generated / step_s,
-                    "train/sequences": float(len(batch)),
-                },
-            )
-            last = step == config.run.steps or step == config.run.stop_after
+            generated = sum(len(c.token_ids) for c in scored.completions)
+            tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
+                               "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
+                               "train/sequences": float(len(batch))})  # fmt: skip
+            last = step in (config.run.steps, config.run.stop_after)
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                checkpoint.save(learners, out, step, {"sampler": sampler_state_of_step[step]})
+                checkpoint.save(learners, run.out, step, {"sampler": sampler_state_after[step]})
                 saved = step
             if step == config.run.stop_after:
                 break
@@ -181,15 +194,15 @@ def train(config: Config) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            checkpoint.save(learners, out, trained, {"sampler": sampler_state_of_step[trained]})
+            checkpoint.save(learners, run.out, trained, {"sampler": sampler_state_after[trained]})
         raise
     finally:
         tracker.close()
     if step == config.run.steps:
-        learners.save_hf(out / "final_model")
+        learners.save_hf(run.out / "final_model")
     learners.shutdown()
     generators.shutdown()
-    return out
+    return run.out
 
 
 def resolve_model(config: Config, out: Path) -> str:

@@ -1,0 +1,78 @@
+"""Tool calls through the real generation backends.
+
+A random tiny model never writes a tool call, so this test first teaches it one, with rltrain's own
+token-level SFT loss: on the question below it learns to answer
+``<tool:calculator>6*7</tool>``, then, after the tool's ``<result>42</result>``, ``The answer is 42.``
+Generation then has to stop at ``</tool>``, run the calculator, append its output with tool mask 0
+and continue.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rltrain.config import Config, DataConfig
+from rltrain.data import tokenize_prompts
+from rltrain.losses import sft_cross_entropy
+from rltrain.rollout import GeneratorActor
+
+pytestmark = pytest.mark.slow
+CALL, RESULT, ANSWER = "<tool:calculator>6*7</tool>", "<result>42</result>", "The answer is 42.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_path, tmp_path_factory):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    (question,) = tokenize_prompts([{"prompt": "What is 6 * 7?", "answer": "42"}], tokenizer, DataConfig())
+    prompt = question.token_ids
+    completion = tokenizer.encode(CALL + RESULT + ANSWER, add_special_tokens=False)
+    ids = torch.tensor([prompt + completion])
+    mask = torch.zeros_like(ids)
+    mask[0, len(prompt) :] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for step in range(2000):
+        logits = model(input_ids=ids).logits
+        loss = sft_cross_entropy(logits[:, :-1], ids[:, 1:], mask[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        # done when every completion token is the model's first choice (greedy decoding reproduces it)
+        if step % 50 == 49 and bool(
+            (model(input_ids=ids).logits.argmax(-1)[:, :-1] == ids[:, 1:])[mask[:, 1:] == 1].all()
+        ):
+            break
+    else:
+        pytest.fail("the tiny model did not learn the tool-call completion")
+    out = tmp_path_factory.mktemp("tool_model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out), prompt, tokenizer
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_tool_call_runs_and_its_output_is_masked(backend, tool_model):
+    path, prompt, tokenizer = tool_model
+    config = Config.model_validate({"rollout": {
+        "backend": backend, "max_new_tokens": 64, "temperature": 0.05, "tools": {"enabled": ["calculator"]}}})  # fmt: skip
+    actor = GeneratorActor(config, path, engine_index=0)
+    (completion,) = actor.rollout([prompt], seeds=[0])
+    if backend == "vllm":
+        del actor  # free the engine's KV cache before the next case
+
+    assert completion.tool_calls == 1 and completion.tool_errors == 0
+    assert completion.text.startswith(CALL + RESULT + "The answer is 42.")
+    # tool mask: 1 on the call and the answer (the policy's tokens), 0 exactly on the tool's result
+    n_call = len(tokenizer.encode(CALL, add_special_tokens=False))
+    n_result = len(tokenizer.encode(RESULT, add_special_tokens=False))
+    assert completion.tool_mask[:n_call] == [1] * n_call
+    assert completion.tool_mask[n_call : n_call + n_result] == [0] * n_result
+    assert all(completion.tool_mask[n_call + n_result :])
+    assert tokenizer.decode(completion.token_ids[n_call : n_call + n_result]) == RESULT
+    # generator log-probs: 0 on tool tokens (no sampling happened there); on policy tokens at
+    # temperature 0.05 a memorized token's log-prob may round to 0 too
+    assert all(lp == 0.0 for lp in completion.logprobs[n_call : n_call + n_result])
+    assert all(lp <= 0.0 for lp in completion.logprobs) and len(completion.logprobs) == len(
+        completion.token_ids
+    )

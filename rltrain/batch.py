@@ -79,14 +79,6 @@ class TrainBatch:
         if (self.response_mask.bool() & ~self.attention_mask.bool()).any():
             raise ValueError("TrainBatch.response_mask marks tokens that attention_mask excludes")
 
-    @staticmethod
-    def concat(batches: list[TrainBatch]) -> TrainBatch:
-        def cat(name: str):
-            values = [getattr(b, name) for b in batches]
-            return None if any(v is None for v in values) else torch.cat(values)
-
-        return TrainBatch(**{f.name: cat(f.name) for f in fields(TrainBatch)})
-
 
 def _take(value: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if value is None else value[idx]
@@ -104,13 +96,6 @@ class MicroBatchPlan:
     """
 
     groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return len(self.groups[0][0])
-
-    def all_indices(self) -> torch.Tensor:
-        return torch.cat([idx for rank in self.groups for group in rank for idx in group])
 
 
 def plan_micro_batches(

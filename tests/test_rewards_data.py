@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from rltrain.batch import Completion, collate
+from rltrain.batch import Completion, collate, plan_micro_batches
 from rltrain.config import DataConfig
 from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_prompts
 from rltrain.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
@@ -118,3 +118,23 @@ def test_collate_aligns_prompts_completions_and_masks():
     assert batch.tool_mask.tolist() == [[1, 1, 1, 0, 1], [1, 1, 1, 1, 1]]
     assert batch.generator_logprobs.tolist() == [[0, 0, -1, 0, -3], [0, 0, -2, 0, 0]]
     batch.validate()
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "mini", "mbs"), [(7, 2, 1, 3), (8, 3, 2, 2), (5, 4, 1, 1), (9, 2, 3, 4)]
+)
+def test_micro_batch_plan_keeps_every_sequence_once_and_ranks_in_lockstep(n, world, mini, mbs):
+    plan = plan_micro_batches(n, world, mini, mbs).groups
+    seen = sorted(i for rank in plan for group in rank for mb in group for i in mb.tolist())
+    assert seen == list(range(n))  # nothing dropped, nothing twice
+    shape = [len(group) for group in plan[0]]
+    assert all([len(group) for group in rank] == shape for rank in plan)  # same collectives on every rank
+    assert len(set(shape)) == 1 and len(shape) == mini  # one accumulation length for every group
+    assert all(len(mb) <= mbs for rank in plan for group in rank for mb in group)
+
+
+def test_micro_batch_plan_pads_short_shares_with_empty_micro_batches():
+    # 7 sequences, 2 ranks, micro-batches of 3: shares 0-3 and 4-6 -> rank 0 (3, 1), rank 1 (3, empty)
+    plan = plan_micro_batches(7, 2, 1, 3).groups
+    assert [[mb.tolist() for mb in group] for group in plan[0]] == [[[0, 1, 2], [3]]]
+    assert [[mb.tolist() for mb in group] for group in plan[1]] == [[[4, 5, 6], []]]

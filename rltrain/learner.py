@@ -6,8 +6,8 @@ One training step on a global batch of scored rollouts:
    (one optimizer step each), an even share per rank, micro-batches per share, and empty
    micro-batches so every rank runs the same number of forwards (ZeRO-3 gathers and the token
    all-reduce are collectives).
-2. Every rank counts its loss tokens per accumulation group and sums them over ranks in one
-   all-reduce (:func:`rltrain.masked_mean.group_token_totals`).
+2. In ``token`` mode, every rank counts its loss tokens per accumulation group and sums them over
+   ranks in one all-reduce (:func:`rltrain.masked_mean.group_token_totals`).
 3. Forward/backward per micro-batch, with the accumulation boundary set explicitly: DeepSpeed's
    ZeRO-1/2 keep only the last micro-batch's gradient under manual accumulation otherwise.
    Loss scaling per ``masked_mean_denominator`` mode is documented in :mod:`rltrain.masked_mean`.
@@ -50,6 +50,11 @@ class PolicyLearner:
         if not self.use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
             torch.set_num_threads(max(1, int(config.learner.cpus_per_learner)))
+        loss = config.loss
+        self.loss_settings = PolicyLossSettings(
+            kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
+            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, tis_cap=loss.tis_cap,
+        )  # fmt: skip
         self.engine = None
         self.ref_model = None
         self.optimizer_steps = 0
@@ -136,21 +141,12 @@ class PolicyLearner:
             totals = group_token_totals(
                 [mb.response_mask for mb in flat], len(groups[0]), [mb.tool_mask for mb in flat]
             )
-        settings = PolicyLossSettings(
-            kind=cfg.loss.kind,
-            clip_low=cfg.loss.clip_low,
-            clip_high=cfg.loss.clip_high,
-            dual_clip=cfg.loss.dual_clip,
-            kl_beta=cfg.loss.kl_beta,
-            kl_estimator=cfg.loss.kl_estimator,
-            tis_cap=cfg.loss.tis_cap,
-        )
         sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64)
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
                 for i, mb in enumerate(group):
-                    loss, metrics = self._micro_batch_loss(mb, settings, totals, g, len(group))
+                    loss, metrics = self._micro_batch_loss(mb, totals, g, len(group))
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
                     sums += torch.tensor(
@@ -173,7 +169,7 @@ class PolicyLearner:
         out["time/train_s"] = time.perf_counter() - start
         return out
 
-    def _micro_batch_loss(self, mb: TrainBatch, settings, totals, group: int, micro_batches_in_group: int):
+    def _micro_batch_loss(self, mb: TrainBatch, totals, group: int, micro_batches_in_group: int):
         cfg = self.config
         logprobs, entropy = sequence_logprobs(
             self.engine, mb.input_ids, mb.attention_mask, cfg.rollout.temperature, with_entropy=True
@@ -192,7 +188,7 @@ class PolicyLearner:
             mb.advantages,
             mb.response_mask,
             denominator,
-            settings,
+            self.loss_settings,
             tool_mask_BT=mb.tool_mask,
             ref_logprobs_BT=mb.ref_logprobs,
             generator_logprobs_BT=mb.generator_logprobs,
@@ -323,8 +319,15 @@ class LearnerGroup:
         results = ray.get([a.train_step.remote(shard) for a, shard in zip(self.actors, shards)])
         return results[0]  # every rank holds the same all-reduced metrics
 
+    def gathered_state_ref(self) -> ray.ObjectRef:
+        """Rank 0's full weights as an object reference, gathered with every rank taking part
+        (ZeRO-3); the weights stay in the object store, so they can go to generators directly."""
+        refs = [actor.gathered_state_dict.remote() for actor in self.actors]
+        ray.wait(refs, num_returns=len(refs))
+        return refs[0]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._all("gathered_state_dict")[0]
+        return ray.get(self.gathered_state_ref())
 
     def save_hf(self, out_dir: str | Path) -> None:
         self._all("save_hf", str(out_dir))

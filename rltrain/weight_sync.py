@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-import ray
-
 from rltrain.learner import LearnerGroup
 from rltrain.rollout import GeneratorPool
 
@@ -27,9 +25,6 @@ class WeightSync(Protocol):
 class ObjectStoreSync:
     def push(self, learners: LearnerGroup, generators: GeneratorPool) -> float:
         start = time.perf_counter()
-        # every rank must run the gather together; rank 0's reference holds the weights and goes
-        # to the engines without a round trip through the driver
-        refs = [actor.gathered_state_dict.remote() for actor in learners.actors]
-        ray.wait(refs, num_returns=len(refs))
-        generators.load_weights(refs[0])
+        # the reference goes to the engines without a round trip through the driver
+        generators.load_weights(learners.gathered_state_ref())
         return time.perf_counter() - start

@@ -1,12 +1,16 @@
 """A GRPO training step end to end (generate + score + train + sync) of rltrain against TRL's
-GRPOTrainer: same tiny model, prompts, group size, completion length, reward, one optimizer step
-per training step. Generated tokens per second for both, and the ratio, measured in one run.
+GRPOTrainer: same model, prompts, group size, completion length, reward, one optimizer step per
+training step. Generated tokens per second for both, the ratio, and where rltrain's time goes, at
+several model sizes, each measured in one run.
 
-    python benchmarks/bench_e2e_trl.py [--prompts 8] [--group 8] [--length 32] [--steps 6] [--hidden 64 --layers 2]
+    python benchmarks/bench_e2e_trl.py [--sizes 64x2:128 256x4:128 640x6:256] [--prompts 8] [--group 8] [--steps 5]
 
-rltrain runs its CPU layout (2 DeepSpeed learners + 1 vLLM engine on Ray); TRL runs its single
-process trainer with transformers `generate` (its vLLM colocate mode does not sync weights on CPU).
-The first step of each (warm-up) is left out. Needs `trl` (`make bench` installs it).
+A size is HIDDENxLAYERS:COMPLETION_TOKENS of the built-in Qwen2-shaped model (64x2 is the demo's
+~107k parameters, 256x4 ~2.7M, 640x6 ~20M). rltrain runs the demo's CPU layout (2 DeepSpeed
+learners + 1 vLLM engine on Ray, packed micro-batches), once with synchronous generation and once
+with `rollout.async_steps=1`; TRL runs its single-process trainer with transformers `generate`
+(its vLLM colocate mode does not sync weights on CPU). The first step of each (warm-up) is left out.
+Needs `trl` (`make bench` installs it).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from common import model_folder, table
 
 from rltrain.data import arithmetic_rows
@@ -27,12 +32,13 @@ from rltrain.rewards import digits_reward
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_rltrain(model: str, args, out: Path) -> tuple[float, float]:
+def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> dict[str, float]:
     overrides = [
         f"model.name_or_path={model}",
         f"algorithm.prompts_per_step={args.prompts}",
         f"algorithm.group_size={args.group}",
-        f"rollout.max_new_tokens={args.length}",
+        f"rollout.max_new_tokens={length}",
+        f"rollout.async_steps={async_steps}",
         "algorithm.overlong=none",
         "rollout.tools.enabled=[]",
         "reward.functions={digits: 1.0}",
@@ -49,12 +55,14 @@ def run_rltrain(model: str, args, out: Path) -> tuple[float, float]:
         capture_output=True,
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-    tokens = sum(r["rollout/length_mean"] * r["train/sequences"] for r in rows)
-    seconds = sum(r["time/step_s"] for r in rows)
-    return tokens, seconds
+    return {
+        "tokens": sum(r["rollout/length_mean"] * r["train/sequences"] for r in rows),
+        "seconds": sum(r["time/step_s"] for r in rows),
+        **{part: sum(r[f"time/{part}_s"] for r in rows) for part in ("generate", "train", "sync")},
+    }
 
 
-def run_trl(model: str, args, out: Path) -> tuple[float, float]:
+def run_trl(model: str, length: int, args, out: Path) -> dict[str, float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -81,7 +89,7 @@ def run_trl(model: str, args, out: Path) -> tuple[float, float]:
         per_device_train_batch_size=args.prompts * args.group,
         gradient_accumulation_steps=1,
         num_generations=args.group,
-        max_completion_length=args.length,
+        max_completion_length=length,
         learning_rate=args.lr,
         max_steps=args.steps,
         logging_steps=1,
@@ -99,36 +107,49 @@ def run_trl(model: str, args, out: Path) -> tuple[float, float]:
         model=model, reward_funcs=[reward], args=config, train_dataset=dataset, callbacks=[StepTimer()]
     )
     trainer.train()
-    return float(sum(tokens_per_step[1:])), sum(step_seconds[1:])
+    return {"tokens": float(sum(tokens_per_step[1:])), "seconds": sum(step_seconds[1:])}
+
+
+def parameters(model: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(
+            p.numel()
+            for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters()
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["64x2:128", "256x4:128", "640x6:256"],
+                        help="HIDDENxLAYERS:COMPLETION_TOKENS of the built-in model")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--length", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--hidden", type=int, default=64, help="size of the built-in model")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--model", default=None, help="a model folder instead of the built-in one")
     args = parser.parse_args()
-    model = model_folder(args.model, args.hidden, args.layers)
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
-    results = {
-        "rltrain": run_rltrain(model, args, tmp / "rltrain"),
-        "TRL GRPOTrainer": run_trl(model, args, tmp / "trl"),
-    }
-    rows = [
-        [name, f"{tokens:.0f}", f"{seconds:.1f}", f"{tokens / seconds:.0f}"]
-        for name, (tokens, seconds) in results.items()
-    ]
-    speed = {name: tokens / seconds for name, (tokens, seconds) in results.items()}
-    size = args.model or f"built-in model (hidden {args.hidden}, {args.layers} layers)"
-    print(f"{size}; {args.prompts} prompts x {args.group} completions, up to {args.length} tokens; "
-          f"steps 2-{args.steps}; CPU")  # fmt: skip
-    print(table(["trainer", "generated tokens", "seconds", "tokens/s"], rows))
-    print(f"rltrain / TRL tokens per second: {speed['rltrain'] / speed['TRL GRPOTrainer']:.2f}")
+    rows = []
+    for size in args.sizes:
+        shape, _, length = size.partition(":")
+        hidden, layers = (int(x) for x in shape.split("x"))
+        model = model_folder(None, hidden, layers)
+        runs = {
+            "rltrain": run_rltrain(model, int(length), 0, args, tmp / f"{size}-sync"),
+            "rltrain, async 1": run_rltrain(model, int(length), 1, args, tmp / f"{size}-async"),
+            "TRL": run_trl(model, int(length), args, tmp / f"{size}-trl"),
+        }
+        speed = {name: r["tokens"] / r["seconds"] for name, r in runs.items()}
+        for name in ("rltrain", "rltrain, async 1"):
+            r = runs[name]
+            split = " / ".join(f"{r[part] / r['seconds']:.0%}" for part in ("generate", "train", "sync"))
+            rows.append([f"{parameters(model) / 1e6:.2g}M ({shape})", length, name, f"{speed[name]:.0f}",
+                         f"{speed['TRL']:.0f}", f"{speed[name] / speed['TRL']:.2f}", split])  # fmt: skip
+        print(f"done: {size}", file=sys.stderr, flush=True)
+    print(f"{args.prompts} prompts x {args.group} completions per step; steps 2-{args.steps}; CPU")
+    print(table(["model", "completion tokens", "trainer", "tokens/s", "TRL tokens/s", "rltrain / TRL",
+                 "generate / train / sync share of rltrain's step"], rows))  # fmt: skip
 
 
 if __name__ == "__main__":

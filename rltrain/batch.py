@@ -64,6 +64,21 @@ class TrainBatch:
     def replace(self, **changes: torch.Tensor | None) -> TrainBatch:
         return TrainBatch(**{f.name: changes.get(f.name, getattr(self, f.name)) for f in fields(self)})
 
+    def sequence_lengths(self) -> torch.Tensor:
+        """Attended tokens (prompt + completion) of each sequence: ``[N]``."""
+        return self.attention_mask.sum(-1)
+
+    def trim(self) -> TrainBatch:
+        """Drop the leading and trailing columns no sequence attends to (a selected micro-batch is
+        then padded to its own longest sequence, not the global batch's)."""
+        used = self.attention_mask.bool().any(0).nonzero()
+        if len(used) == 0:
+            return self
+        cols = slice(int(used[0]), int(used[-1]) + 1)
+        return TrainBatch(
+            **{f.name: _cols(getattr(self, f.name), cols, f.name == "advantages") for f in fields(self)}
+        )
+
     def validate(self) -> None:
         """Shape and value checks with messages that say what is wrong (called before training)."""
         n, t = self.input_ids.shape
@@ -84,6 +99,10 @@ def _take(value: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if value is None else value[idx]
 
 
+def _cols(value: torch.Tensor | None, cols: slice, per_sequence: bool) -> torch.Tensor | None:
+    return value if value is None or per_sequence else value[:, cols]
+
+
 @dataclass
 class MicroBatchPlan:
     """Sequence indices of every micro-batch, per rank and per accumulation group.
@@ -96,6 +115,10 @@ class MicroBatchPlan:
     """
 
     groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    oversized: int = 0  # sequences longer than the token budget, each alone in its micro-batch
+
+    def micro_batches_per_group(self) -> list[int]:
+        return [len(group) for group in self.groups[0]]
 
 
 def plan_micro_batches(
@@ -119,6 +142,61 @@ def plan_micro_batches(
             micro += [share[:0]] * (accumulation_steps - len(micro))
             plan[rank].append(micro)
     return MicroBatchPlan(plan)
+
+
+def plan_packed_micro_batches(
+    lengths: torch.Tensor, world_size: int, num_mini_batches: int, max_tokens: int
+) -> MicroBatchPlan:
+    """Like :func:`plan_micro_batches`, but micro-batches are bounded by tokens, not sequences.
+
+    ``lengths[i]`` is sequence i's token count (prompt + completion). Accumulation groups are the
+    same contiguous cuts as in :func:`plan_micro_batches`. Within a group, sequences go to ranks
+    longest first, each to the rank with the fewest tokens so far (greedy balancing); each rank
+    then packs its share first-fit decreasing into micro-batches of at most ``max_tokens``. A
+    sequence longer than ``max_tokens`` gets a micro-batch of its own (counted in ``oversized``),
+    never cut. Every rank gets the number of micro-batches of the busiest rank in that group,
+    padded with empty ones, so collectives stay in lockstep. Nothing is dropped or repeated.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    num_sequences = len(lengths)
+    if num_sequences < num_mini_batches:
+        raise ValueError(f"{num_sequences} sequences cannot fill {num_mini_batches} mini-batches")
+    lengths = [int(x) for x in lengths]
+    plan: list[list[list[torch.Tensor]]] = [[] for _ in range(world_size)]
+    oversized = 0
+    for group in torch.arange(num_sequences).tensor_split(num_mini_batches):
+        longest_first = sorted(group.tolist(), key=lambda i: (-lengths[i], i))
+        shares: list[list[int]] = [[] for _ in range(world_size)]
+        loads = [0] * world_size
+        for i in longest_first:
+            rank = min(range(world_size), key=lambda r: (loads[r], len(shares[r]), r))
+            shares[rank].append(i)
+            loads[rank] += lengths[i]
+        packed = [_first_fit_decreasing(share, lengths, max_tokens) for share in shares]
+        oversized += sum(lengths[i] > max_tokens for i in group.tolist())
+        steps = max(1, max(len(bins) for bins in packed))
+        for rank, bins in enumerate(packed):
+            micro = [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+            micro += [torch.zeros(0, dtype=torch.long)] * (steps - len(micro))
+            plan[rank].append(micro)
+    return MicroBatchPlan(plan, oversized)
+
+
+def _first_fit_decreasing(share: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
+    """``share`` (already longest first) into bins of at most ``capacity`` tokens; an item larger
+    than the capacity fills a bin by itself."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in share:
+        target = next((b for b in range(len(bins)) if room[b] >= lengths[i]), None)
+        if target is None:
+            bins.append([])
+            room.append(capacity)
+            target = len(bins) - 1
+        bins[target].append(i)
+        room[target] -= lengths[i]
+    return bins
 
 
 def collate(

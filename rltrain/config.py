@@ -56,7 +56,22 @@ class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage."""
     micro_batch_size: int = Field(4, ge=1)
-    """Sequences per forward/backward on one learner."""
+    """Sequences per forward/backward on one learner (without packing)."""
+    packing: bool = True
+    """Padding-free micro-batches: the sequences of a micro-batch are concatenated into one row
+    (position ids restart per sequence, no attention mask, no KV cache) and bounded by
+    max_tokens_per_micro_batch; false pads every micro-batch of micro_batch_size sequences to its
+    longest sequence."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one packed forward/backward (prompt + completion tokens); null:
+    micro_batch_size x (data.max_prompt_tokens + rollout.max_new_tokens), the padded worst case.
+    Must hold the longest sequence; needs packing. With sequence parallelism this is the whole
+    row, shared by sequence_parallel_size ranks."""
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ulysses sequence parallelism: groups of this many learners share each packed micro-batch,
+    each holding a contiguous slice of the row (attention all-to-alls over the group). Must divide
+    num_learners (data-parallel size = num_learners / this) and the model's attention heads; needs
+    packing."""
     num_mini_batches: int = Field(1, ge=1)
     """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
     ppo_epochs: int = Field(1, ge=1)
@@ -243,7 +258,48 @@ class Config(Section):
                 f"learner.num_mini_batches={self.learner.num_mini_batches} exceeds the global batch of "
                 f"{batch} sequences (algorithm.prompts_per_step * algorithm.group_size)"
             )
+        budget, longest = self.learner.max_tokens_per_micro_batch, self.longest_sequence
+        if budget is not None and not self.learner.packing:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch={budget} needs learner.packing=true "
+                "(without packing, micro-batches hold learner.micro_batch_size sequences)"
+            )
+        if budget is not None and budget < longest:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch={budget} cannot hold one sequence of up to {longest} "
+                "tokens (data.max_prompt_tokens + rollout.max_new_tokens); raise it or lower those"
+            )
+        self._check_sequence_parallel()
         return self
+
+    def _check_sequence_parallel(self) -> None:
+        lc, sp = self.learner, self.learner.sequence_parallel_size
+        if sp == 1:
+            return
+        if lc.num_learners % sp:
+            raise ValueError(
+                f"learner.sequence_parallel_size={sp} does not divide learner.num_learners={lc.num_learners}"
+            )
+        if not lc.packing:
+            raise ValueError(
+                f"learner.sequence_parallel_size={sp} needs learner.packing=true (it splits packed rows)"
+            )
+        if self.loss.kind == "gspo" or self.loss.masked_mean_axis is not None:
+            raise ValueError(
+                f"learner.sequence_parallel_size={sp} needs a per-token loss: loss.kind ppo or cispo with "
+                "loss.masked_mean_axis null (a sequence's tokens are spread over ranks)"
+            )
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens (prompt + completion) one training sequence can have."""
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def micro_batch_token_budget(self) -> int:
+        """``learner.max_tokens_per_micro_batch``, or its default."""
+        lc = self.learner
+        return lc.max_tokens_per_micro_batch or lc.micro_batch_size * self.longest_sequence
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -285,6 +341,8 @@ def _one_line(error: ValidationError) -> str:
         return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
     if message.startswith("masked_mean_denominator:"):
         return f"{key + '.' if key else ''}{message}"
+    if first["type"] == "value_error" and not key:
+        return message  # a cross-section check names its keys itself; its input is the whole config
     shown = "" if first["type"] == "missing" else f"got {first['input']!r}; "
     more = f" (+{len(error.errors()) - 1} more errors)" if len(error.errors()) > 1 else ""
     return f"{key or 'config'}: {shown}{message}{more}"

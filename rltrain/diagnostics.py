@@ -41,15 +41,19 @@ def count_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, real)
 
 
+SYNTHETIC_PROMPT_TOKENS, SYNTHETIC_COMPLETION_TOKENS = 5, 9
+
+
 def synthetic_rollouts(n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0) -> TrainBatch:
-    """Left-padded prompts, uneven completions, tool tokens, one all-masked sequence (index 3)."""
+    """Left-padded prompts (columns 0-4), uneven completions (columns 5 to t-1), tool tokens, one
+    all-masked sequence (index 3)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n, t), generator=g)
     pos = torch.arange(t)[None, :]
     prompt_start = torch.randint(0, 3, (n, 1), generator=g)
     completion_end = torch.randint(6, t + 1, (n, 1), generator=g)
     attention = (pos >= prompt_start) & (pos < completion_end)
-    response = attention & (pos >= 5)
+    response = attention & (pos >= SYNTHETIC_PROMPT_TOKENS)
     response[min(3, n - 1)] = False
     tool = torch.ones(n, t, dtype=torch.bool)
     tool[0, 6:8] = False
@@ -58,10 +62,23 @@ def synthetic_rollouts(n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0)
 
 
 def layout_config(
-    num_learners: int, micro_batch_size: int, zero_stage: int, denominator="token", **learner
+    num_learners: int,
+    micro_batch_size: int,
+    zero_stage: int,
+    denominator="token",
+    max_tokens_per_micro_batch: int | None = None,
+    **learner,
 ) -> Config:
     """Plain SGD without clipping: the update is then linear in the gradient, so a wrong
-    denominator shows up as a wrong update (Adam's first step is ~sign(g) and would hide it)."""
+    denominator shows up as a wrong update (Adam's first step is ~sign(g) and would hide it).
+
+    Micro-batches hold ``micro_batch_size`` padded sequences, or, with a token budget
+    ``max_tokens_per_micro_batch``, are packed under it. Sequence limits fit
+    :func:`synthetic_rollouts` (t=14)."""
+    packing = {
+        "packing": max_tokens_per_micro_batch is not None,
+        "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+    }
     return Config.model_validate(
         {
             "learner": {
@@ -71,9 +88,12 @@ def layout_config(
                 "optimizer": "sgd",
                 "lr": 0.5,
                 "max_grad_norm": 0,
+                **packing,
                 **learner,
             },
             "loss": {"masked_mean_denominator": denominator},
+            "data": {"max_prompt_tokens": SYNTHETIC_PROMPT_TOKENS},
+            "rollout": {"max_new_tokens": SYNTHETIC_COMPLETION_TOKENS},
         }
     )
 

@@ -2,10 +2,12 @@
 
 One training step on a global batch of scored rollouts:
 
-1. The group plans the layout (:func:`rltrain.batch.plan_micro_batches`): accumulation groups
-   (one optimizer step each), an even share per rank, micro-batches per share, and empty
-   micro-batches so every rank runs the same number of forwards (ZeRO-3 gathers and the token
-   all-reduce are collectives).
+1. The group plans the layout: accumulation groups (one optimizer step each), a share per rank,
+   micro-batches per share, and empty micro-batches so every rank runs the same number of
+   forwards (ZeRO-3 gathers and the token all-reduce are collectives). With ``learner.packing``
+   (:func:`rltrain.batch.plan_packed_micro_batches`) shares balance tokens and micro-batches are
+   bounded by a token budget and run as one padding-free row each; without it
+   (:func:`rltrain.batch.plan_micro_batches`) they hold ``micro_batch_size`` padded sequences.
 2. In ``token`` mode, every rank counts its loss tokens per accumulation group and sums them over
    ranks in one all-reduce (:func:`rltrain.masked_mean.group_token_totals`).
 3. Forward/backward per micro-batch, with the accumulation boundary set explicitly: DeepSpeed's
@@ -31,13 +33,16 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain.batch import TrainBatch, plan_micro_batches
+from rltrain import attention, sequence_parallel
+from rltrain.batch import TrainBatch, plan_micro_batches, plan_packed_micro_batches
 from rltrain.config import Config
 from rltrain.logprobs import sequence_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
 from rltrain.masked_mean import group_token_totals
 
 METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
+# counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
+TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
 
 
 class PolicyLearner:
@@ -58,6 +63,10 @@ class PolicyLearner:
         self.engine = None
         self.ref_model = None
         self.optimizer_steps = 0
+        # sequence parallelism: ranks [g*sp, (g+1)*sp) share every micro-batch, each a slice of its row
+        self.sp = config.learner.sequence_parallel_size
+        self.sp_rank = rank % self.sp
+        self.attn_implementation = None
 
     def node_address(self) -> tuple[str, int]:
         import socket
@@ -81,6 +90,11 @@ class PolicyLearner:
             LOCAL_RANK="0" if self.use_cuda else str(self.rank),
         )
         deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        if self.sp > 1:
+            self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
+        elif lc.packing:
+            # document by document: no [L, L] mask, attention work grows with each sequence, not the row
+            self.attn_implementation = attention.register()
         self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
         model = self._load_model(AutoModelForCausalLM)
         if self.config.model.gradient_checkpointing:
@@ -118,11 +132,29 @@ class PolicyLearner:
             self.ref_model = self._load_model(AutoModelForCausalLM).to(self.engine.device).eval()
             self.ref_model.requires_grad_(False)
 
+    def _sequence_parallel_group(self):
+        """This rank's group of ``sp`` consecutive ranks (every rank creates every group, in order)."""
+        import torch.distributed as dist
+
+        groups = [dist.new_group(list(range(g, g + self.sp))) for g in range(0, self.world_size, self.sp)]
+        return groups[self.rank // self.sp]
+
     def _load_model(self, auto_cls):
         dtype = torch.bfloat16 if self.bf16 else torch.float32
+        extra = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
         return auto_cls.from_pretrained(
-            self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code
+            self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code, **extra
         )
+
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
+        """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
+        sequence-parallel packed row."""
+        temperature, packed = self.config.rollout.temperature, self.config.learner.packing
+        if self.sp > 1:
+            return sequence_parallel.sequence_logprobs(
+                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
+            )
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
 
     # ------------------------------------------------------------------ training
 
@@ -132,16 +164,25 @@ class PolicyLearner:
 
         start = time.perf_counter()
         cfg, lc = self.config, self.config.learner
-        groups = [[self._to_device(self._nonempty(mb)) for mb in group] for group in groups]
+        if self.use_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        groups = [[self._to_device(self._own_tokens(self._nonempty(mb))) for mb in group] for group in groups]
         groups = self._add_reference_and_old_logprobs(groups)
         flat = [mb for group in groups for mb in group]
         totals = None
         if cfg.loss.masked_mean_denominator == "token":
-            # one collective for every accumulation group of the step (the same over PPO epochs)
+            # one collective for every accumulation group of the step (the same over PPO epochs);
+            # with packing, groups may hold different numbers of micro-batches
             totals = group_token_totals(
-                [mb.response_mask for mb in flat], len(groups[0]), [mb.tool_mask for mb in flat]
+                [mb.response_mask for mb in flat], [len(g) for g in groups], [mb.tool_mask for mb in flat]
             )
-        sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64)
+        sums = torch.zeros(len(METRIC_SUMS) + len(TOKEN_COUNTS), dtype=torch.float64)
+        sums[len(METRIC_SUMS) :] = torch.tensor(
+            [
+                sum(self._forward_tokens(mb) for mb in flat),
+                sum(mb.attention_mask.sum().item() for mb in flat) / self.sp,
+            ]
+        )
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
@@ -149,7 +190,7 @@ class PolicyLearner:
                     loss, metrics = self._micro_batch_loss(mb, totals, g, len(group))
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
-                    sums += torch.tensor(
+                    sums[: len(METRIC_SUMS)] += torch.tensor(
                         [float(metrics.get(k, 0.0)) for k in METRIC_SUMS], dtype=torch.float64
                     )
                 lrs.append(self.engine.get_lr()[0])
@@ -163,6 +204,10 @@ class PolicyLearner:
         out = {f"train/{k}": sums[i].item() / tokens for i, k in enumerate(METRIC_SUMS) if k != "tokens"}
         out["train/clip_fraction"] = out.pop("train/clipped")
         out["train/tokens"] = sums[METRIC_SUMS.index("tokens")].item() / lc.ppo_epochs
+        forward_tokens, sequence_tokens = sums[len(METRIC_SUMS) :].tolist()
+        out["perf/forward_tokens"] = forward_tokens
+        out["perf/padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
+        out["perf/peak_memory_mib"] = self._peak_memory_mib()
         out["train/lr"] = lrs[-1]
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/optimizer_steps"] = float(self.optimizer_steps)
@@ -171,9 +216,7 @@ class PolicyLearner:
 
     def _micro_batch_loss(self, mb: TrainBatch, totals, group: int, micro_batches_in_group: int):
         cfg = self.config
-        logprobs, entropy = sequence_logprobs(
-            self.engine, mb.input_ids, mb.attention_mask, cfg.rollout.temperature, with_entropy=True
-        )
+        logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
         mode = cfg.loss.masked_mean_denominator
         if mode == "token":
             # the group's global token count / world size: DeepSpeed averages gradients over ranks,
@@ -204,7 +247,7 @@ class PolicyLearner:
     def _add_reference_and_old_logprobs(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
         """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
         pre-update policy's log-probs, so every step's ratio is against the same old policy."""
-        lc, temperature = self.config.learner, self.config.rollout.temperature
+        lc = self.config.learner
         needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1
         out = []
         for group in groups:
@@ -212,33 +255,52 @@ class PolicyLearner:
             for mb in group:
                 changes = {}
                 if self.ref_model is not None:
-                    changes["ref_logprobs"], _ = sequence_logprobs(
-                        self.ref_model, mb.input_ids, mb.attention_mask, temperature
-                    )
+                    changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
                 if needs_old:
-                    changes["old_logprobs"], _ = sequence_logprobs(
-                        self.engine, mb.input_ids, mb.attention_mask, temperature
-                    )
+                    changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
                 new_group.append(mb.replace(**changes))
             out.append(new_group)
         return out
 
     def _nonempty(self, mb: TrainBatch) -> TrainBatch:
-        """An empty micro-batch becomes one row with every mask 0 except attention: it runs the
-        forward/backward every rank must run together, and contributes exactly zero."""
+        """An empty micro-batch becomes one 2-token row with every mask 0 except attention: it runs
+        the forward/backward every rank must run together, and contributes exactly zero (two
+        tokens, so one prediction links the loss to the parameters)."""
         if len(mb) > 0:
             return mb
-        t = max(mb.input_ids.shape[1], 1)
-        zeros = torch.zeros(1, t, dtype=torch.long)
+        zeros = torch.zeros(1, 2, dtype=torch.long)
         return TrainBatch(
             input_ids=zeros,
             attention_mask=torch.ones_like(zeros),
             response_mask=zeros,
             tool_mask=zeros,
             advantages=torch.zeros(1),
-            generator_logprobs=None if mb.generator_logprobs is None else torch.zeros(1, t),
-            old_logprobs=None if mb.old_logprobs is None else torch.zeros(1, t),
+            generator_logprobs=None if mb.generator_logprobs is None else torch.zeros(1, 2),
+            old_logprobs=None if mb.old_logprobs is None else torch.zeros(1, 2),
         )
+
+    def _own_tokens(self, mb: TrainBatch) -> TrainBatch:
+        """Under sequence parallelism, the loss tokens of this rank are those whose log-prob it
+        computes: each token then counts once in the losses, the metrics and the token totals."""
+        if self.sp == 1:
+            return mb
+        owned = sequence_parallel.owned_positions(mb.attention_mask, self.sp, self.sp_rank)
+        return mb.replace(response_mask=mb.response_mask * owned)
+
+    def _forward_tokens(self, mb: TrainBatch) -> float:
+        """Tokens the model runs on for this micro-batch on this rank: its slice of the packed row,
+        or every padded cell."""
+        if not self.config.learner.packing:
+            return mb.input_ids.numel()
+        return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
+
+    def _peak_memory_mib(self) -> float:
+        """GPU: peak allocated during this step; CPU: the process's peak resident memory so far."""
+        if self.use_cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
         device = self.engine.device
@@ -314,10 +376,24 @@ class LearnerGroup:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch.validate()
         lc = self.config.learner
-        plan = plan_micro_batches(len(batch), lc.num_learners, lc.num_mini_batches, lc.micro_batch_size)
-        shards = [[[batch.select(idx) for idx in group] for group in rank] for rank in plan.groups]
-        results = ray.get([a.train_step.remote(shard) for a, shard in zip(self.actors, shards)])
-        return results[0]  # every rank holds the same all-reduced metrics
+        sp = lc.sequence_parallel_size
+        data_parallel = lc.num_learners // sp  # the ranks of a sequence-parallel group share one share
+        if lc.packing:
+            plan = plan_packed_micro_batches(
+                batch.sequence_lengths(),
+                data_parallel,
+                lc.num_mini_batches,
+                self.config.micro_batch_token_budget,
+            )
+        else:
+            plan = plan_micro_batches(len(batch), data_parallel, lc.num_mini_batches, lc.micro_batch_size)
+        shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
+        results = ray.get([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        metrics = results[0]  # every rank holds the same all-reduced metrics, except its own memory
+        metrics["perf/peak_memory_mib"] = max(r["perf/peak_memory_mib"] for r in results)
+        metrics["train/micro_batches"] = float(sum(plan.micro_batches_per_group()))
+        metrics["train/oversized_sequences"] = float(plan.oversized)
+        return metrics
 
     def gathered_state_ref(self) -> ray.ObjectRef:
         """Rank 0's full weights as an object reference, gathered with every rank taking part

@@ -112,15 +112,21 @@ def sequence_logprobs(
     attention_mask_BT: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0).
 
     Position ``t`` holds ``log p(input_ids[t] | input_ids[:t])``, aligned with the input so a
     response mask over ``input_ids`` selects the response tokens' log-probs directly.
+
+    ``packed=True`` runs the model on one padding-free row (:func:`packed_forward`) and scatters
+    the result back to ``[B, T]``: the same values, without computing anything for padding.
     """
+    if packed:
+        return _packed_sequence_logprobs(model, input_ids_BT, attention_mask_BT, temperature, with_entropy)
     position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
     logits_BTV = model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False
     ).logits
     # logits at t predict token t+1
     logprobs, entropy = token_logprobs_and_entropy(
@@ -130,3 +136,50 @@ def sequence_logprobs(
     logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
     entropy_BT = None if entropy is None else torch.cat([zero_col, entropy], dim=1)
     return logprobs_BT, entropy_BT
+
+
+# ---------------------------------------------------------------------------- packed rows
+
+
+def pack_sequences(
+    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attended tokens of every row, concatenated into one row: ``(input_ids_1L, position_ids_1L)``.
+
+    Position ids restart at 0 for each sequence; that is how transformers tells the documents of
+    a packed row apart. Each row's attended tokens must be contiguous (left-padded prompt,
+    right-padded completion), as :func:`rltrain.batch.collate` lays them out.
+    """
+    keep_BT = attention_mask_BT.bool()
+    position_ids_BT = attention_mask_BT.long().cumsum(-1) - 1
+    return input_ids_BT[keep_BT][None], position_ids_BT[keep_BT][None]
+
+
+def packed_forward(model: torch.nn.Module, input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor):
+    """The model's output for a packed row, every document attending only to itself.
+
+    transformers builds the block-diagonal causal mask from position ids that restart at 0, but only
+    when it is given **no attention mask and no KV cache**: a 2-D mask (even all ones) or a cache
+    object (Qwen2's config turns ``use_cache`` on) makes it fall back to one causal mask over the
+    whole row, and documents silently attend to each other. Hence both are passed explicitly here.
+    """
+    return model(input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False)
+
+
+def _packed_sequence_logprobs(model, input_ids_BT, attention_mask_BT, temperature, with_entropy):
+    keep_BT = attention_mask_BT.bool()
+    input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
+    logits_1LV = packed_forward(model, input_ids_1L, position_ids_1L).logits
+    logprobs_1L, entropy_1L = token_logprobs_and_entropy(
+        logits_1LV[:, :-1], input_ids_1L[:, 1:], temperature, with_entropy=with_entropy
+    )
+    # a document's first token would be "predicted" by the previous document's last one: it gets 0,
+    # as position 0 does in the padded layout
+    starts_L = position_ids_1L[0] == 0
+
+    def unpack(values_1L: torch.Tensor) -> torch.Tensor:
+        values_L = torch.cat([values_1L.new_zeros(1), values_1L[0]])
+        values_L = torch.where(starts_L, 0.0, values_L)
+        return values_L.new_zeros(keep_BT.shape).masked_scatter(keep_BT, values_L)  # [B, T]
+
+    return unpack(logprobs_1L), None if entropy_1L is None else unpack(entropy_1L)

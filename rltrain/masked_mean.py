@@ -25,6 +25,20 @@ N_group``: exactly the gradient of the global token mean. The factor ``W`` cance
 averaging; skipping ``/A`` is right because ``N_group`` already counts every micro-batch. With an
 engine that *sums* gradients over ranks, use ``W = 1``.
 
+Sequence parallelism (``sp`` ranks share each micro-batch, each holding a slice of its packed row,
+:mod:`rltrain.sequence_parallel`): each rank sums the loss over the tokens it *owns* (those whose
+log-prob it computes) and counts only those in :func:`group_token_totals` over the whole world, so
+``N_group`` still counts each loss token once. The gradient of the group's loss is the sum of its
+``sp`` ranks' gradients (the all-to-alls carry each rank's share back through attention). The
+factor is the number of ranks the engine averages over:
+
+- averaged over all ``W`` ranks (DDP, DeepSpeed without an ``mpu``, rltrain's learners):
+  ``(1/W) * sum_ranks grad(owned sum) * W / N_group = grad(all loss tokens) / N_group``: factor ``W``,
+  the same formula as without sequence parallelism;
+- summed over the ``sp`` ranks of a group and averaged over the ``D = W / sp`` data-parallel groups
+  (DeepSpeed given a sequence-data-parallel ``mpu``): ``(1/D) * sum_groups sum_sp grad(owned sum) *
+  D / N_group``: factor ``D``.
+
 Only :func:`group_token_totals` touches ``torch.distributed``: one ``all_reduce`` for all groups.
 """
 
@@ -103,35 +117,48 @@ def loss_token_mask(mask: torch.Tensor, tool_mask: torch.Tensor | None = None) -
 
 def group_token_totals(
     masks: Sequence[torch.Tensor],
-    accumulation_steps: int,
+    accumulation_steps: int | Sequence[int],
     tool_masks: Sequence[torch.Tensor] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Loss-token count of every accumulation group, summed over all ranks of ``group``.
 
-    ``masks`` are this rank's micro-batch loss masks in order; micro-batches
-    ``i*accumulation_steps .. (i+1)*accumulation_steps - 1`` form accumulation group ``i`` (the last
-    group may be shorter). ``tool_masks`` (same shapes) are 1 on tokens the policy generated and 0
-    on tokens a tool inserted; loss tokens are ``mask & tool_mask``.
+    ``masks`` are this rank's micro-batch loss masks in order. With an int ``accumulation_steps``,
+    micro-batches ``i*accumulation_steps .. (i+1)*accumulation_steps - 1`` form accumulation group
+    ``i`` (the last group may be shorter); with a sequence, ``accumulation_steps[i]`` is the number
+    of micro-batches of group ``i`` (token-budget packing gives groups different counts).
+    ``tool_masks`` (same shapes) are 1 on tokens the policy generated and 0 on tokens a tool
+    inserted; loss tokens are ``mask & tool_mask``.
 
     Returns a float32 tensor of shape ``[num_groups]``. When ``torch.distributed`` is initialized
     the counts are summed over ``group`` (default: the whole world) with exactly one
     ``all_reduce`` for all groups together, so every rank must call this with the same number of
     micro-batches (pad with all-zero masks). Counting happens in int64, so totals are exact.
     """
-    if accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    group_of = _group_index(len(masks), accumulation_steps)
     if tool_masks is not None and len(tool_masks) != len(masks):
         raise ValueError(f"got {len(masks)} masks but {len(tool_masks)} tool_masks")
-    num_groups = math.ceil(len(masks) / accumulation_steps)
+    num_groups = (group_of[-1] + 1) if group_of else 0
     device = masks[0].device if masks else torch.device("cpu")
     totals = torch.zeros(num_groups, dtype=torch.int64, device=device)
     for i, mask in enumerate(masks):
         tool_mask = None if tool_masks is None else tool_masks[i]
-        totals[i // accumulation_steps] += loss_token_mask(mask, tool_mask).sum()
+        totals[group_of[i]] += loss_token_mask(mask, tool_mask).sum()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     return totals.to(torch.float32)
+
+
+def _group_index(num_masks: int, accumulation_steps: int | Sequence[int]) -> list[int]:
+    """The accumulation group of each micro-batch."""
+    if isinstance(accumulation_steps, int):
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        return [i // accumulation_steps for i in range(num_masks)]
+    sizes = list(accumulation_steps)
+    if any(size < 1 for size in sizes) or sum(sizes) != num_masks:
+        raise ValueError(f"accumulation_steps {sizes} must be >= 1 each and sum to the {num_masks} masks")
+    return [g for g, size in enumerate(sizes) for _ in range(size)]
 
 
 def resolve_denominator(value: object, axis: int | None = None) -> Denominator:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
+DEFAULT_HIDDEN_SIZE = 64
+TINY_ATTENTION_HEADS = DEFAULT_HIDDEN_SIZE // HEAD_DIM  # of the default built-in model
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -36,7 +39,9 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, hidden_size: int = DEFAULT_HIDDEN_SIZE, num_layers: int = 2
+) -> Path:
     """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -50,7 +55,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, 
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 32,
+        num_attention_heads=hidden_size // HEAD_DIM,
         num_key_value_heads=1,
         max_position_embeddings=1024,
         tie_word_embeddings=False,

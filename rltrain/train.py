@@ -65,6 +65,22 @@ def preflight(config: Config) -> None:
             raise ConfigError(
                 "rollout.backend: 'vllm' is not installed (install vllm, or set rollout.backend=hf)"
             )
+    sp = config.learner.sequence_parallel_size
+    name = config.model.name_or_path
+    if sp > 1 and (name == TINY_MODEL or Path(name).expanduser().is_dir()):
+        from rltrain.tiny_model import TINY_ATTENTION_HEADS
+
+        heads = TINY_ATTENTION_HEADS if name == TINY_MODEL else _attention_heads(name)
+        if heads % sp:
+            raise ConfigError(
+                f"learner.sequence_parallel_size={sp} does not divide the model's {heads} attention heads"
+            )
+
+
+def _attention_heads(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).num_attention_heads
 
 
 def connect_ray(config: Config) -> None:

@@ -85,11 +85,14 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
     assert "masked_mean_denominator: token" in (out / "config.yaml").read_text()
 
 
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
-    run_trainer(tmp_path / "straight", "run.steps=3", "run.checkpoint_every=0")
-    run_trainer(tmp_path / "split", "run.steps=3", "run.checkpoint_every=0", "run.stop_after=2")
+@pytest.mark.parametrize("sequence_parallel", [1, 2])
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, sequence_parallel):
+    # with sequence_parallel=2 the two learners share every packed row (data-parallel size 1)
+    common = ["run.steps=3", "run.checkpoint_every=0", f"learner.sequence_parallel_size={sequence_parallel}"]
+    run_trainer(tmp_path / "straight", *common)
+    run_trainer(tmp_path / "split", *common, "run.stop_after=2")
     assert not (tmp_path / "split" / "final_model").exists()
-    run_trainer(tmp_path / "split", "run.steps=3", "run.checkpoint_every=0", "run.resume=true")
+    run_trainer(tmp_path / "split", *common, "run.resume=true")
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rltrain.batch import plan_packed_micro_batches
 from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
 from rltrain.learner import LearnerGroup
 from rltrain.logprobs import sequence_logprobs, token_entropy
@@ -132,3 +133,80 @@ def test_several_optimizer_steps_per_batch_use_the_pre_update_policy_and_stay_in
     assert metrics["1x2"]["train/optimizer_steps"] == 2
     assert abs(metrics["1x2"]["train/ratio"] - 1.0) > 1e-4
     assert relative_difference(updates["2x3"], updates["1x2"]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_micro_batch_update(ray_local, tiny_model_path):
+    """The reference: one learner, all 8 sequences in one padded micro-batch."""
+    return update_after_one_step(layout_config(1, 8, 0), tiny_model_path, synthetic_rollouts())
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_packed_update_equals_padded_and_single_micro_batch_update(
+    zero_stage, single_micro_batch_update, ray_local, tiny_model_path
+):
+    # synthetic rollouts: 8 sequences of 4-14 tokens, tool tokens, one all-masked sequence; a budget
+    # of 16 tokens gives one or two sequences per micro-batch, 200 puts each rank's share in one
+    batch = synthetic_rollouts()
+    padded = update_after_one_step(layout_config(2, 3, zero_stage), tiny_model_path, batch)
+    diffs = {"padded 2x3": relative_difference(padded, single_micro_batch_update)}
+    for learners in (1, 2):
+        for budget in (16, 200):
+            config = layout_config(learners, 1, zero_stage, max_tokens_per_micro_batch=budget)
+            packed = update_after_one_step(config, tiny_model_path, batch)
+            diffs[f"packed {learners} learners, budget {budget}"] = relative_difference(packed, padded)
+    print(f"ZeRO-{zero_stage}: relative update differences {diffs}")
+    assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_packed_micro_batches_break_the_per_micro_batch_mean(ray_local, tiny_model_path):
+    # control: the per-micro-batch mean weights a token by its micro-batch's size, so packing the
+    # same batch under a small budget changes the update visibly
+    batch = synthetic_rollouts()
+    one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch)
+    packed = update_after_one_step(
+        layout_config(2, 1, 0, None, max_tokens_per_micro_batch=16), tiny_model_path, batch
+    )
+    assert relative_difference(packed, one) > 1e-2
+
+
+def budget_for(batch, data_parallel: int, micro_batches: int) -> int:
+    """The smallest token budget that packs the batch into ``micro_batches`` per rank."""
+    lengths = batch.sequence_lengths()
+    for budget in range(int(lengths.max()), int(lengths.sum()) + 1):
+        if plan_packed_micro_batches(lengths, data_parallel, 1, budget).micro_batches_per_group() == [
+            micro_batches
+        ]:
+            return budget
+    raise ValueError(f"no budget gives {micro_batches} micro-batches on {data_parallel} ranks")
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_sequence_parallel_update_is_exact_under_sp_dp_and_accumulation(
+    zero_stage, ray_local, tiny_model_path
+):
+    # 12 sequences of 5-14 tokens: packed rows of several documents, tool tokens, an all-masked
+    # sequence; every layout of sp x dp learners x micro-batches per optimizer step gives the
+    # one-learner, one-micro-batch update
+    batch = synthetic_rollouts(n=12)
+    reference = update_after_one_step(layout_config(1, 12, 0), tiny_model_path, batch)
+    diffs = {}
+    for sp in (1, 2):
+        for dp in (1, 2):
+            for acc in (1, 2, 4):
+                config = layout_config(sp * dp, 1, zero_stage, max_tokens_per_micro_batch=budget_for(batch, dp, acc),
+                                       sequence_parallel_size=sp)  # fmt: skip
+                update = update_after_one_step(config, tiny_model_path, batch)
+                diffs[f"sp{sp} dp{dp} acc{acc}"] = relative_difference(update, reference)
+    print(f"ZeRO-{zero_stage}: relative update differences {diffs}")
+    assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_sequence_parallel_with_per_micro_batch_means_changes_the_update(ray_local, tiny_model_path):
+    # the verl Ulysses failure: per-micro-batch normalization under SP + accumulation differs visibly
+    batch = synthetic_rollouts()
+    one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch)
+    config = layout_config(
+        2, 1, 2, None, max_tokens_per_micro_batch=budget_for(batch, 1, 4), sequence_parallel_size=2
+    )
+    assert relative_difference(update_after_one_step(config, tiny_model_path, batch), one) > 1e-2

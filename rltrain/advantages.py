@@ -10,6 +10,12 @@ Rewards arrive flat, ``[num_groups * group_size]``, with the completions of one 
 
 A group whose rewards are all equal has zero advantage everywhere and teaches nothing;
 :func:`zero_variance_groups` finds them so DAPO's dynamic sampling can drop and refill them.
+
+GAE (:func:`gae_advantages`, classic PPO with a learned critic) works per token, ``[B, T]``, over
+the tokens the policy generated; where it departs from the paper: tokens the policy did not
+generate (prompt, padding, tool output) are not steps of the episode. The recursion carries over
+them, so the step after a policy token is the next *policy* token, and nothing a masked position
+holds can change an advantage or a return (multi-turn tool output is an observation, not an action).
 """
 
 from __future__ import annotations
@@ -48,3 +54,44 @@ def zero_variance_groups(rewards_N: torch.Tensor, group_size: int) -> torch.Tens
     """Boolean ``[G]``: True for groups whose completions all got the same reward."""
     r_Gn = _grouped(rewards_N, group_size)
     return (r_Gn == r_Gn[:, :1]).all(-1)
+
+
+def gae_advantages(
+    rewards_BT: torch.Tensor,
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over masked tokens: ``(advantages_BT, returns_BT)``.
+
+    ``values_BT[:, t]`` is the critic's value of the state before token ``t``; ``rewards_BT[:, t]``
+    the reward for emitting token ``t`` (the sequence reward sits on the last policy token);
+    ``mask_BT`` is 1 on tokens the policy generated. For the policy tokens ``t_1 < t_2 < ...`` of a
+    row: ``delta_k = r_k + gamma * V_{k+1} - V_k`` (``V`` after the last one is 0) and
+    ``A_k = delta_k + gamma * lam * A_{k+1}``; returns ``R_k = A_k + V_k``. Both are 0 off the mask.
+    """
+    keep = mask_BT.bool()
+    rewards = torch.where(keep, rewards_BT.float(), 0.0)
+    values = torch.where(keep, values_BT.float(), 0.0)
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])  # V of the next policy token (0 past the last)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        step = keep[:, t]
+        advantages[:, t] = torch.where(step, advantage, 0.0)
+        next_value = torch.where(step, values[:, t], next_value)
+        next_advantage = torch.where(step, advantage, next_advantage)
+    return advantages, torch.where(keep, advantages + values, 0.0)
+
+
+def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / std`` over the masked tokens of the whole batch (0 elsewhere): one mean and
+    std for the global batch, so the result does not depend on how it is later split."""
+    keep = mask_BT.bool()
+    selected = values_BT[keep].float()
+    if selected.numel() < 2:
+        return torch.zeros_like(values_BT, dtype=torch.float32)
+    return torch.where(keep, (values_BT - selected.mean()) / (selected.std() + eps), 0.0)

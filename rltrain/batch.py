@@ -50,10 +50,12 @@ class TrainBatch:
     attention_mask: torch.Tensor  # [N, T]
     response_mask: torch.Tensor  # [N, T]
     tool_mask: torch.Tensor  # [N, T]
-    advantages: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N] (one per sequence) or [N, T] (per token, GAE)
     generator_logprobs: torch.Tensor | None = None  # [N, T]
     old_logprobs: torch.Tensor | None = None  # [N, T]
     ref_logprobs: torch.Tensor | None = None  # [N, T]
+    returns: torch.Tensor | None = None  # [N, T] value targets (GAE)
+    old_values: torch.Tensor | None = None  # [N, T] the critic's values at rollout time (GAE)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -75,9 +77,7 @@ class TrainBatch:
         if len(used) == 0:
             return self
         cols = slice(int(used[0]), int(used[-1]) + 1)
-        return TrainBatch(
-            **{f.name: _cols(getattr(self, f.name), cols, f.name == "advantages") for f in fields(self)}
-        )
+        return TrainBatch(**{f.name: _cols(getattr(self, f.name), cols) for f in fields(self)})
 
     def validate(self) -> None:
         """Shape and value checks with messages that say what is wrong (called before training)."""
@@ -86,9 +86,11 @@ class TrainBatch:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            want = (n,) if f.name == "advantages" else (n, t)
-            if tuple(value.shape) != want:
-                raise ValueError(f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {want}")
+            want = [(n,), (n, t)] if f.name == "advantages" else [(n, t)]
+            if tuple(value.shape) not in want:
+                raise ValueError(
+                    f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {' or '.join(map(str, want))}"
+                )
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise ValueError(f"TrainBatch.{f.name} holds NaN or inf")
         if (self.response_mask.bool() & ~self.attention_mask.bool()).any():
@@ -99,8 +101,8 @@ def _take(value: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if value is None else value[idx]
 
 
-def _cols(value: torch.Tensor | None, cols: slice, per_sequence: bool) -> torch.Tensor | None:
-    return value if value is None or per_sequence else value[:, cols]
+def _cols(value: torch.Tensor | None, cols: slice) -> torch.Tensor | None:
+    return value if value is None or value.dim() == 1 else value[:, cols]
 
 
 @dataclass

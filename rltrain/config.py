@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -124,8 +124,16 @@ class LossConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Group advantage estimator."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
+    """Advantage estimator: group-relative (`grpo`, `dr_grpo`, `rloo`: no critic), or `gae`
+    (classic PPO: per-token advantages from a learned critic, configured in the `critic` section)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount per policy token (1: no discount, usual for language models)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda: 1 is Monte Carlo (unbiased, high variance), 0 is one-step TD."""
+    kl_in_reward: float = Field(0.0, ge=0)
+    """GAE only: per-token penalty `kl_in_reward * (generator log-prob - reference log-prob)` added
+    to the reward (classic RLHF shaping); the reference is the initial policy."""
     group_size: int = Field(4, ge=2)
     """Completions sampled per prompt."""
     prompts_per_step: int = Field(8, ge=1)
@@ -221,6 +229,25 @@ class RewardConfig(Section):
     """A reward call that takes longer scores 0 and is counted as a failure."""
 
 
+class CriticLearnerConfig(LearnerConfig):
+    num_learners: int = Field(1, ge=1)
+    """Data-parallel critic learner actors (one DeepSpeed engine each)."""
+
+
+class CriticConfig(Section):
+    model: str | None = None
+    """The value model's starting weights: a local model folder or hub name; null: the policy's
+    starting weights. A scalar head per token is added (initialized to 0) unless the folder holds
+    a critic saved by rltrain."""
+    learners: CriticLearnerConfig = CriticLearnerConfig()
+    """The critic's own learners: count, CPUs/GPUs, ZeRO stage, micro-batches or token budget,
+    optimizer, lr, schedule, clipping (the same keys as `learner`)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip range of the value update around the values at rollout time; null: unclipped loss."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps in which only the critic learns (the policy starts moving after them)."""
+
+
 class RunConfig(Section):
     output_dir: str = "runs/demo"
     """Run folder: resolved config, metrics, TensorBoard logs, checkpoints, plot."""
@@ -248,6 +275,8 @@ class Config(Section):
     rollout: RolloutConfig = RolloutConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    critic: CriticConfig | None = None
+    """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
@@ -270,7 +299,24 @@ class Config(Section):
                 "tokens (data.max_prompt_tokens + rollout.max_new_tokens); raise it or lower those"
             )
         self._check_sequence_parallel()
+        self._check_critic()
         return self
+
+    def _check_critic(self) -> None:
+        gae = self.algorithm.advantage == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.advantage=gae needs a critic section (critic: {} for the defaults)")
+        if self.critic is not None and not gae:
+            raise ValueError(
+                f"critic: set, but algorithm.advantage={self.algorithm.advantage} ignores it "
+                "(use algorithm.advantage=gae, or remove the critic section)"
+            )
+        if self.algorithm.kl_in_reward > 0 and not gae:
+            raise ValueError("algorithm.kl_in_reward shapes GAE rewards; it needs algorithm.advantage=gae")
+        if self.critic is not None and self.critic.learners.sequence_parallel_size > 1:
+            raise ValueError(
+                "critic.learners.sequence_parallel_size: the critic runs without sequence parallelism (1)"
+            )
 
     def _check_sequence_parallel(self) -> None:
         lc, sp = self.learner, self.learner.sequence_parallel_size
@@ -295,10 +341,9 @@ class Config(Section):
         """The most tokens (prompt + completion) one training sequence can have."""
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
-    @property
-    def micro_batch_token_budget(self) -> int:
-        """``learner.max_tokens_per_micro_batch``, or its default."""
-        lc = self.learner
+    def token_budget(self, lc: LearnerConfig) -> int:
+        """``max_tokens_per_micro_batch`` of a learner section (the policy's or the critic's), or
+        its default."""
         return lc.max_tokens_per_micro_batch or lc.micro_batch_size * self.longest_sequence
 
 
@@ -356,13 +401,17 @@ def describe() -> str:
     """Every key with its type, default and docstring, for ``--help-config``."""
     lines = []
 
-    def walk(model: type[BaseModel], prefix: str) -> None:
+    def walk(model: type[BaseModel], prefix: str, defaults: BaseModel | None) -> None:
         for name, field in model.model_fields.items():
-            annotation = field.annotation
+            # an optional section (`critic`) is described like a present one
+            annotation = next(
+                (a for a in get_args(field.annotation) if a is not type(None)), field.annotation
+            )
+            default = getattr(defaults, name) if defaults is not None else field.default
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                walk(annotation, f"{prefix}{name}.")
+                walk(annotation, f"{prefix}{name}.", default if isinstance(default, BaseModel) else None)
                 continue
-            lines.append(f"{prefix}{name} = {field.default!r}\n    {(field.description or '').strip()}")
+            lines.append(f"{prefix}{name} = {default!r}\n    {(field.description or '').strip()}")
 
-    walk(Config, "")
+    walk(Config, "", None)
     return "\n".join(lines)

@@ -98,11 +98,33 @@ def layout_config(
     )
 
 
-def update_after_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, torch.Tensor]:
-    """Weights after one training step minus weights before, on fresh learners."""
-    from rltrain.learner import LearnerGroup  # ray and deepspeed load only for this check
+def critic_layout_config(*args, value_clip: float | None = 0.1, **kwargs) -> Config:
+    """:func:`layout_config` for the critic's learners (PPO with GAE); the same arguments."""
+    raw = layout_config(*args, **kwargs).model_dump()
+    raw["algorithm"]["advantage"] = "gae"
+    raw["critic"] = {"learners": raw["learner"], "value_clip": value_clip}
+    return Config.model_validate(raw)
 
-    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
+
+def with_value_targets(batch: TrainBatch, seed: int = 0) -> TrainBatch:
+    """``batch`` with random returns and rollout-time values, what a critic trains on."""
+    g = torch.Generator().manual_seed(seed)
+    shape = batch.input_ids.shape
+    return batch.replace(
+        returns=torch.randn(shape, generator=g), old_values=0.1 * torch.randn(shape, generator=g)
+    )
+
+
+def update_after_one_step(
+    config: Config, model_path: str, batch: TrainBatch, learner_cls: type | None = None
+) -> dict[str, torch.Tensor]:
+    """Weights after one training step minus weights before, on fresh learners (the policy's, or
+    ``learner_cls``'s such as :class:`rltrain.critic.CriticLearner`)."""
+    from rltrain.learner import LearnerGroup, PolicyLearner  # ray and deepspeed load only for this check
+
+    group = LearnerGroup(
+        config, model_path, total_optimizer_steps=1, learner_cls=learner_cls or PolicyLearner
+    )
     try:
         before = group.state_dict()
         group.train_step(batch)

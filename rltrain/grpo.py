@@ -1,5 +1,5 @@
-"""From completions to a training batch: rewards, overlong handling, group advantages, DAPO's
-dynamic-sampling filter (no ray, no deepspeed)."""
+"""From completions to a training batch: rewards, overlong handling, group advantages or GAE
+with a critic's values, DAPO's dynamic-sampling filter (no ray, no deepspeed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.advantages import grpo_advantages, rloo_advantages, zero_variance_groups
+from rltrain.advantages import gae_advantages, grpo_advantages, rloo_advantages, whiten, zero_variance_groups
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import AlgorithmConfig, Config
 from rltrain.data import Prompt
@@ -80,9 +80,33 @@ def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
 
 
 def build_batch(scored: ScoredGroups, config: Config, pad_id: int) -> TrainBatch:
-    n = config.algorithm.group_size
-    prompt_ids = [p.token_ids for p in scored.prompts for _ in range(n)]
-    exclude = [c.truncated for c in scored.completions] if config.algorithm.overlong == "filter" else None
-    return collate(
-        prompt_ids, scored.completions, advantages(scored.rewards, config.algorithm), pad_id, exclude
-    )
+    """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`."""
+    alg = config.algorithm
+    prompt_ids = [p.token_ids for p in scored.prompts for _ in range(alg.group_size)]
+    exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
+    group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
+    return collate(prompt_ids, scored.completions, group, pad_id, exclude)
+
+
+def with_gae(
+    batch: TrainBatch,
+    rewards_N: torch.Tensor,
+    values_BT: torch.Tensor,
+    alg: AlgorithmConfig,
+    ref_logprobs_BT: torch.Tensor | None = None,
+) -> TrainBatch:
+    """Per-token GAE advantages (whitened over every loss token of the global batch), returns and
+    the values they came from. Each sequence's reward sits on its last policy token; with
+    ``alg.kl_in_reward`` every policy token also pays ``kl_in_reward * (log pi_gen - log pi_ref)``."""
+    keep_BT = batch.response_mask.bool() & batch.tool_mask.bool()
+    rewards_BT = torch.zeros(keep_BT.shape)
+    has_tokens = keep_BT.any(-1)
+    last = keep_BT.shape[1] - 1 - keep_BT.flip(-1).int().argmax(-1)  # last policy token of each row
+    rows = torch.arange(len(batch))[has_tokens]
+    rewards_BT[rows, last[has_tokens]] = rewards_N[has_tokens].float()
+    if alg.kl_in_reward > 0:
+        if ref_logprobs_BT is None or batch.generator_logprobs is None:
+            raise ValueError("algorithm.kl_in_reward needs generator and reference log-probs")
+        rewards_BT -= alg.kl_in_reward * (batch.generator_logprobs - ref_logprobs_BT)
+    advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, keep_BT, alg.gamma, alg.lam)
+    return batch.replace(advantages=whiten(advantages_BT, keep_BT), returns=returns_BT, old_values=values_BT)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -34,37 +35,45 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rltrain import attention, sequence_parallel
-from rltrain.batch import TrainBatch, plan_micro_batches, plan_packed_micro_batches
-from rltrain.config import Config
+from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_packed_micro_batches
+from rltrain.config import Config, LearnerConfig
 from rltrain.logprobs import sequence_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
 from rltrain.masked_mean import group_token_totals
 
-METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
 # counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
 
 
-class PolicyLearner:
-    """One data-parallel rank. Created by :class:`LearnerGroup` as a Ray actor."""
+class EngineLearner:
+    """One data-parallel rank owning a DeepSpeed engine: set-up, the accumulation loop (explicit
+    boundaries, the one token-total collective, one metrics all-reduce), checkpoints and export.
+
+    Subclasses say which config section lays them out (:meth:`section`), build the model
+    (:meth:`_build_model`) and give the loss of one micro-batch (:meth:`_loss`); the policy and the
+    critic share everything else. Created by :class:`LearnerGroup` as Ray actors.
+    """
+
+    PREFIX = "train"  # of the logged metrics: train/..., time/train_s
+    PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
+    METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
+
+    @staticmethod
+    def section(config: Config) -> LearnerConfig:
+        return config.learner
 
     def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
         self.config, self.model_path = config, model_path
         self.rank, self.world_size = rank, world_size
+        self.lc = self.section(config)
         self.use_cuda = torch.cuda.is_available()
         if not self.use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            torch.set_num_threads(max(1, int(config.learner.cpus_per_learner)))
-        loss = config.loss
-        self.loss_settings = PolicyLossSettings(
-            kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
-            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, tis_cap=loss.tis_cap,
-        )  # fmt: skip
+            torch.set_num_threads(max(1, int(self.lc.cpus_per_learner)))
         self.engine = None
-        self.ref_model = None
         self.optimizer_steps = 0
         # sequence parallelism: ranks [g*sp, (g+1)*sp) share every micro-batch, each a slice of its row
-        self.sp = config.learner.sequence_parallel_size
+        self.sp = self.lc.sequence_parallel_size
         self.sp_rank = rank % self.sp
         self.attn_implementation = None
 
@@ -78,9 +87,9 @@ class PolicyLearner:
 
     def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
         import deepspeed
-        from transformers import AutoModelForCausalLM, get_scheduler
+        from transformers import get_scheduler
 
-        lc = self.config.learner
+        lc = self.lc
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -96,7 +105,7 @@ class PolicyLearner:
             # document by document: no [L, L] mask, attention work grows with each sequence, not the row
             self.attn_implementation = attention.register()
         self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
-        model = self._load_model(AutoModelForCausalLM)
+        model = self._build_model()
         if self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if lc.optimizer == "adamw":
@@ -126,11 +135,9 @@ class PolicyLearner:
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        if self.config.loss.kl_beta > 0:
-            # the frozen reference lives beside the policy on every learner: its forward runs on the
-            # rank's own shard only, so no extra actors and no transfer of log-probs are needed
-            self.ref_model = self._load_model(AutoModelForCausalLM).to(self.engine.device).eval()
-            self.ref_model.requires_grad_(False)
+
+    def _build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
 
     def _sequence_parallel_group(self):
         """This rank's group of ``sp`` consecutive ranks (every rank creates every group, in order)."""
@@ -139,22 +146,13 @@ class PolicyLearner:
         groups = [dist.new_group(list(range(g, g + self.sp))) for g in range(0, self.world_size, self.sp)]
         return groups[self.rank // self.sp]
 
-    def _load_model(self, auto_cls):
+    def _load_model(self, auto_cls, path: str | None = None, **kwargs):
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         extra = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
         return auto_cls.from_pretrained(
-            self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code, **extra
-        )
-
-    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
-        """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
-        sequence-parallel packed row."""
-        temperature, packed = self.config.rollout.temperature, self.config.learner.packing
-        if self.sp > 1:
-            return sequence_parallel.sequence_logprobs(
-                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
-            )
-        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
+            path or self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code,
+            **extra, **kwargs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ training
 
@@ -163,36 +161,40 @@ class PolicyLearner:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        cfg, lc = self.config, self.config.learner
+        lc, mode = self.lc, self.config.loss.masked_mean_denominator
         if self.use_cuda:
             torch.cuda.reset_peak_memory_stats()
         groups = [[self._to_device(self._own_tokens(self._nonempty(mb))) for mb in group] for group in groups]
-        groups = self._add_reference_and_old_logprobs(groups)
+        groups = self._before_training(groups)
         flat = [mb for group in groups for mb in group]
         totals = None
-        if cfg.loss.masked_mean_denominator == "token":
+        if mode == "token":
             # one collective for every accumulation group of the step (the same over PPO epochs);
             # with packing, groups may hold different numbers of micro-batches
             totals = group_token_totals(
                 [mb.response_mask for mb in flat], [len(g) for g in groups], [mb.tool_mask for mb in flat]
             )
-        sums = torch.zeros(len(METRIC_SUMS) + len(TOKEN_COUNTS), dtype=torch.float64)
-        sums[len(METRIC_SUMS) :] = torch.tensor(
-            [
-                sum(self._forward_tokens(mb) for mb in flat),
-                sum(mb.attention_mask.sum().item() for mb in flat) / self.sp,
-            ]
-        )
+        n = len(self.METRIC_SUMS)
+        sums = torch.zeros(n + len(TOKEN_COUNTS), dtype=torch.float64)
+        real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
+        sums[n:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens])
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
                 for i, mb in enumerate(group):
-                    loss, metrics = self._micro_batch_loss(mb, totals, g, len(group))
+                    if mode == "token":
+                        # the group's global token count / world size: DeepSpeed averages gradients
+                        # over ranks, which the factor world_size cancels; no /accumulation_steps
+                        # (the count covers them all)
+                        denominator = totals[g] / self.world_size
+                    else:
+                        denominator = mode  # None (this micro-batch's own count) or a constant
+                    loss, metrics = self._loss(mb, denominator)
+                    if mode != "token":
+                        loss = loss / len(group)
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
-                    sums[: len(METRIC_SUMS)] += torch.tensor(
-                        [float(metrics.get(k, 0.0)) for k in METRIC_SUMS], dtype=torch.float64
-                    )
+                    sums[:n] += torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_SUMS])
                 lrs.append(self.engine.get_lr()[0])
                 self.engine.step()
                 self.optimizer_steps += 1
@@ -200,67 +202,40 @@ class PolicyLearner:
                 if norm is not None:
                     grad_norms.append(float(norm))
         dist.all_reduce(sums)  # one collective for every metric: global token sums
-        tokens = max(sums[METRIC_SUMS.index("tokens")].item(), 1.0)
-        out = {f"train/{k}": sums[i].item() / tokens for i, k in enumerate(METRIC_SUMS) if k != "tokens"}
-        out["train/clip_fraction"] = out.pop("train/clipped")
-        out["train/tokens"] = sums[METRIC_SUMS.index("tokens")].item() / lc.ppo_epochs
-        forward_tokens, sequence_tokens = sums[len(METRIC_SUMS) :].tolist()
-        out["perf/forward_tokens"] = forward_tokens
-        out["perf/padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
-        out["perf/peak_memory_mib"] = self._peak_memory_mib()
-        out["train/lr"] = lrs[-1]
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-        out["train/optimizer_steps"] = float(self.optimizer_steps)
-        out["time/train_s"] = time.perf_counter() - start
+        tokens = max(sums[self.METRIC_SUMS.index("tokens")].item(), 1.0)
+        p = self.PREFIX
+        out = {f"{p}/{k}": sums[i].item() / tokens for i, k in enumerate(self.METRIC_SUMS) if k != "tokens"}
+        out = self._finish_metrics(out)
+        out[f"{p}/tokens"] = tokens / lc.ppo_epochs
+        forward_tokens, sequence_tokens = sums[n:].tolist()
+        out[f"perf/{self.PERF}forward_tokens"] = forward_tokens
+        out[f"perf/{self.PERF}padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
+        out[f"perf/{self.PERF}peak_memory_mib"] = self._peak_memory_mib()
+        out[f"{p}/lr"] = lrs[-1]
+        out[f"{p}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out[f"{p}/optimizer_steps"] = float(self.optimizer_steps)
+        out[f"time/{p}_s"] = time.perf_counter() - start
         return out
 
-    def _micro_batch_loss(self, mb: TrainBatch, totals, group: int, micro_batches_in_group: int):
-        cfg = self.config
-        logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
-        mode = cfg.loss.masked_mean_denominator
-        if mode == "token":
-            # the group's global token count / world size: DeepSpeed averages gradients over ranks,
-            # which the factor world_size cancels; no /accumulation_steps (the count covers them all)
-            denominator = totals[group].to(logprobs.device) / self.world_size
-        else:
-            denominator = mode  # None (this micro-batch's own count) or a constant
-        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        loss, metrics = policy_loss(
-            logprobs,
-            old,
-            mb.advantages,
-            mb.response_mask,
-            denominator,
-            self.loss_settings,
-            tool_mask_BT=mb.tool_mask,
-            ref_logprobs_BT=mb.ref_logprobs,
-            generator_logprobs_BT=mb.generator_logprobs,
-            axis=cfg.loss.masked_mean_axis,
-        )
-        if mode != "token":
-            loss = loss / micro_batches_in_group
-        keep = mb.response_mask.bool() & mb.tool_mask.bool()
-        metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
-        return loss, metrics
+    def _loss(self, mb: TrainBatch, denominator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch reduced with ``denominator`` and its token sums."""
+        raise NotImplementedError
+
+    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        """What every micro-batch needs from the pre-update model (nothing by default)."""
+        return groups
+
+    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        return out
 
     @torch.no_grad()
-    def _add_reference_and_old_logprobs(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
-        """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
-        pre-update policy's log-probs, so every step's ratio is against the same old policy."""
-        lc = self.config.learner
-        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1
-        out = []
-        for group in groups:
-            new_group = []
-            for mb in group:
-                changes = {}
-                if self.ref_model is not None:
-                    changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
-                if needs_old:
-                    changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
-                new_group.append(mb.replace(**changes))
-            out.append(new_group)
-        return out
+    def per_token(self, micro_batches: list[TrainBatch]) -> list[torch.Tensor]:
+        """:meth:`_per_token` of each micro-batch (``[B, T]`` each, on the CPU); every rank runs its
+        micro-batches at the same time (ZeRO-3 gathers are collectives)."""
+        return [self._per_token(self._to_device(self._nonempty(mb))).cpu() for mb in micro_batches]
+
+    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+        raise NotImplementedError
 
     def _nonempty(self, mb: TrainBatch) -> TrainBatch:
         """An empty micro-batch becomes one 2-token row with every mask 0 except attention: it runs
@@ -268,16 +243,18 @@ class PolicyLearner:
         tokens, so one prediction links the loss to the parameters)."""
         if len(mb) > 0:
             return mb
-        zeros = torch.zeros(1, 2, dtype=torch.long)
-        return TrainBatch(
-            input_ids=zeros,
-            attention_mask=torch.ones_like(zeros),
-            response_mask=zeros,
-            tool_mask=zeros,
-            advantages=torch.zeros(1),
-            generator_logprobs=None if mb.generator_logprobs is None else torch.zeros(1, 2),
-            old_logprobs=None if mb.old_logprobs is None else torch.zeros(1, 2),
-        )
+
+        def blank(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+            if value is None:
+                return None
+            shape = (1,) if value.dim() == 1 else (1, 2)
+            return (
+                torch.ones(shape, dtype=value.dtype)
+                if name == "attention_mask"
+                else torch.zeros(shape, dtype=value.dtype)
+            )
+
+        return TrainBatch(**{f.name: blank(f.name, getattr(mb, f.name)) for f in fields(mb)})
 
     def _own_tokens(self, mb: TrainBatch) -> TrainBatch:
         """Under sequence parallelism, the loss tokens of this rank are those whose log-prob it
@@ -290,7 +267,7 @@ class PolicyLearner:
     def _forward_tokens(self, mb: TrainBatch) -> float:
         """Tokens the model runs on for this micro-batch on this rank: its slice of the packed row,
         or every padded cell."""
-        if not self.config.learner.packing:
+        if not self.lc.packing:
             return mb.input_ids.numel()
         return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
 
@@ -315,7 +292,7 @@ class PolicyLearner:
         module = self.engine.module
         state = {}
         for name, param in module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], enabled=self.config.learner.zero_stage == 3):
+            with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
                 if self.rank == 0:
                     state[name] = param.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
@@ -346,15 +323,106 @@ class PolicyLearner:
         return ours["client"]
 
 
+class PolicyLearner(EngineLearner):
+    """A policy rank: per-token log-probs (padded, packed or sequence-parallel), the policy loss,
+    a frozen reference model for the KL term."""
+
+    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
+
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+        super().__init__(config, model_path, rank, world_size)
+        loss = config.loss
+        self.loss_settings = PolicyLossSettings(
+            kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
+            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, tis_cap=loss.tis_cap,
+        )  # fmt: skip
+        self.ref_model = None
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if self.config.loss.kl_beta > 0 or self.config.algorithm.kl_in_reward > 0:
+            # the frozen reference lives beside the policy on every learner: its forward runs on the
+            # rank's own shard only, so no extra actors and no transfer of log-probs are needed
+            device = "cuda" if self.use_cuda else "cpu"
+            self.ref_model = self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
+        return self._load_model(AutoModelForCausalLM)
+
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
+        """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
+        sequence-parallel packed row."""
+        temperature, packed = self.config.rollout.temperature, self.lc.packing
+        if self.sp > 1:
+            return sequence_parallel.sequence_logprobs(
+                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
+            )
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
+
+    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+        """The reference model's log-probs (for a KL penalty in the reward)."""
+        if self.ref_model is None:
+            raise RuntimeError(
+                "no reference model on the learners (loss.kl_beta and algorithm.kl_in_reward are 0)"
+            )
+        return self._logprobs(self.ref_model, mb)[0]
+
+    def _loss(self, mb: TrainBatch, denominator):
+        logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            mb.advantages,
+            mb.response_mask,
+            denominator,
+            self.loss_settings,
+            tool_mask_BT=mb.tool_mask,
+            ref_logprobs_BT=mb.ref_logprobs,
+            generator_logprobs_BT=mb.generator_logprobs,
+            axis=self.config.loss.masked_mean_axis,
+        )
+        keep = mb.response_mask.bool() & mb.tool_mask.bool()
+        metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
+        return loss, metrics
+
+    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        out["train/clip_fraction"] = out.pop("train/clipped")
+        return out
+
+    @torch.no_grad()
+    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
+        pre-update policy's log-probs, so every step's ratio is against the same old policy."""
+        lc = self.lc
+        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1
+        out = []
+        for group in groups:
+            new_group = []
+            for mb in group:
+                changes = {}
+                if self.ref_model is not None:
+                    changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
+                if needs_old:
+                    changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
+                new_group.append(mb.replace(**changes))
+            out.append(new_group)
+        return out
+
+
 class LearnerGroup:
-    """Starts ``learner.num_learners`` :class:`PolicyLearner` actors in one placement group, forms
-    their torch.distributed group, and calls every rank at once."""
+    """Starts the learner actors of one model (``learner_cls.section(config).num_learners`` of
+    them, :class:`PolicyLearner` by default) in one placement group, forms their torch.distributed
+    group, plans every batch over them and calls every rank at once."""
 
     def __init__(
-        self, config: Config, model_path: str, total_optimizer_steps: int, learner_cls: type = PolicyLearner
+        self,
+        config: Config,
+        model_path: str,
+        total_optimizer_steps: int,
+        learner_cls: type[EngineLearner] = PolicyLearner,
     ):
-        lc = config.learner
-        self.config = config
+        lc = self.lc = learner_cls.section(config)
+        self.config, self.learner_cls = config, learner_cls
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
         self.placement_group = placement_group([bundle] * lc.num_learners, strategy="PACK")
         ray.get(self.placement_group.ready())
@@ -373,27 +441,43 @@ class LearnerGroup:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
 
+    def _plan(self, batch: TrainBatch, num_mini_batches: int) -> MicroBatchPlan:
+        """Micro-batches per data-parallel rank (the ranks of a sequence-parallel group share one)."""
+        lc = self.lc
+        data_parallel = lc.num_learners // lc.sequence_parallel_size
+        if lc.packing:
+            budget = self.config.token_budget(lc)
+            return plan_packed_micro_batches(
+                batch.sequence_lengths(), data_parallel, num_mini_batches, budget
+            )
+        return plan_micro_batches(len(batch), data_parallel, num_mini_batches, lc.micro_batch_size)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch.validate()
-        lc = self.config.learner
-        sp = lc.sequence_parallel_size
-        data_parallel = lc.num_learners // sp  # the ranks of a sequence-parallel group share one share
-        if lc.packing:
-            plan = plan_packed_micro_batches(
-                batch.sequence_lengths(),
-                data_parallel,
-                lc.num_mini_batches,
-                self.config.micro_batch_token_budget,
-            )
-        else:
-            plan = plan_micro_batches(len(batch), data_parallel, lc.num_mini_batches, lc.micro_batch_size)
+        sp = self.lc.sequence_parallel_size
+        plan = self._plan(batch, self.lc.num_mini_batches)
         shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
         results = ray.get([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
         metrics = results[0]  # every rank holds the same all-reduced metrics, except its own memory
-        metrics["perf/peak_memory_mib"] = max(r["perf/peak_memory_mib"] for r in results)
-        metrics["train/micro_batches"] = float(sum(plan.micro_batches_per_group()))
-        metrics["train/oversized_sequences"] = float(plan.oversized)
+        prefix, perf = self.learner_cls.PREFIX, self.learner_cls.PERF
+        metrics[f"perf/{perf}peak_memory_mib"] = max(r[f"perf/{perf}peak_memory_mib"] for r in results)
+        metrics[f"{prefix}/micro_batches"] = float(sum(plan.micro_batches_per_group()))
+        metrics[f"{prefix}/oversized_sequences"] = float(plan.oversized)
         return metrics
+
+    def per_token(self, batch: TrainBatch) -> torch.Tensor:
+        """The learners' per-token output for the whole batch, ``[N, T]`` (a critic's values), with
+        every rank running its micro-batches at the same time."""
+        sp = self.lc.sequence_parallel_size
+        plan = self._plan(batch, 1)
+        shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]
+        results = ray.get([a.per_token.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for rank, rank_results in zip(plan.groups, results[::sp]):
+            for idx, values in zip(rank[0], rank_results):
+                if len(idx):  # an empty micro-batch ran as a placeholder row
+                    out[idx] = values
+        return out
 
     def gathered_state_ref(self) -> ray.ObjectRef:
         """Rank 0's full weights as an object reference, gathered with every rank taking part

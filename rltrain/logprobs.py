@@ -124,10 +124,7 @@ def sequence_logprobs(
     """
     if packed:
         return _packed_sequence_logprobs(model, input_ids_BT, attention_mask_BT, temperature, with_entropy)
-    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
-    logits_BTV = model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False
-    ).logits
+    logits_BTV = padded_forward(model, input_ids_BT, attention_mask_BT).logits
     # logits at t predict token t+1
     logprobs, entropy = token_logprobs_and_entropy(
         logits_BTV[:, :-1], input_ids_BT[:, 1:], temperature, with_entropy=with_entropy
@@ -136,6 +133,27 @@ def sequence_logprobs(
     logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
     entropy_BT = None if entropy is None else torch.cat([zero_col, entropy], dim=1)
     return logprobs_BT, entropy_BT
+
+
+def padded_forward(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
+    """The model's output for padded rows (left-padded prompts: positions count attended tokens)."""
+    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    return model(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False
+    )
+
+
+def token_outputs(
+    model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
+    """The model's per-position output ``logits`` ``[B, T, C]`` for a head with few outputs (a value
+    head), computed padded or on one packed row and laid out like the input (0 on padding)."""
+    if not packed:
+        return padded_forward(model, input_ids_BT, attention_mask_BT).logits
+    keep_BT = attention_mask_BT.bool()
+    out_1LC = packed_forward(model, *pack_sequences(input_ids_BT, attention_mask_BT)).logits
+    out_BTC = out_1LC.new_zeros(*keep_BT.shape, out_1LC.shape[-1])
+    return out_BTC.masked_scatter(keep_BT[..., None], out_1LC[0])
 
 
 # ---------------------------------------------------------------------------- packed rows

@@ -161,7 +161,10 @@ def policy_loss(
     token means rather than means of micro-batch means.
     """
     keep = loss_token_mask(mask_BT, tool_mask_BT)
-    advantages_BT = advantages_B[:, None].expand_as(logprobs_BT).to(logprobs_BT.dtype)
+    # one advantage per sequence (group estimators) or per token (GAE)
+    per_sequence = advantages_B.dim() == 1
+    advantages_BT = (advantages_B[:, None] if per_sequence else advantages_B).expand_as(logprobs_BT)
+    advantages_BT = advantages_BT.to(logprobs_BT.dtype)
     s = settings
     if s.kind == "ppo":
         pg, clipped = ppo_clip_loss(
@@ -198,6 +201,46 @@ def policy_loss(
     }
     if kl is not None:
         metrics["kl"] = token_sum(kl)
+    return loss, metrics
+
+
+def value_loss(
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    denominator: float | torch.Tensor | None,
+    value_clip: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss, reduced with ``masked_mean(..., denominator)`` like the policy loss.
+
+    Per token ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)``; ``value_clip=None``
+    gives the plain ``0.5 * (v - R)^2``. Returns the scalar loss and detached per-token sums over
+    the masked tokens (``value_loss``, ``value_clipped``, ``value``, ``return``, ``tokens``) for
+    global token means.
+    """
+    keep = mask_BT.bool()
+    unclipped = (values_BT - returns_BT) ** 2
+    per_token = unclipped
+    clipped_taken = torch.zeros_like(keep)
+    if value_clip is not None:
+        clipped_values = old_values_BT + torch.clamp(values_BT - old_values_BT, -value_clip, value_clip)
+        clipped = (clipped_values - returns_BT) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_taken = clipped > unclipped
+    per_token = 0.5 * per_token
+    loss = masked_mean(per_token, keep, denominator=denominator)
+
+    def token_sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, x.detach().float(), 0.0).sum()
+
+    metrics = {
+        "value_loss": token_sum(per_token),
+        "value_clipped": token_sum(clipped_taken.float()),
+        "value": token_sum(values_BT),
+        "return": token_sum(returns_BT),
+        "tokens": keep.sum().float(),
+    }
     return loss, metrics
 
 

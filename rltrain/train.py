@@ -24,7 +24,7 @@ from rltrain import checkpoint
 from rltrain.advantages import zero_variance_groups
 from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
 from rltrain.data import PromptSampler, load_rows, tokenize_prompts
-from rltrain.grpo import ScoredGroups, build_batch, score
+from rltrain.grpo import ScoredGroups, build_batch, score, with_gae
 from rltrain.rewards import RewardScorer, load_reward_fn
 
 
@@ -87,12 +87,9 @@ def connect_ray(config: Config) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local instance; then check the layout fits."""
     import ray
 
-    lc, rc = config.learner, config.rollout
-    need_cpu = lc.num_learners * lc.cpus_per_learner + rc.num_engines * rc.cpus_per_engine
-    need_gpu = lc.num_learners * lc.gpus_per_learner + rc.num_engines * rc.gpus_per_engine
     if not os.environ.get("RAY_ADDRESS"):
         have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
-        _check_fits(need_cpu, have_cpu, need_gpu, _local_gpus(), config)
+        _check_fits(have_cpu, _local_gpus(), config)
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
         ray.init(
             num_cpus=have_cpu, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20
@@ -100,19 +97,29 @@ def connect_ray(config: Config) -> None:
     else:
         ray.init(log_to_driver=False)
         resources = ray.cluster_resources()
-        _check_fits(need_cpu, resources.get("CPU", 0), need_gpu, resources.get("GPU", 0), config)
+        _check_fits(resources.get("CPU", 0), resources.get("GPU", 0), config)
 
 
 def _local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def _check_fits(need_cpu: float, have_cpu: float, need_gpu: float, have_gpu: float, config: Config) -> None:
+def _check_fits(have_cpu: float, have_gpu: float, config: Config) -> None:
     lc, rc = config.learner, config.rollout
+    # (what, how many, CPUs each, GPUs each)
+    parts = [
+        ("learners", lc.num_learners, lc.cpus_per_learner, lc.gpus_per_learner),
+        ("engines", rc.num_engines, rc.cpus_per_engine, rc.gpus_per_engine),
+    ]
+    if config.critic is not None:
+        cl = config.critic.learners
+        parts.append(("critic learners", cl.num_learners, cl.cpus_per_learner, cl.gpus_per_learner))
+    need_cpu = sum(n * cpus for _, n, cpus, _ in parts)
+    need_gpu = sum(n * gpus for _, n, _, gpus in parts)
     if need_cpu > have_cpu:
+        spelled = " + ".join(f"{n} {what} x {cpus} CPU" for what, n, cpus, _ in parts)
         raise ConfigError(
-            f"learner.num_learners: {lc.num_learners} learners x {lc.cpus_per_learner} CPU + {rc.num_engines} "
-            f"engines x {rc.cpus_per_engine} CPU need {need_cpu:g} CPUs, the cluster has {have_cpu:g} "
+            f"learner.num_learners: {spelled} need {need_cpu:g} CPUs, the cluster has {have_cpu:g} "
             "(lower learner.num_learners, learner.cpus_per_learner or rollout.cpus_per_engine)"
         )
     if need_gpu > have_gpu:
@@ -133,6 +140,7 @@ class Run:
     generators: Any  # rltrain.rollout.GeneratorPool
     weight_sync: Any  # rltrain.weight_sync.WeightSync
     start_step: int
+    critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
 
 
 def start_run(config: Config) -> Run:
@@ -152,12 +160,18 @@ def start_run(config: Config) -> Run:
     model_path = resolve_model(config, out)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     sampler = PromptSampler(tokenize_prompts(load_rows(config.data), tokenizer, config.data), config.run.seed)
-    steps_per_batch = config.learner.num_mini_batches * config.learner.ppo_epochs
-    learners = LearnerGroup(config, model_path, total_optimizer_steps=config.run.steps * steps_per_batch)
+    learners = LearnerGroup(config, model_path, total_optimizer_steps(config, config.learner))
+    critic = None
+    if config.critic is not None:
+        from rltrain.critic import CriticLearner
+
+        critic = LearnerGroup(
+            config, model_path, total_optimizer_steps(config, config.critic.learners), CriticLearner
+        )
     run = Run(out, tokenizer, sampler, RewardScorer(config.reward.functions, config.reward.timeout_s), learners,
-              GeneratorPool(config, model_path), ObjectStoreSync(), start_step=0)  # fmt: skip
+              GeneratorPool(config, model_path), ObjectStoreSync(), start_step=0, critic=critic)  # fmt: skip
     if config.run.resume and checkpoint.latest_tag(out) is not None:
-        state = checkpoint.load(learners, out)
+        state = checkpoint.load(learners, out, critic)
         run.start_step = state["step"]
         sampler.load_state(state["sampler"])
         run.weight_sync.push(learners, run.generators)
@@ -191,7 +205,15 @@ def train(config: Config) -> Path:
                 continue
             batch = build_batch(scored, config, run.tokenizer.pad_token_id)
             trained = step
-            metrics = learners.train_step(batch)
+            metrics = {}
+            if run.critic is not None:  # PPO: GAE from the critic's values, then the critic's update
+                ref_logprobs = learners.per_token(batch) if config.algorithm.kl_in_reward else None
+                batch = with_gae(
+                    batch, scored.rewards, run.critic.per_token(batch), config.algorithm, ref_logprobs
+                )
+                metrics = run.critic.train_step(batch)
+            if run.critic is None or step > config.critic.warmup_steps:  # the critic may warm up first
+                metrics |= learners.train_step(batch)
             sync_s = run.weight_sync.push(learners, generators)
 
             step_s = time.perf_counter() - t0
@@ -201,7 +223,7 @@ def train(config: Config) -> Path:
                                "train/sequences": float(len(batch))})  # fmt: skip
             last = step in (config.run.steps, config.run.stop_after)
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                checkpoint.save(learners, run.out, step, {"sampler": sampler_state_after[step]})
+                checkpoint.save(learners, run.out, step, {"sampler": sampler_state_after[step]}, run.critic)
                 saved = step
             if step == config.run.stop_after:
                 break
@@ -210,15 +232,23 @@ def train(config: Config) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            checkpoint.save(learners, run.out, trained, {"sampler": sampler_state_after[trained]})
+            checkpoint.save(learners, run.out, trained, {"sampler": sampler_state_after[trained]}, run.critic)
         raise
     finally:
         tracker.close()
     if step == config.run.steps:
         learners.save_hf(run.out / "final_model")
-    learners.shutdown()
-    generators.shutdown()
+        if run.critic is not None:
+            run.critic.save_hf(run.out / "final_critic")
+    for actors in (learners, generators, run.critic):
+        if actors is not None:
+            actors.shutdown()
     return run.out
+
+
+def total_optimizer_steps(config: Config, lc) -> int:
+    """Optimizer steps of the whole run for a learner section (the learning-rate schedule's length)."""
+    return config.run.steps * lc.num_mini_batches * lc.ppo_epochs
 
 
 def resolve_model(config: Config, out: Path) -> str:

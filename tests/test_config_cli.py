@@ -32,6 +32,31 @@ CASES = {
     ),
     "bad reward": (["reward.functions={nosuch: 1.0}"], "reward.functions: 'nosuch' is neither a built-in"),
     "missing data": (["data.source=./no/data.jsonl"], "data.source: './no/data.jsonl' does not exist"),
+    "gae without a critic": (["algorithm.advantage=gae"], "algorithm.advantage=gae needs a critic section"),
+    "critic with a group estimator": (
+        ["critic.warmup_steps=2"],
+        "critic: set, but algorithm.advantage=grpo ignores it",
+    ),
+    "critic does not fit": (
+        ["algorithm.advantage=gae", "critic.learners.num_learners=3", "run.ray_num_cpus=2"],
+        "2 learners x 0.5 CPU + 1 engines x 0.5 CPU + 3 critic learners x 0.5 CPU need 3 CPUs, the cluster has 2",
+    ),
+    "sequence parallel size": (
+        ["learner.sequence_parallel_size=3"],
+        "learner.sequence_parallel_size=3 does not divide learner.num_learners=2",
+    ),
+    "sequence parallel heads": (
+        ["learner.num_learners=4", "learner.sequence_parallel_size=4", "run.ray_num_cpus=4"],
+        "learner.sequence_parallel_size=4 does not divide the model's 2 attention heads",
+    ),
+    "sequence parallel gspo": (
+        ["learner.sequence_parallel_size=2", "loss.kind=gspo"],
+        "learner.sequence_parallel_size=2 needs a per-token loss",
+    ),
+    "token budget": (
+        ["learner.max_tokens_per_micro_batch=64"],
+        "learner.max_tokens_per_micro_batch=64 cannot hold one sequence of up to 152 tokens",
+    ),
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from rltrain.config import Config
 from rltrain.diagnostics import synthetic_rollouts
@@ -85,10 +85,18 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
     assert "masked_mean_denominator: token" in (out / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize("sequence_parallel", [1, 2])
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, sequence_parallel):
-    # with sequence_parallel=2 the two learners share every packed row (data-parallel size 1)
-    common = ["run.steps=3", "run.checkpoint_every=0", f"learner.sequence_parallel_size={sequence_parallel}"]
+RESUME_LAYOUTS = {
+    "grpo": [],
+    # the two learners share every packed row (data-parallel size 1)
+    "sequence parallel": ["learner.sequence_parallel_size=2"],
+    # a critic with its own learner, checkpointed and restored beside the policy
+    "ppo with a critic": ["algorithm.advantage=gae", "critic.learners.lr=1e-3"],
+}
+
+
+@pytest.mark.parametrize("layout", RESUME_LAYOUTS)
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout):
+    common = ["run.steps=3", "run.checkpoint_every=0", *RESUME_LAYOUTS[layout]]
     run_trainer(tmp_path / "straight", *common)
     run_trainer(tmp_path / "split", *common, "run.stop_after=2")
     assert not (tmp_path / "split" / "final_model").exists()
@@ -96,6 +104,11 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, sequenc
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)
+    if "critic" in layout:
+        critic = {run: AutoModelForTokenClassification.from_pretrained(tmp_path / run / "final_critic").state_dict()
+                  for run in ("straight", "split")}  # fmt: skip
+        for name in critic["straight"]:
+            torch.testing.assert_close(critic["split"][name], critic["straight"][name], rtol=0, atol=1e-6)
     rows = [
         json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -219,3 +232,23 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
     run_trainer(out, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true")
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == saved_step + 1
+
+
+def test_ppo_with_a_critic_learns_and_its_values_explain_the_returns(tmp_path):
+    # configs/cpu_ppo.yaml as shipped: 40 steps of PPO with GAE (critic warm-up 3 steps), ~1.5 min
+    out = tmp_path / "ppo"
+    done = subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_ppo.yaml", f"run.output_dir={out}",
+         "run.checkpoint_every=0", "run.ray_num_cpus=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "train/pg_loss" not in rows[0] and "train/pg_loss" in rows[3]  # the policy waits 3 steps
+    first, last = rows[:5], rows[-5:]
+    reward = lambda part: sum(r["reward/mean"] for r in part) / len(part)  # noqa: E731
+    assert reward(last) > reward(first) + 0.5, (reward(first), reward(last))
+    explained = [r["critic/explained_variance"] for r in rows[-10:]]
+    assert sum(explained) / len(explained) > 0, explained
+    AutoModelForCausalLM.from_pretrained(out / "final_model")
+    assert (out / "final_critic" / "config.json").exists()

@@ -163,7 +163,7 @@ def test_bad_token_budget_is_one_line(overrides, expected):
 def test_default_budget_is_the_padded_worst_case():
     config = load_config("configs/cpu_demo.yaml", ["learner.micro_batch_size=4"])
     # 4 sequences x (128 prompt + 24 completion tokens)
-    assert config.learner.packing and config.micro_batch_token_budget == 4 * (128 + 24)
+    assert config.learner.packing and config.token_budget(config.learner) == 4 * (128 + 24)
 
 
 def test_document_attention_equals_attention_under_a_block_diagonal_causal_mask():

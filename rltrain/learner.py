@@ -1,4 +1,6 @@
-"""Policy learners: Ray actors that each own one DeepSpeed engine, driven together by LearnerGroup.
+"""Learners: Ray actors that each own one DeepSpeed engine, driven together by LearnerGroup.
+:class:`EngineLearner` is the path every trained model takes (the policy here, the critic in
+:mod:`rltrain.critic`); :class:`PolicyLearner` adds log-probs, the policy loss and the reference.
 
 One training step on a global batch of scored rollouts:
 

@@ -1,5 +1,6 @@
 """The critic on real Ray actors and DeepSpeed engines: its update is layout-invariant in `token`
-mode (and not per micro-batch), checkpoints round-trip, the Hugging Face export loads."""
+mode (and not per micro-batch), the Hugging Face export loads (checkpoint round trips:
+tests/test_learner.py)."""
 
 import pytest
 import torch
@@ -46,38 +47,22 @@ def test_critic_update_is_layout_invariant_in_token_mode(zero_stage, ray_local, 
     assert naive > 1e-2, naive
 
 
-def test_critic_checkpoint_round_trip_and_export(ray_local, tiny_model_path, tmp_path):
-    config = critic_layout_config(2, 2, 2, optimizer="adamw", lr=1e-2, warmup_steps=2, lr_schedule="linear")
-    first, second = (
-        with_value_targets(synthetic_rollouts(seed=1), 1),
-        with_value_targets(synthetic_rollouts(seed=2), 2),
-    )
-    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4, learner_cls=CriticLearner)
+def test_exported_critic_loads_with_transformers_and_predicts_the_same_values(
+    ray_local, tiny_model_path, tmp_path
+):
+    batch = with_value_targets(synthetic_rollouts(seed=1), 1)
+    group = LearnerGroup(critic_layout_config(2, 2, 2, lr=1e-2), tiny_model_path, total_optimizer_steps=1,
+                         learner_cls=CriticLearner)  # fmt: skip
     try:
-        group.train_step(first)
-        group.save_checkpoint(tmp_path, "step1", {"step": 1})
+        group.train_step(batch)  # the head leaves 0, so the values below are not trivially equal
         group.save_hf(tmp_path / "critic_hf")
-        exported_values = group.per_token(second)
-        group.train_step(second)
-        uninterrupted = group.state_dict()
+        values = group.per_token(batch)
     finally:
         group.shutdown()
-
-    fresh = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4, learner_cls=CriticLearner)
-    try:
-        assert fresh.load_checkpoint(tmp_path, "step1") == {"step": 1}
-        metrics = fresh.train_step(second)
-        resumed = fresh.state_dict()
-    finally:
-        fresh.shutdown()
-    # 1 of 2 warm-up steps done: lr 1e-2 * 1/2
-    assert metrics["critic/lr"] == pytest.approx(5e-3)
-    for name in uninterrupted:
-        torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=1e-7)
-    # the export loads with transformers and predicts what the learners predicted
     model = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic_hf")
     with torch.no_grad():
-        out = token_outputs(model, second.input_ids, second.attention_mask)[..., 0]
+        out = token_outputs(model, batch.input_ids, batch.attention_mask)[..., 0]
     expected = torch.nn.functional.pad(out[:, :-1], (1, 0))  # values[:, t]: the state before token t
-    keep = second.attention_mask.bool()
-    torch.testing.assert_close(exported_values[keep], expected[keep], rtol=1e-5, atol=1e-5)
+    keep = batch.attention_mask.bool()
+    assert expected[keep].abs().max() > 0
+    torch.testing.assert_close(values[keep], expected[keep], rtol=1e-5, atol=1e-5)

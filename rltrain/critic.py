@@ -21,6 +21,7 @@ from rltrain.losses import value_loss
 
 
 class CriticLearner(EngineLearner):
+    ROLE = "critic learner"
     PREFIX = "critic"
     PERF = "critic_"
     # "residual" is return - value at rollout time, for the explained variance

@@ -7,6 +7,7 @@ Sources: ``builtin:arithmetic`` (generated, for the CPU demo), a local ``.jsonl`
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -41,36 +42,100 @@ def arithmetic_rows(n: int = 512, seed: int = 1234) -> list[dict[str, str]]:
 
 
 def load_rows(config: DataConfig) -> list[dict]:
-    if config.source == BUILTIN_TASK:
+    """Every row as ``{"prompt", "answer"}``, validated: a problem raises ValueError naming the
+    source, the row (line, for JSON Lines) and the column."""
+    if config.source.startswith("builtin:"):
+        if config.source != BUILTIN_TASK:
+            raise ValueError(f"data.source: unknown built-in {config.source!r} (built-ins: {BUILTIN_TASK})")
         return arithmetic_rows()
-    import datasets
-
     path = Path(config.source).expanduser()
     if path.exists():
         files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix in LOCAL_FORMATS)
         if not files:
             raise ValueError(f"data.source: no {'/'.join(LOCAL_FORMATS)} files in {str(path)!r}")
-        builder = LOCAL_FORMATS[files[0].suffix]
-        dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        records = _read_local(files)
     else:
-        dataset = datasets.load_dataset(config.source, config.subset, split=config.split)
-    missing = {config.prompt_key, config.answer_key} - set(dataset.column_names)
-    if missing:
-        raise ValueError(
-            f"data.source {config.source!r} has no column(s) {sorted(missing)}; it has {dataset.column_names} "
-            "(set data.prompt_key / data.answer_key)"
-        )
-    rows = [{"prompt": r[config.prompt_key], "answer": str(r[config.answer_key])} for r in dataset]
-    if config.answer_pattern:
-        pattern = re.compile(config.answer_pattern, re.MULTILINE)
-        for i, row in enumerate(rows):
-            match = pattern.search(row["answer"])
-            if match is None:
-                raise ValueError(
-                    f"data.answer_pattern {config.answer_pattern!r} does not match row {i}'s answer"
-                )
-            row["answer"] = match.group(1).strip()
+        records = _read_hub(config)
+    rows = [_row(where, record, config) for where, record in records]
+    if not rows:
+        raise ValueError(f"data.source {config.source!r} holds no rows")
     return rows
+
+
+def _read_local(files: list[Path]) -> list[tuple[str, dict]]:
+    if all(f.suffix == ".jsonl" for f in files):  # read here, so a bad line can be named
+        records = []
+        for f in files:
+            for n, line in enumerate(f.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                where = f"{f.name} line {n}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data.source: {where} is not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(
+                        f"data.source: {where} holds a {type(record).__name__}, expected an object"
+                    )
+                records.append((where, record))
+        return records
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(
+            LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files], split="train"
+        )
+    except Exception as e:
+        raise ValueError(f"data.source: cannot read {str(files[0].parent)!r}: {_first_line(e)}") from None
+    return [(f"row {i}", record) for i, record in enumerate(dataset)]
+
+
+def _read_hub(config: DataConfig) -> list[tuple[str, dict]]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(config.source, config.subset, split=config.split)
+    except Exception as e:
+        raise ValueError(
+            f"data.source: {config.source!r} is no local file and cannot be loaded from the hub: {_first_line(e)}"
+        ) from None
+    return [(f"row {i}", record) for i, record in enumerate(dataset)]
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _row(where: str, record: dict, config: DataConfig) -> dict[str, str]:
+    for key, name in [(config.prompt_key, "prompt_key"), (config.answer_key, "answer_key")]:
+        if key not in record:
+            raise ValueError(
+                f"data.source {config.source!r}: {where} has no column {key!r} (data.{name}); "
+                f"it has {sorted(record)}"
+            )
+    prompt, answer = record[config.prompt_key], record[config.answer_key]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"data.source {config.source!r}: {where}, column {config.prompt_key!r}: expected a non-empty "
+            f"string, got {prompt!r}"
+        )
+    if answer is None or isinstance(answer, dict | list):
+        raise ValueError(
+            f"data.source {config.source!r}: {where}, column {config.answer_key!r}: expected a string or "
+            f"number, got {answer!r}"
+        )
+    answer = str(answer)
+    if config.answer_pattern:
+        match = re.search(config.answer_pattern, answer, re.MULTILINE)
+        if match is None:
+            raise ValueError(
+                f"data.answer_pattern {config.answer_pattern!r} does not match the answer of {where} "
+                f"in {config.source!r}"
+            )
+        answer = match.group(1).strip()
+    return {"prompt": prompt, "answer": answer}
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Prompt]:

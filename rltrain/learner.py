@@ -42,6 +42,7 @@ from rltrain.config import Config, LearnerConfig
 from rltrain.logprobs import sequence_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
 from rltrain.masked_mean import group_token_totals
+from rltrain.remote import gather, where
 
 # counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
@@ -56,6 +57,7 @@ class EngineLearner:
     critic share everything else. Created by :class:`LearnerGroup` as Ray actors.
     """
 
+    ROLE = "policy learner"  # how errors and placement.json name its ranks
     PREFIX = "train"  # of the logged metrics: train/..., time/train_s
     PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
     METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
@@ -86,6 +88,9 @@ class EngineLearner:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def where(self) -> dict[str, Any]:
+        return where()
 
     def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
         import deepspeed
@@ -310,7 +315,8 @@ class EngineLearner:
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict[str, Any]) -> None:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
-        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state})
+        # no DeepSpeed `latest` file: rltrain.checkpoint moves its own pointer once a save is complete
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
         path, state = self.engine.load_checkpoint(
@@ -425,8 +431,10 @@ class LearnerGroup:
     ):
         lc = self.lc = learner_cls.section(config)
         self.config, self.learner_cls = config, learner_cls
+        self.names = [f"{learner_cls.ROLE} {i}" for i in range(lc.num_learners)]
+        self.timeout_s = config.run.actor_timeout_s
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
-        self.placement_group = placement_group([bundle] * lc.num_learners, strategy="PACK")
+        self.placement_group = placement_group([bundle] * lc.num_learners, strategy=lc.placement)
         ray.get(self.placement_group.ready())
         actor_cls = ray.remote(learner_cls)
         self.actors = [
@@ -437,11 +445,19 @@ class LearnerGroup:
             ).remote(config, model_path, i, lc.num_learners)
             for i in range(lc.num_learners)
         ]
-        addr, port = ray.get(self.actors[0].node_address.remote())
-        self._all("setup", addr, port, total_optimizer_steps)
+        addr, port = gather([self.actors[0].node_address.remote()], self.names[:1])[0]
+        gather([a.setup.remote(addr, port, total_optimizer_steps) for a in self.actors], self.names)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])
+        return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Every rank's result; a rank that dies or passes run.actor_timeout_s raises ActorFailure."""
+        return gather(refs, self.names, self.timeout_s)
+
+    def where(self) -> list[dict[str, Any]]:
+        """Node, address and pid of every rank."""
+        return [{"actor": name, **w} for name, w in zip(self.names, self._all("where"))]
 
     def _plan(self, batch: TrainBatch, num_mini_batches: int) -> MicroBatchPlan:
         """Micro-batches per data-parallel rank (the ranks of a sequence-parallel group share one)."""
@@ -459,7 +475,7 @@ class LearnerGroup:
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, self.lc.num_mini_batches)
         shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
-        results = ray.get([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        results = self._gather([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
         metrics = results[0]  # every rank holds the same all-reduced metrics, except its own memory
         prefix, perf = self.learner_cls.PREFIX, self.learner_cls.PERF
         metrics[f"perf/{perf}peak_memory_mib"] = max(r[f"perf/{perf}peak_memory_mib"] for r in results)
@@ -473,7 +489,7 @@ class LearnerGroup:
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, 1)
         shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]
-        results = ray.get([a.per_token.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        results = self._gather([a.per_token.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for rank, rank_results in zip(plan.groups, results[::sp]):
             for idx, values in zip(rank[0], rank_results):
@@ -485,11 +501,12 @@ class LearnerGroup:
         """Rank 0's full weights as an object reference, gathered with every rank taking part
         (ZeRO-3); the weights stay in the object store, so they can go to generators directly."""
         refs = [actor.gathered_state_dict.remote() for actor in self.actors]
-        ray.wait(refs, num_returns=len(refs))
+        self._gather(refs[1:])  # None each (cheap to fetch); rank 0's weights stay in the store
+        ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
         return refs[0]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return ray.get(self.gathered_state_ref())
+        return gather([self.gathered_state_ref()], self.names[:1], self.timeout_s)[0]
 
     def save_hf(self, out_dir: str | Path) -> None:
         self._all("save_hf", str(out_dir))

@@ -8,22 +8,26 @@ A reward function takes ``(completion_text, answer)`` and returns a float. Built
 - ``digits``: the share of the completion's visible characters that are digits, a dense shaping
   reward that a tiny randomly initialized model can climb in minutes (the CPU demo uses it).
 
-Anything else is ``module:function``. A function that raises or runs past ``timeout_s`` scores 0
-for that sample and is counted in the metrics; the run goes on.
+Anything else is ``module:function``. Calls run in worker processes; one that raises, returns a
+non-number or runs past ``timeout_s`` scores 0 for that sample and is counted in the metrics, and
+one past its deadline is stopped for good: its worker process is killed and replaced (a hung
+thread could never be). The run goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import multiprocessing
 import re
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pebble import ProcessPool
+
 RewardFn = Callable[[str, str], float]
-# math-verify warns on every call that its own timeout is off; ours is in call_all_with_timeout
+# math-verify warns on every call that its own timeout is off; ours is the worker's deadline
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 BOXED = re.compile(r"\\boxed\{[^{}]+\}\s*$")
 
@@ -31,8 +35,7 @@ BOXED = re.compile(r"\\boxed\{[^{}]+\}\s*$")
 def math_reward(completion: str, answer: str) -> float:
     from math_verify import parse, verify
 
-    # math-verify's own timeouts use SIGALRM, which only works in the main thread; the scorer
-    # enforces the time limit instead
+    # the scorer enforces the time limit (math-verify's own uses SIGALRM)
     gold = parse(answer, parsing_timeout=None)
     target = parse(completion, parsing_timeout=None)
     return float(bool(gold) and bool(target) and verify(gold, target, timeout_seconds=None))
@@ -75,31 +78,21 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def call_all_with_timeout(
-    fn: RewardFn, completions: list[str], answers: list[str], timeout_s: float
-) -> list[float | None]:
-    """``fn(completion, answer)`` for every pair, concurrently, within one shared deadline.
+@functools.cache
+def _cached_fn(spec: str) -> RewardFn:
+    return load_reward_fn(spec)
 
-    Each entry is a float, or None where the call raised, returned a non-number (NaN included) or
-    was still running at the deadline. Calls run in daemon threads: a hung function is abandoned
-    (Python cannot kill a thread) but never blocks the run or its exit.
-    """
-    results: list[float | None] = [None] * len(completions)
 
-    def target(i: int) -> None:
-        try:
-            value = float(fn(completions[i], answers[i]))
-            results[i] = value if value == value else None
-        except Exception:
-            results[i] = None
+def _preload(specs: list[str]) -> None:
+    """Worker start-up: import every function before taking calls (imports do not eat deadlines)."""
+    for spec in specs:
+        _cached_fn(spec)
 
-    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(len(completions))]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [None if t.is_alive() else r for t, r in zip(threads, results)]
+
+def _call(spec: str, completion: str, answer: str) -> float | None:
+    """One reward call, in a worker process: a float, or None for a non-number (NaN included)."""
+    value = float(_cached_fn(spec)(completion, answer))
+    return value if value == value else None
 
 
 @dataclass
@@ -110,20 +103,54 @@ class Scores:
 
 
 class RewardScorer:
-    def __init__(self, functions: dict[str, float], timeout_s: float):
-        self.functions = {name: (load_reward_fn(name), weight) for name, weight in functions.items()}
-        self.timeout_s = timeout_s
+    """Weighted reward functions, scored in ``workers`` processes (spawned, so a function never
+    inherits the trainer's threads or actors). Close it (or use ``with``) to stop the workers."""
+
+    def __init__(self, functions: dict[str, float], timeout_s: float, workers: int = 2):
+        for spec in functions:
+            load_reward_fn(spec)  # a bad spec fails here, in the trainer, with what was wrong
+        self.functions, self.timeout_s = dict(functions), timeout_s
+        self.pool = ProcessPool(
+            max_workers=workers,
+            initializer=_preload,
+            initargs=(list(functions),),
+            context=multiprocessing.get_context("spawn"),
+        )
 
     def __call__(self, completions: list[str], answers: list[str]) -> Scores:
+        futures = {
+            spec: [
+                self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
+                for c, a in zip(completions, answers)
+            ]
+            for spec in self.functions
+        }
         totals = [0.0] * len(completions)
         per_function, failures = {}, 0
-        for name, (fn, weight) in self.functions.items():
-            values = call_all_with_timeout(fn, completions, answers, self.timeout_s)
+        for spec, weight in self.functions.items():
+            values = [_result(f) for f in futures[spec]]
             failures += sum(v is None for v in values)
             scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
-            per_function[name] = sum(scores) / max(len(scores), 1)
+            per_function[spec] = sum(scores) / max(len(scores), 1)
         return Scores(totals, per_function, failures)
+
+    def close(self) -> None:
+        self.pool.stop()
+        self.pool.join()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _result(future) -> float | None:
+    try:
+        return future.result()
+    except Exception:  # raised in the function, timed out (worker killed), or the worker died
+        return None
 
 
 def soft_overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import ray
 import torch
 
 from rltrain.batch import Completion, Segment
 from rltrain.config import Config, RolloutConfig
+from rltrain.remote import gather, where
 from rltrain.tools import STOP, ToolRunner, generate_with_tools
 
 
@@ -163,11 +164,7 @@ class GeneratorActor:
         self.tokenizer = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=config.model.trust_remote_code
         )
-        self.tools = (
-            ToolRunner(rc.tools.enabled, rc.tools.timeout_s, rc.tools.max_output_chars)
-            if rc.tools.enabled
-            else None
-        )
+        self.tools = ToolRunner.from_config(rc.tools) if rc.tools.enabled else None
         stop = [STOP] if self.tools else []
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(model_path, rc, stop, config.run.seed + engine_index)
@@ -189,6 +186,9 @@ class GeneratorActor:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.backend.load_weights(state_dict.items())
 
+    def where(self) -> dict[str, Any]:
+        return where()
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return self.backend.prompt_logprobs(sequences)
 
@@ -202,25 +202,36 @@ class GeneratorPool:
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )
         self.actors = [actor_cls.remote(config, model_path, i) for i in range(rc.num_engines)]
+        self.names = [f"generator {i}" for i in range(rc.num_engines)]
+        self.timeout_s = config.run.actor_timeout_s
+        self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
 
     def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[ray.ObjectRef]:
         """Start generating (non-blocking); :meth:`collect` the returned references."""
         chunks = _split(list(range(len(prompts))), len(self.actors))
-        return [
-            actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx])
-            for actor, idx in zip(self.actors, chunks)
-            if idx
-        ]
+        refs = []
+        for actor, name, idx in zip(self.actors, self.names, chunks):
+            if idx:
+                refs.append(actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx]))
+                self._submitted[refs[-1]] = name
+        return refs
 
-    @staticmethod
-    def collect(refs: list[ray.ObjectRef]) -> list[Completion]:
-        return [c for part in ray.get(refs) for c in part]
+    def collect(self, refs: list[ray.ObjectRef]) -> list[Completion]:
+        """The completions, in submission order; a generator that dies or passes
+        run.actor_timeout_s raises :class:`~rltrain.remote.ActorFailure`."""
+        names = [self._submitted.pop(ref, "generator") for ref in refs]
+        return [c for part in gather(refs, names, self.timeout_s) for c in part]
 
     def load_weights(self, state_ref: ray.ObjectRef) -> None:
-        ray.get([actor.load_weights.remote(state_ref) for actor in self.actors])
+        gather([actor.load_weights.remote(state_ref) for actor in self.actors], self.names, self.timeout_s)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return ray.get(self.actors[0].prompt_logprobs.remote(sequences))
+        return gather([self.actors[0].prompt_logprobs.remote(sequences)], self.names[:1], self.timeout_s)[0]
+
+    def where(self) -> list[dict[str, Any]]:
+        """Node, address and pid of every generator."""
+        places = gather([a.where.remote() for a in self.actors], self.names)
+        return [{"actor": name, **w} for name, w in zip(self.names, places)]
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -45,6 +45,7 @@ def build_tiny_model(
     """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -67,6 +68,12 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard save needs no progress bar on the console
+    try:
+        model.save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(out)  # written last: its presence marks a complete folder
     return out

@@ -13,13 +13,13 @@ shared by the vLLM and transformers backends and tested with a scripted one.
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 
 from rltrain.batch import Completion, Segment
+from rltrain.sandbox import DEFAULT_LIMITS, Limits, run_python
 
 TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>\s*$", re.DOTALL)
 STOP = "</tool>"
@@ -54,36 +54,40 @@ def calculator(expression: str) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def python_tool(code: str, timeout_s: float) -> str:
-    """Run ``code`` in a fresh isolated interpreter (``python -I``, no site, empty env); its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={},
-        stdin=subprocess.DEVNULL,
-    )
-    return done.stdout if done.returncode == 0 else f"error: {done.stderr.strip().splitlines()[-1:]}"
-
-
 class ToolRunner:
-    """Runs the enabled tools with a time limit and cuts their output."""
+    """Runs the enabled tools with a time limit and cuts their output. The python tool runs in
+    :mod:`rltrain.sandbox` (limits, no network, its own folder); ``isolate=False`` keeps only the
+    limits."""
 
-    def __init__(self, enabled: Sequence[str], timeout_s: float, max_output_chars: int):
+    def __init__(
+        self,
+        enabled: Sequence[str],
+        timeout_s: float,
+        max_output_chars: int,
+        limits: Limits = DEFAULT_LIMITS,
+        isolate: bool = True,
+    ):
         self.enabled, self.timeout_s, self.max_output_chars = set(enabled), timeout_s, max_output_chars
+        self.limits, self.isolate = limits, isolate
+
+    @classmethod
+    def from_config(cls, tools) -> ToolRunner:
+        """From a ``rollout.tools`` config section."""
+        box = tools.sandbox
+        limits = Limits(memory_mb=box.memory_mb, cpu_s=math.ceil(tools.timeout_s) + 1,
+                        processes=box.processes, file_size_mb=box.file_size_mb)  # fmt: skip
+        return cls(tools.enabled, tools.timeout_s, tools.max_output_chars, limits, box.require_isolation)
 
     def __call__(self, name: str, argument: str) -> tuple[str, bool]:
-        """Returns ``(output text, ok)``."""
+        """Returns ``(output text, ok)``; a failure's text starts with ``error:``."""
         try:
             if name not in self.enabled:
                 raise ValueError(f"unknown tool {name!r}")
             if name == "calculator":
                 out, ok = calculator(argument), True
             else:
-                out, ok = python_tool(argument, self.timeout_s), True
-        except subprocess.TimeoutExpired:
-            out, ok = f"error: timed out after {self.timeout_s}s", False
+                result = run_python(argument, self.timeout_s, self.limits, self.isolate)
+                out, ok = (result.stdout, True) if result.ok else (f"error: {result.error}", False)
         except Exception as e:  # a tool's failure is the model's observation, never the run's
             out, ok = f"error: {type(e).__name__}: {e}", False
         return f"<result>{out.strip()[: self.max_output_chars]}</result>", ok

@@ -27,6 +27,8 @@ class Tracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.out_dir, self.total = out_dir, config.run.steps
+        # a resumed run re-runs the steps after its checkpoint: their old rows go, in every log
+        truncate_metrics(out_dir / "metrics.jsonl", start_step)
         self.jsonl = (out_dir / "metrics.jsonl").open("a")
         self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1)
         self.wandb = None
@@ -61,6 +63,20 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
         plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the rows of steps up to ``last_step`` (atomically: a crash leaves the old file or the new)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def read_metrics(path: Path) -> list[dict]:

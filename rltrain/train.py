@@ -3,12 +3,16 @@
     python -m rltrain.train --config configs/cpu_demo.yaml [section.key=value ...]
 
 With ``RAY_ADDRESS`` set (as under ``ray job submit``) it joins that cluster; otherwise it starts a
-local Ray instance. Config problems exit with code 2 and one line before any actor starts.
+local Ray instance. Problems with the inputs (config, data, model, output folder, lengths, reward
+and tool specs) exit with code 2 and one line before any actor starts. An actor that dies or stops
+answering restarts every actor from the newest checkpoint, up to ``run.max_restarts`` times; past
+that the run exits with code 1 and one line saying how to resume.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -23,9 +27,13 @@ import torch
 from rltrain import checkpoint
 from rltrain.advantages import zero_variance_groups
 from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
-from rltrain.data import PromptSampler, load_rows, tokenize_prompts
+from rltrain.data import Prompt, PromptSampler, load_rows, tokenize_prompts
 from rltrain.grpo import ScoredGroups, build_batch, score, with_gae
 from rltrain.rewards import RewardScorer, load_reward_fn
+
+
+class RunFailed(RuntimeError):
+    """Actors kept failing past ``run.max_restarts``; the message says how to resume."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,17 +47,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = load_config(args.config, args.overrides)
-        preflight(config)
+        inputs = preflight(config)
         connect_ray(config)
     except ConfigError as e:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2
-    train(config)
+    try:
+        train(config, inputs)
+    except RunFailed as e:
+        print(f"rltrain: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
-def preflight(config: Config) -> None:
-    """Checks that need more than the schema, still before anything starts."""
+@dataclass
+class Inputs:
+    """What a run reads, checked by :func:`preflight` before any actor starts."""
+
+    out: Path
+    model_path: str
+    tokenizer: Any
+    prompts: list[Prompt]
+
+
+def preflight(config: Config) -> Inputs:
+    """Every check that needs more than the schema (reward and tool specs, output folder, model,
+    lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
     for spec in config.reward.functions:
         try:
             load_reward_fn(spec)
@@ -58,6 +81,77 @@ def preflight(config: Config) -> None:
     source = config.data.source
     if source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists():
         raise ConfigError(f"data.source: {source!r} does not exist")
+    _check_tools(config)
+    _check_backend(config)
+    out = _output_folder(config)
+    model_path = resolve_model(config, out)
+    _check_model(config, model_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    try:
+        prompts = tokenize_prompts(load_rows(config.data), tokenizer, config.data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Inputs(out, model_path, tokenizer, prompts)
+
+
+def _check_tools(config: Config) -> None:
+    tools = config.rollout.tools
+    if "python" in tools.enabled and tools.sandbox.require_isolation:
+        from rltrain.sandbox import isolation_problem
+
+        problem = isolation_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"rollout.tools.enabled: the python tool cannot be isolated on this machine ({problem}); "
+                "set rollout.tools.sandbox.require_isolation=false to run it with resource limits only"
+            )
+
+
+def _output_folder(config: Config) -> Path:
+    out = Path(config.run.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run.output_dir: {str(out)!r} is a file, expected a folder (or a new path)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write_test").write_text("")
+        (out / ".write_test").unlink()
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({e.strerror})") from None
+    return out
+
+
+def _check_model(config: Config, model_path: str) -> None:
+    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return  # a hub name: transformers loads and checks it
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.name_or_path: {model_path!r} has no config.json (not a transformers model folder)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})") from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and config.longest_sequence > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {config.longest_sequence} exceeds the "
+            f"model's context of {context} tokens (max_position_embeddings in {model_path})"
+        )
+    sp = config.learner.sequence_parallel_size
+    if sp > 1 and model_config.num_attention_heads % sp:
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} does not divide the model's "
+            f"{model_config.num_attention_heads} attention heads"
+        )
+
+
+def _check_backend(config: Config) -> None:
     if config.rollout.backend == "vllm":
         import importlib.util
 
@@ -65,22 +159,6 @@ def preflight(config: Config) -> None:
             raise ConfigError(
                 "rollout.backend: 'vllm' is not installed (install vllm, or set rollout.backend=hf)"
             )
-    sp = config.learner.sequence_parallel_size
-    name = config.model.name_or_path
-    if sp > 1 and (name == TINY_MODEL or Path(name).expanduser().is_dir()):
-        from rltrain.tiny_model import TINY_ATTENTION_HEADS
-
-        heads = TINY_ATTENTION_HEADS if name == TINY_MODEL else _attention_heads(name)
-        if heads % sp:
-            raise ConfigError(
-                f"learner.sequence_parallel_size={sp} does not divide the model's {heads} attention heads"
-            )
-
-
-def _attention_heads(model_dir: str) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir).num_attention_heads
 
 
 def connect_ray(config: Config) -> None:
@@ -142,52 +220,102 @@ class Run:
     start_step: int
     critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
 
+    def shutdown(self) -> None:
+        """Stop every actor and the reward workers (also after a failure: nothing is left running)."""
+        for part in (self.learners, self.generators, self.critic):
+            if part is not None:
+                part.shutdown()
+        self.scorer.close()
 
-def start_run(config: Config) -> Run:
-    """Output folder, model, prompts, rewards, actors; restored from the newest checkpoint on resume."""
-    # ray, deepspeed, vllm and transformers load here, not at import: --help stays instant
-    from transformers import AutoTokenizer
 
+def start_run(config: Config, inputs: Inputs) -> Run:
+    """Actors, prompts and rewards; restored from the newest checkpoint when resuming."""
+    # ray, deepspeed and vllm load here, not at import: --help stays instant
     from rltrain.learner import LearnerGroup
     from rltrain.rollout import GeneratorPool
     from rltrain.weight_sync import ObjectStoreSync
 
-    out = Path(config.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = inputs.out
     dump(config, out / "config.yaml")
     random.seed(config.run.seed)
     torch.manual_seed(config.run.seed)
-    model_path = resolve_model(config, out)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
-    sampler = PromptSampler(tokenize_prompts(load_rows(config.data), tokenizer, config.data), config.run.seed)
-    learners = LearnerGroup(config, model_path, total_optimizer_steps(config, config.learner))
-    critic = None
-    if config.critic is not None:
-        from rltrain.critic import CriticLearner
-
-        critic = LearnerGroup(
-            config, model_path, total_optimizer_steps(config, config.critic.learners), CriticLearner
+    sampler = PromptSampler(inputs.prompts, config.run.seed)
+    scorer = RewardScorer(config.reward.functions, config.reward.timeout_s, config.reward.workers)
+    parts: dict[str, Any] = {}
+    try:  # a failure while starting still stops what did start
+        parts["learners"] = LearnerGroup(
+            config, inputs.model_path, total_optimizer_steps(config, config.learner)
         )
-    run = Run(out, tokenizer, sampler, RewardScorer(config.reward.functions, config.reward.timeout_s), learners,
-              GeneratorPool(config, model_path), ObjectStoreSync(), start_step=0, critic=critic)  # fmt: skip
-    if config.run.resume and checkpoint.latest_tag(out) is not None:
-        state = checkpoint.load(learners, out, critic)
-        run.start_step = state["step"]
-        sampler.load_state(state["sampler"])
-        run.weight_sync.push(learners, run.generators)
+        if config.critic is not None:
+            from rltrain.critic import CriticLearner
+
+            steps = total_optimizer_steps(config, config.critic.learners)
+            parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
+        parts["generators"] = GeneratorPool(config, inputs.model_path)
+    except BaseException:
+        for part in parts.values():
+            part.shutdown()
+        scorer.close()
+        raise
+    run = Run(out, inputs.tokenizer, sampler, scorer, parts["learners"], parts["generators"],
+              ObjectStoreSync(), start_step=0, critic=parts.get("critic"))  # fmt: skip
+    try:
+        record_placement(run)
+        if config.run.resume and checkpoint.latest_tag(out) is not None:
+            state = checkpoint.load(run.learners, out, run.critic)
+            run.start_step = state["step"]
+            sampler.load_state(state["sampler"])
+            run.weight_sync.push(run.learners, run.generators)
+    except BaseException:
+        run.shutdown()
+        raise
     return run
 
 
-def train(config: Config) -> Path:
+def record_placement(run: Run) -> None:
+    """``placement.json``: the node, address and pid of every actor of the run."""
+    places = run.learners.where() + run.generators.where() + (run.critic.where() if run.critic else [])
+    (run.out / "placement.json").write_text(json.dumps(places, indent=1))
+
+
+def train(config: Config, inputs: Inputs | None = None) -> Path:
+    """Run the training loop; when an actor dies or stops answering, start every actor afresh from
+    the newest checkpoint (up to ``run.max_restarts`` times) and go on."""
+    from rltrain.remote import ActorFailure
+
+    inputs = inputs or preflight(config)
+    before = checkpoint.latest_marker(inputs.out)
+    for restart in range(config.run.max_restarts + 1):
+        try:
+            return train_once(config, inputs)
+        except ActorFailure as failure:
+            tag = checkpoint.latest_tag(inputs.out)
+            # a restart resumes what this run saved or resumed from, never an older run's checkpoint
+            resumable = config.run.resume or checkpoint.latest_marker(inputs.out) != before
+            where = f"checkpoint {tag}" if resumable and tag else "the first step (no checkpoint yet)"
+            if restart == config.run.max_restarts:
+                raise RunFailed(
+                    f"{failure}; stopping after {restart} restart(s) (run.max_restarts={config.run.max_restarts}); "
+                    f"last checkpoint: {inputs.out / 'checkpoints' / tag if tag else 'none'}; resume with: "
+                    f"python -m rltrain.train --config {inputs.out / 'config.yaml'} run.resume=true"
+                ) from failure
+            print(f"rltrain: {failure}; restarting every actor from {where} "
+                  f"(restart {restart + 1} of {config.run.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+            config = config.model_copy(update={"run": config.run.model_copy(update={"resume": resumable})})
+    raise AssertionError("unreachable")
+
+
+def train_once(config: Config, inputs: Inputs) -> Path:
     """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
     from rltrain.tracking import Tracker
 
-    run = start_run(config)
+    run = start_run(config, inputs)
     learners, generators, sampler = run.learners, run.generators, run.sampler
     tracker = Tracker(run.out, config, run.start_step)
     pending: deque = deque()  # rollouts in flight, oldest first: (refs, prompts)
     sampler_state_after = {run.start_step: sampler.state()}  # per step, for checkpoints
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
+    keep = config.run.keep_checkpoints
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             # keep `async_steps` steps of generation in flight ahead of this one
@@ -223,7 +351,9 @@ def train(config: Config) -> Path:
                                "train/sequences": float(len(batch))})  # fmt: skip
             last = step in (config.run.steps, config.run.stop_after)
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                checkpoint.save(learners, run.out, step, {"sampler": sampler_state_after[step]}, run.critic)
+                checkpoint.save(
+                    learners, run.out, step, {"sampler": sampler_state_after[step]}, run.critic, keep
+                )
                 saved = step
             if step == config.run.stop_after:
                 break
@@ -232,7 +362,11 @@ def train(config: Config) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            checkpoint.save(learners, run.out, trained, {"sampler": sampler_state_after[trained]}, run.critic)
+            state = {"sampler": sampler_state_after[trained]}
+            checkpoint.save(learners, run.out, trained, state, run.critic, keep)
+        raise
+    except BaseException:
+        run.shutdown()
         raise
     finally:
         tracker.close()
@@ -240,9 +374,7 @@ def train(config: Config) -> Path:
         learners.save_hf(run.out / "final_model")
         if run.critic is not None:
             run.critic.save_hf(run.out / "final_critic")
-    for actors in (learners, generators, run.critic):
-        if actors is not None:
-            actors.shutdown()
+    run.shutdown()
     return run.out
 
 

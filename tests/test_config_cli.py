@@ -60,14 +60,96 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_config_gives_one_line_and_exit_code_2(case, capsys):
-    overrides, expected = CASES[case]
-    assert main(["--config", "configs/cpu_demo.yaml", *overrides]) == 2
+def fails_with_one_line(argv: list[str], expected: str, capsys) -> None:
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("rltrain: config error: ")
     assert expected in err, err
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_gives_one_line_and_exit_code_2(case, capsys, tmp_path):
+    overrides, expected = CASES[case]
+    fails_with_one_line(
+        ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", *overrides], expected, capsys
+    )
+
+
+def jsonl(tmp_path, *lines: str) -> str:
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return f"data.source={path}"
+
+
+# input problem -> (overrides built in tmp_path, what the one line must say)
+INPUTS = {
+    "unreadable row": (
+        lambda t: [jsonl(t, '{"prompt": "1+1?", "answer": "2"}', '{"prompt": "2+2?", "answer": ')],
+        "data.source: data.jsonl line 2 is not valid JSON",
+    ),
+    "missing column": (
+        lambda t: [jsonl(t, '{"prompt": "1+1?", "solution": "2"}')],
+        "data.jsonl line 1 has no column 'answer' (data.answer_key); it has ['prompt', 'solution']",
+    ),
+    "bad value": (
+        lambda t: [jsonl(t, '{"prompt": "1+1?", "answer": "2"}', '{"prompt": null, "answer": "4"}')],
+        "data.jsonl line 2, column 'prompt': expected a non-empty string, got None",
+    ),
+    "unknown built-in data": (lambda t: ["data.source=builtin:chess"], "unknown built-in 'builtin:chess'"),
+    "output folder is a file": (
+        lambda t: [f"run.output_dir={(t / 'taken').write_text('') or t / 'taken'}"],
+        "taken' is a file, expected a folder",
+    ),
+    "model folder without config.json": (
+        lambda t: [f"model.name_or_path={(t / 'empty').mkdir() or t / 'empty'}"],
+        "has no config.json (not a transformers model folder)",
+    ),
+    "lengths over max_model_len": (
+        lambda t: ["data.max_prompt_tokens=500"],
+        "data.max_prompt_tokens + rollout.max_new_tokens = 500 + 24 = 524 exceeds rollout.max_model_len=512",
+    ),
+    "lengths over the model's context": (
+        lambda t: ["data.max_prompt_tokens=1100", "rollout.max_model_len=2048"],
+        "= 1124 exceeds the model's context of 1024 tokens",
+    ),
+    "prompt over its limit": (
+        lambda t: ["data.max_prompt_tokens=5"],
+        "data: prompt 0 has",
+    ),
+    "unknown tool": (lambda t: ["rollout.tools.enabled=[shell]"], "rollout.tools.enabled.0: got 'shell'"),
+}
+
+
+@pytest.mark.parametrize("case", INPUTS)
+def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, monkeypatch):
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    build, expected = INPUTS[case]
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *build(tmp_path)]
+    fails_with_one_line(argv, expected, capsys)
+
+
+def test_config_file_must_hold_a_mapping(tmp_path, capsys):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- learner\n")
+    fails_with_one_line(["--config", str(path)], "holds a list, expected a mapping of sections", capsys)
+
+
+def test_python_tool_that_cannot_be_isolated_stops_the_run(tmp_path, capsys, monkeypatch):
+    import rltrain.sandbox
+
+    monkeypatch.setattr(rltrain.sandbox, "isolation_problem", lambda: "no user namespaces")
+    argv = [
+        "--config",
+        "configs/cpu_demo.yaml",
+        f"run.output_dir={tmp_path}",
+        "rollout.tools.enabled=[python]",
+    ]
+    fails_with_one_line(
+        argv, "the python tool cannot be isolated on this machine (no user namespaces)", capsys
+    )
 
 
 def test_exit_code_and_no_traceback_in_a_real_process():

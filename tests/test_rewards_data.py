@@ -1,6 +1,8 @@
 import json
+import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -10,22 +12,12 @@ from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_pro
 from rltrain.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
 from rltrain.tiny_model import build_tokenizer
 
-
-def raising_reward(completion, answer):
-    raise RuntimeError("boom")
-
-
-def hanging_reward(completion, answer):
-    time.sleep(60)
-
-
-def length_reward(completion, answer):
-    return len(completion)
+FNS = "reward_fns"
 
 
 def test_builtin_rewards():
-    scorer = RewardScorer({"math": 1.0, "exact_match": 1.0, "format": 1.0}, timeout_s=5)
-    scores = scorer(["so the answer is \\boxed{12}", "12", "eleven"], ["12", "12", "12"])
+    with RewardScorer({"math": 1.0, "exact_match": 1.0, "format": 1.0}, timeout_s=5) as scorer:
+        scores = scorer(["so the answer is \\boxed{12}", "12", "eleven"], ["12", "12", "12"])
     # math: 1, 1, 0; exact: 0, 1, 0; format (ends in \boxed{}): 1, 0, 0
     assert scores.rewards == [2.0, 2.0, 0.0]
     assert scores.per_function == pytest.approx({"math": 2 / 3, "exact_match": 1 / 3, "format": 1 / 3})
@@ -34,20 +26,44 @@ def test_builtin_rewards():
 
 
 def test_user_reward_function_and_failures_score_zero_and_are_counted():
-    scorer = RewardScorer(
-        {
-            f"{__name__}:length_reward": 0.5,
-            f"{__name__}:raising_reward": 1.0,
-            f"{__name__}:hanging_reward": 1.0,
-        },
-        timeout_s=0.3,
-    )
-    start = time.monotonic()
-    scores = scorer(["abcd", "xy"], ["", ""])
+    functions = {f"{FNS}:length_reward": 0.5, f"{FNS}:raising_reward": 1.0, f"{FNS}:nan_reward": 1.0}
+    with RewardScorer(functions, timeout_s=5) as scorer:
+        scores = scorer(["abcd", "xy"], ["", ""])
     # only length_reward counts: 0.5 * 4, 0.5 * 2; the other two fail on both samples
     assert scores.rewards == [2.0, 1.0]
     assert scores.failures == 4
-    assert time.monotonic() - start < 2  # the hung calls share one 0.3 s deadline
+
+
+def workers() -> list[psutil.Process]:
+    """The scorer's worker processes: spawned children of this process (not multiprocessing's
+    resource tracker, which lives as long as we do, nor a Ray instance another test started)."""
+    children = [(p, " ".join(p.cmdline())) for p in psutil.Process().children()]
+    return [p for p, cmd in children if "spawn_main" in cmd and "resource_tracker" not in cmd]
+
+
+def quiet(processes: list[psutil.Process], within_s: float) -> bool:
+    """True once none of them uses a CPU (a hung call still running would spin or sleep forever)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(p.cpu_percent(interval=0.3) < 20 for p in processes if p.is_running()):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("hang", ["hanging_reward", "spinning_reward"])
+def test_a_reward_call_past_its_deadline_is_killed_with_its_worker(hang):
+    with RewardScorer({f"{FNS}:{hang}": 1.0, f"{FNS}:length_reward": 1.0}, timeout_s=0.5) as scorer:
+        scorer(["warm"], [""])  # workers started (and the first hung ones replaced)
+        threads = threading.active_count()
+        for _ in range(3):  # every round hangs two calls: without killing, they would pile up
+            scores = scorer(["abc", "de"], ["", ""])
+            assert scores.rewards == [3.0, 2.0] and scores.failures == 2
+        # six calls hung in all; what is alive is the two workers, idle
+        alive = workers()
+        assert 1 <= len(alive) <= 2, alive  # (one may be between a kill and its replacement)
+        assert quiet(alive, within_s=20)
+        assert threading.active_count() == threads  # no hung call left running here either
+    assert not workers()  # closed: nothing left running
 
 
 @pytest.mark.parametrize("spec", ["nope", "no_such_module:f", "json:no_such_fn", "json:__doc__"])
@@ -68,7 +84,7 @@ def test_local_jsonl_and_missing_column(tmp_path):
     path.write_text("\n".join(json.dumps({"question": f"q{i}", "solution": i}) for i in range(3)))
     rows = load_rows(DataConfig(source=str(path), prompt_key="question", answer_key="solution"))
     assert rows[2] == {"prompt": "q2", "answer": "2"}
-    with pytest.raises(ValueError, match=r"no column\(s\) \['prompt'\]"):
+    with pytest.raises(ValueError, match=r"train.jsonl line 1 has no column 'prompt' \(data.prompt_key\)"):
         load_rows(DataConfig(source=str(path), answer_key="solution"))
 
 
@@ -77,7 +93,7 @@ def test_answer_pattern_extracts_the_final_answer(tmp_path):
     path.write_text(json.dumps({"question": "q", "answer": "3 + 4 = 7\n#### 7"}))
     config = DataConfig(source=str(path), prompt_key="question", answer_pattern="#### (.+)$")
     assert load_rows(config) == [{"prompt": "q", "answer": "7"}]
-    with pytest.raises(ValueError, match="does not match row 0"):
+    with pytest.raises(ValueError, match="does not match the answer of gsm.jsonl line 1"):
         load_rows(config.model_copy(update={"answer_pattern": "@@ (.+)"}))
     with pytest.raises(ValueError, match="needs one"):
         DataConfig(answer_pattern="####")

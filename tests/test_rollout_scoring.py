@@ -69,7 +69,6 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
             }
         }
     )
-    scorer = RewardScorer({"exact_match": 1.0}, timeout_s=5)
     # round 1 (the step's own prompts): groups (7, 7) same, (7, x) informative, (x, x) same
     # round 2: (x, 7) informative, (7, 7) same, (7, x) informative -> 3 informative groups in all
     pool = ScriptedPool([["7", "7", "7", "x", "x", "x"], ["x", "7", "7", "7", "7", "x"]])
@@ -78,7 +77,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
     refs = pool.submit(
         [p.token_ids for p in first for _ in range(2)], seeds=list(range(6))
     )  # as the loop does
-    scored = collect_groups(pool, refs, first, sampler, config, scorer, step=1)
+    with RewardScorer({"exact_match": 1.0}, timeout_s=5) as scorer:
+        scored = collect_groups(pool, refs, first, sampler, config, scorer, step=1)
     assert pool.submitted == [6, 6]  # one refill round of 3 prompts x 2
     assert len(scored.prompts) == 3 and len(scored.completions) == 6
     assert [c.text for c in scored.completions] == ["7", "x", "x", "7", "7", "x"]

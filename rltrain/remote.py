@@ -1,0 +1,85 @@
+"""Calling Ray actors so that a dead or silent one is noticed at once and named.
+
+:func:`gather` is ``ray.get`` for the calls of one step on several actors: it returns as soon as
+an actor's process dies (not when its peers, blocked in a collective with it, give up), and
+raises :class:`ActorFailure` naming the actor and the cause. A call that takes longer than the
+step timeout fails the same way. Exceptions raised *inside* an actor's method (a bug, a bad
+batch) are not failures of the actor and propagate unchanged, unless a peer died at the same
+time (then the peer is the cause).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+
+PEER_GRACE_S = 5.0  # after a method raised, how long to look for a peer that died
+
+
+class ActorFailure(RuntimeError):
+    """An actor died or stopped answering; the run can restart from its newest checkpoint."""
+
+    def __init__(self, actor: str, cause: str):
+        super().__init__(f"{actor} {cause}")
+        self.actor, self.cause = actor, cause
+
+
+def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float | None = None) -> list[Any]:
+    """The results of ``refs`` (one call on the actor ``names[i]`` each), in order."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending, results = list(refs), {}
+    index = {ref: i for i, ref in enumerate(refs)}
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            i = index[pending[0]]
+            raise ActorFailure(names[i], f"did not answer within run.actor_timeout_s={timeout_s:g}s")
+        for ref in ready:
+            try:
+                results[index[ref]] = ray.get(ref)
+            except RayTaskError as error:
+                _raise_dead_peer(pending, index, names)
+                raise error
+            except (RayActorError, ActorUnavailableError) as error:
+                raise ActorFailure(names[index[ref]], describe(error)) from error
+    return [results[i] for i in range(len(refs))]
+
+
+def _raise_dead_peer(pending: list, index: dict, names: Sequence[str]) -> None:
+    """A method raised: when a peer died meanwhile (a collective with it broke), that is the cause."""
+    deadline = time.monotonic() + PEER_GRACE_S
+    while pending and time.monotonic() < deadline:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (RayActorError, ActorUnavailableError) as error:
+                raise ActorFailure(names[index[ref]], describe(error)) from error
+            except (RayTaskError, GetTimeoutError):
+                pass
+
+
+def describe(error: Exception) -> str:
+    """Ray's many-line actor error as a short cause: how the process ended, and its pid."""
+    text = str(error)
+    pid = re.search(r"\bpid: (\d+)", text)
+    detail = re.search(r"Worker exit detail: (.+?\.)(?:\s|$)", text)
+    cause = "died" if isinstance(error, RayActorError) else "is unavailable"
+    if detail:
+        cause += f" ({detail.group(1).rstrip('.')})"
+    elif "OOM" in text or "out of memory" in text.lower():
+        cause += " (out of memory)"
+    return cause + (f", pid {pid.group(1)}" if pid else "")
+
+
+def where() -> dict[str, Any]:
+    """Where the calling actor runs (for the run folder's placement.json)."""
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}

@@ -1,0 +1,139 @@
+"""Faults end to end: a killed learner or generator restarts the run from its newest checkpoint and
+it finishes as an uninterrupted run does; past run.max_restarts it stops with one line and the
+resume command; a kill during a save leaves the previous checkpoint; a two-node Ray cluster."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_e2e import REPO, SMALL, final_weights, run_trainer
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.slow
+# 6 steps, a checkpoint every 2: a kill after step 3 is logged resumes from step_2 (or step_4)
+FAULT_RUN = ["run.steps=6", "run.checkpoint_every=2"]
+
+
+def start_trainer(out: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL,
+           f"run.output_dir={out}", *overrides]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def kill_actor(out: Path, actor: str) -> int:
+    """SIGKILL the process of ``actor`` as named in placement.json; returns its pid."""
+    pid = next(p["pid"] for p in json.loads((out / "placement.json").read_text()) if p["actor"] == actor)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight") / "run"
+    run_trainer(out, *FAULT_RUN)
+    return out
+
+
+@pytest.mark.parametrize("actor", ["policy learner 1", "generator 0"])
+def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_path, straight_run, actor):
+    out = tmp_path / "run"
+    proc = start_trainer(out, *FAULT_RUN)
+    wait_for(lambda: len(logged_steps(out)) >= 3, proc)
+    pid = kill_actor(out, actor)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"rltrain: {actor} died" in err and f"pid {pid}" in err and "(restart 1 of 2)" in err, err[-3000:]
+    assert "Traceback" not in err
+    straight, restarted = final_weights(straight_run), final_weights(out)
+    for name in straight:  # the tolerance of the resume test
+        torch.testing.assert_close(restarted[name], straight[name], rtol=0, atol=1e-6)
+    assert logged_steps(out) == [1, 2, 3, 4, 5, 6]  # the re-run steps replaced their first rows
+
+
+def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tmp_path):
+    out = tmp_path / "run"
+    proc = start_trainer(out, *FAULT_RUN, "run.max_restarts=0", "rollout.backend=hf")
+    wait_for(lambda: len(logged_steps(out)) >= 3, proc)
+    pid = kill_actor(out, "policy learner 0")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rltrain: policy learner 0 died (") and f"pid {pid}" in last, err[-3000:]
+    assert "stopping after 0 restart(s) (run.max_restarts=0)" in last
+    tag = (out / "checkpoints" / "latest").read_text()
+    assert f"last checkpoint: {out / 'checkpoints' / tag}" in last
+    command = last.split("resume with: ")[1]
+    assert command == f"python -m rltrain.train --config {out / 'config.yaml'} run.resume=true"
+    assert "Traceback" not in err
+    # the printed command (with this interpreter) finishes the run
+    done = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert logged_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    out = tmp_path / "run"
+    proc = start_trainer(out, "run.steps=40", "run.checkpoint_every=1", "run.keep_checkpoints=2",
+                         "rollout.backend=hf")  # fmt: skip
+    root = out / "checkpoints"
+
+    def saving() -> list[int]:  # steps whose save is under way, once two checkpoints are complete
+        steps = [int(p.name[len("step_") : -len(".partial")]) for p in root.glob("step_*.partial")]
+        return [s for s in steps if s >= 3]
+
+    wait_for(lambda: root.exists() and saving(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and its local Ray instance, mid-save
+    proc.wait()
+    step = saving()[0]
+    assert (root / "latest").read_text() == f"step_{step - 1}"
+    assert sorted(p.name for p in root.glob("step_*")) == [
+        f"step_{step - 2}",
+        f"step_{step - 1}",
+        f"step_{step}.partial",
+    ]
+    AutoModelForCausalLM.from_pretrained(root / f"step_{step - 1}" / "hf")
+    assert step in logged_steps(out)  # logged before its save began: resuming must drop it
+    run_trainer(out, f"run.steps={step + 1}", "run.checkpoint_every=1", "run.keep_checkpoints=2",
+                "rollout.backend=hf", "run.resume=true")  # fmt: skip
+    assert logged_steps(out) == list(range(1, step + 2))  # no step twice
+    assert sorted(p.name for p in root.glob("step_*")) == [f"step_{step}", f"step_{step + 1}"]
+
+
+def test_learners_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        out = tmp_path / "run"
+        run_trainer(out, "run.steps=2", "learner.placement=STRICT_SPREAD", "rollout.backend=hf",
+                    env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+        places = {p["actor"]: p["node_id"] for p in json.loads((out / "placement.json").read_text())}
+        nodes = {node.node_id for node in cluster.list_all_nodes()}
+        assert places["policy learner 0"] != places["policy learner 1"]
+        assert {places["policy learner 0"], places["policy learner 1"]} == nodes
+        assert logged_steps(out) == [1, 2] and (out / "final_model").exists()
+    finally:
+        cluster.shutdown()

@@ -251,6 +251,35 @@ class RewardConfig(Section):
     """Worker processes that run reward functions."""
 
 
+class SFTWarmupConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Optimizer steps of supervised warm-up before RL (on the policy learners, token-normalized
+    cross-entropy of the completion tokens, tool output masked out); 0 skips it. The warmed-up
+    model is kept in the run folder (`sft_model/`), so a resumed or restarted run does not repeat it."""
+    source: str = BUILTIN_TASK
+    """Examples: `builtin:arithmetic` (questions of the built-in task's training prompts, answered
+    directly or through the calculator, see tool_fraction), or a local .jsonl file with `prompt` and
+    `completion` columns (tool output inside a completion is written `<result>...</result>` and masked)."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per optimizer step."""
+    lr: float = Field(3e-3, gt=0)
+    """Learning rate of the warm-up (constant)."""
+    tool_fraction: float = Field(0.5, ge=0, le=1)
+    """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    """Evaluate on the held-out prompts every N steps (also at the start and the end when N > 0);
+    0: never."""
+    num_prompts: int = Field(64, ge=1)
+    """Held-out prompts: never used for training."""
+    source: str | None = None
+    """Where they come from: a local .jsonl/.json/.parquet/.arrow file with the training data's
+    columns; null: generated apart from the training prompts (`builtin:arithmetic`) or the last
+    num_prompts rows of the data, which are then left out of training."""
+
+
 class CriticLearnerConfig(LearnerConfig):
     num_learners: int = Field(1, ge=1)
     """Data-parallel critic learner actors (one DeepSpeed engine each)."""
@@ -308,6 +337,10 @@ class Config(Section):
     reward: RewardConfig = RewardConfig()
     critic: CriticConfig | None = None
     """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
+    sft_warmup: SFTWarmupConfig = SFTWarmupConfig()
+    """Supervised warm start before RL."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use."""
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rltrain.config import BUILTIN_TASK, DataConfig
+from rltrain.config import BUILTIN_TASK, DataConfig, EvalConfig, SFTWarmupConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -39,6 +39,71 @@ def arithmetic_rows(n: int = 512, seed: int = 1234) -> list[dict[str, str]]:
             }
         )
     return rows
+
+
+ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
+RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
+
+
+def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[list[dict], list[dict]]:
+    """``(training rows, held-out rows)``: no held-out question is ever a training question."""
+    n = ev.num_prompts
+    if ev.source is None and data.source != BUILTIN_TASK:
+        if len(rows) <= n:
+            raise ValueError(
+                f"eval.num_prompts={n} would leave none of the {len(rows)} rows of data.source to train on"
+            )
+        return rows[:-n], rows[-n:]
+    if ev.source is not None:
+        candidates = load_rows(data.model_copy(update={"source": ev.source}))
+    else:  # the built-in task: more questions, drawn apart from the training ones
+        candidates = arithmetic_rows(n=8 * n, seed=4321)
+    seen, held = {r["prompt"] for r in rows}, []
+    for row in candidates:
+        if row["prompt"] not in seen and len(held) < n:
+            held.append(row)
+            seen.add(row["prompt"])
+    if not held:
+        raise ValueError(f"eval.source {ev.source!r}: every question is also a training question")
+    return rows, held
+
+
+def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict[str, str]]:
+    """Warm-up examples ``{"prompt", "completion"}``: from a .jsonl file, or, for the built-in task,
+    its training questions answered directly or (``tool_fraction`` of them) through the calculator."""
+    if sft.source != BUILTIN_TASK:
+        examples = load_rows(
+            DataConfig(
+                source=sft.source, prompt_key="prompt", answer_key="completion", max_prompt_tokens=10**9
+            )
+        )
+        return [{"prompt": e["prompt"], "completion": e["answer"]} for e in examples]
+    rng, examples = random.Random(seed), []
+    for row in rows:
+        match = ARITHMETIC.match(row["prompt"])
+        if match is None:
+            raise ValueError(
+                "sft_warmup.source: builtin:arithmetic needs the built-in task's prompts (data.source)"
+            )
+        expression, answer = " ".join(match.groups()), row["answer"]
+        if rng.random() < sft.tool_fraction:
+            completion = f"<tool:calculator>{expression}</tool><result>{answer}</result> {answer}"
+        else:
+            completion = answer
+        examples.append({"prompt": row["prompt"], "completion": completion})
+    return examples
+
+
+def tokenize_completion(text: str, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of a written completion (EOS appended) and its tool mask: 0 on ``<result>...</result>``
+    spans (tool output, encoded apart as the rollout loop does), 1 elsewhere."""
+    ids, mask = [], []
+    for piece in RESULT.split(text):
+        if piece:
+            piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+            ids += piece_ids
+            mask += [0 if RESULT.fullmatch(piece) else 1] * len(piece_ids)
+    return ids + [tokenizer.eos_token_id], mask + [1]
 
 
 def load_rows(config: DataConfig) -> list[dict]:
@@ -138,14 +203,20 @@ def _row(where: str, record: dict, config: DataConfig) -> dict[str, str]:
     return {"prompt": prompt, "answer": answer}
 
 
+def chat_prompt(text: str, tokenizer, config: DataConfig) -> list[int]:
+    """A question as the model sees it: the chat template with the generation prompt."""
+    messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    messages.append({"role": "user", "content": text})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Prompt]:
     prompts = []
     for i, row in enumerate(rows):
-        messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-        messages.append({"role": "user", "content": row["prompt"]})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
+        ids = chat_prompt(row["prompt"], tokenizer, config)
         if len(ids) > config.max_prompt_tokens:
             raise ValueError(
                 f"data: prompt {i} has {len(ids)} tokens, over data.max_prompt_tokens={config.max_prompt_tokens}"

@@ -336,6 +336,7 @@ class PolicyLearner(EngineLearner):
     a frozen reference model for the KL term."""
 
     METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
+    TEMPERATURE: float | None = None  # of the log-probs; None: rollout.temperature (the sampling one)
 
     def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
         super().__init__(config, model_path, rank, world_size)
@@ -359,7 +360,7 @@ class PolicyLearner(EngineLearner):
     def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
         """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
         sequence-parallel packed row."""
-        temperature, packed = self.config.rollout.temperature, self.lc.packing
+        temperature, packed = self.TEMPERATURE or self.config.rollout.temperature, self.lc.packing
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank

@@ -117,6 +117,14 @@ class RewardScorer:
             context=multiprocessing.get_context("spawn"),
         )
 
+    def one(self, spec: str, completions: list[str], answers: list[str]) -> list[float | None]:
+        """One function's score per completion (None where it failed), in the same workers."""
+        futures = [
+            self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
+            for c, a in zip(completions, answers)
+        ]
+        return [_result(f) for f in futures]
+
     def __call__(self, completions: list[str], answers: list[str]) -> Scores:
         futures = {
             spec: [

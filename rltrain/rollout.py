@@ -7,6 +7,7 @@ A backend turns prompts into :class:`~rltrain.batch.Segment` s and takes new wei
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -22,8 +23,10 @@ from rltrain.tools import STOP, ToolRunner, generate_with_tools
 
 class GeneratorBackend(Protocol):
     def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]
-    ) -> list[Segment]: ...
+        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
+    ) -> list[Segment]:
+        """One segment per prompt; ``greedy`` decodes the most likely token (evaluation)."""
+        ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -55,15 +58,24 @@ class VLLMBackend:
             **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else {}),
         )
 
-    def _params(self, **kwargs):
+    def _params(self, greedy: bool = False, **kwargs):
         from vllm import SamplingParams
 
+        if greedy:
+            return SamplingParams(temperature=0.0, **kwargs)
         return SamplingParams(temperature=self.rc.temperature, top_p=self.rc.top_p, **kwargs)
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Segment]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
+    ) -> list[Segment]:
         params = [
             self._params(
-                max_tokens=m, seed=s, logprobs=0, stop=self.stop or None, include_stop_str_in_output=True
+                greedy,
+                max_tokens=m,
+                seed=s,
+                logprobs=0,
+                stop=self.stop or None,
+                include_stop_str_in_output=True,
             )
             for m, s in zip(max_tokens, seeds)
         ]
@@ -111,19 +123,20 @@ class HFBackend:
             self.model.cuda()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Segment]:
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
+    ) -> list[Segment]:
         eos = self.tokenizer.eos_token_id
         segments = []
+        sampling = {"do_sample": False} if greedy else {
+            "do_sample": True, "temperature": self.rc.temperature, "top_p": self.rc.top_p, "top_k": 0}  # fmt: skip
         for prompt, m, seed in zip(prompts, max_tokens, seeds):
             torch.manual_seed(seed)
             ids = torch.tensor([prompt], device=self.model.device)
             out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=self.rc.temperature,
-                top_p=self.rc.top_p,
-                top_k=0,
+                **sampling,
                 max_new_tokens=m,
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=eos,
@@ -171,10 +184,10 @@ class GeneratorActor:
         else:
             self.backend = HFBackend(model_path, rc, stop, config.model.trust_remote_code)
 
-    def rollout(self, prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+    def rollout(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> list[Completion]:
         rc = self.config.rollout
         return generate_with_tools(
-            self.backend.generate,
+            functools.partial(self.backend.generate, greedy=greedy),
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             prompts,
             rc.max_new_tokens,
@@ -206,13 +219,13 @@ class GeneratorPool:
         self.timeout_s = config.run.actor_timeout_s
         self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
 
-    def submit(self, prompts: list[list[int]], seeds: list[int]) -> list[ray.ObjectRef]:
+    def submit(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> list[ray.ObjectRef]:
         """Start generating (non-blocking); :meth:`collect` the returned references."""
         chunks = _split(list(range(len(prompts))), len(self.actors))
         refs = []
         for actor, name, idx in zip(self.actors, self.names, chunks):
             if idx:
-                refs.append(actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx]))
+                refs.append(actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx], greedy))
                 self._submitted[refs[-1]] = name
         return refs
 

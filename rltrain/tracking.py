@@ -45,7 +45,8 @@ class Tracker:
             total=config.run.steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True
         )
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """One row for ``step``; ``advance=False`` for a row that is not a training step (step 0)."""
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         for key, value in metrics.items():
@@ -53,8 +54,12 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         parts = [f"{name} {fmt.format(metrics[key])}" for name, key, fmt in SUMMARY if key in metrics]
+        if "eval/accuracy" in metrics:
+            parts.append(
+                f"held-out {metrics['eval/accuracy']:.0%} (tool {metrics['eval/tool_call_rate']:.0%})"
+            )
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))
-        self.bar.update(1)
+        self.bar.update(int(advance))
 
     def close(self) -> None:
         self.bar.close()
@@ -63,6 +68,22 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
         plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+        table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"))
+        if table:
+            print(table, flush=True)
+
+
+def eval_table(rows: list[dict]) -> str:
+    """Held-out results at the first and the last evaluation of the run, side by side."""
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if len(evals) < 2:
+        return ""
+    first, last = evals[0], evals[-1]
+    lines = [f"{'held-out (greedy)':<22}{'step ' + str(first['step']):>10}{'step ' + str(last['step']):>10}"]
+    for name, key, fmt in [("accuracy", "eval/accuracy", "{:.1%}"), ("tool-call rate", "eval/tool_call_rate", "{:.1%}"),
+                           ("response length", "eval/response_length", "{:.1f}")]:  # fmt: skip
+        lines.append(f"{name:<22}{fmt.format(first[key]):>10}{fmt.format(last[key]):>10}")
+    return "\n".join(lines)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -90,7 +111,22 @@ def read_metrics(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+PANELS = [  # (title, [(metric key or key prefix, label)])
+    ("held-out accuracy", [("eval/accuracy", "accuracy"), ("eval/tool_call_rate", "tool-call rate")]),
+    ("reward", [("reward/mean", "total")]),  # and one line per reward function (reward/<name>)
+    ("response length (tokens)", [("rollout/length_mean", "mean")]),
+    ("entropy", [("train/entropy", "policy")]),
+    ("KL to the reference", [("train/kl", "kl")]),
+    ("clip fraction", [("train/clip_fraction", "clipped")]),
+    ("step time (s)", [("time/generate_s", "generate"), ("time/train_s", "train"), ("time/sync_s", "sync")]),
+    ("policy loss", [("train/pg_loss", "loss")]),
+]
+NOT_FUNCTIONS = {"reward/mean", "reward/std", "reward/failures"}
+
+
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
+    """What people look at: held-out accuracy, reward per function, length, entropy, KL, clipping,
+    where the time goes, the loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,17 +135,24 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     rows = read_metrics(metrics_path)
     if not rows:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, title in [
-        (axes[0], "reward/mean", "mean reward"),
-        (axes[1], "train/pg_loss", "policy loss"),
-    ]:
-        points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
-        if points:
-            ax.plot(*zip(*points), marker=".")
+    functions = sorted({k for r in rows for k in r if k.startswith("reward/") and k not in NOT_FUNCTIONS})
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
+    for ax, (title, series) in zip(axes.flat, PANELS):
+        if title == "reward":
+            series = series + [(key, key.removeprefix("reward/")) for key in functions]
+        drawn = 0
+        for key, label in series:
+            points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
+                drawn += 1
+        if drawn > 1:
+            ax.legend(fontsize=8)
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(png_path, dpi=90)
     plt.close(fig)

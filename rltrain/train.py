@@ -1,6 +1,7 @@
 """Entry point and the training loop: generate, score, compute advantages, train, sync.
 
     python -m rltrain.train --config configs/cpu_demo.yaml [section.key=value ...]
+    rltrain eval --model FOLDER --config FILE     (held-out scoring, see rltrain.eval)
 
 With ``RAY_ADDRESS`` set (as under ``ray job submit``) it joins that cluster; otherwise it starts a
 local Ray instance. Problems with the inputs (config, data, model, output folder, lengths, reward
@@ -12,7 +13,9 @@ that the run exits with code 1 and one line saying how to resume.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import random
 import sys
@@ -27,7 +30,8 @@ import torch
 from rltrain import checkpoint
 from rltrain.advantages import zero_variance_groups
 from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
-from rltrain.data import Prompt, PromptSampler, load_rows, tokenize_prompts
+from rltrain.data import Prompt, PromptSampler, load_rows, sft_examples, split_held_out, tokenize_prompts
+from rltrain.eval import evaluate
 from rltrain.grpo import ScoredGroups, build_batch, score, with_gae
 from rltrain.rewards import RewardScorer, load_reward_fn
 
@@ -41,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config file (configs/*.yaml)")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=5 loss.kl_beta=0.01")
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_console()
+    if argv[:1] == ["eval"]:  # `rltrain eval ...`: score a saved model on the held-out prompts
+        from rltrain.eval import main as eval_main
+
+        return eval_main(argv[1:])
     args = parser.parse_args(argv)
     if args.help_config:
         print(describe())
@@ -60,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def quiet_console() -> None:
+    """Settings that keep notices of the stack's auto-detection off a normal run's console."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: said, not guessed (and warned)
+
+
 @dataclass
 class Inputs:
     """What a run reads, checked by :func:`preflight` before any actor starts."""
@@ -67,7 +83,9 @@ class Inputs:
     out: Path
     model_path: str
     tokenizer: Any
-    prompts: list[Prompt]
+    prompts: list[Prompt]  # training prompts
+    rows: list[dict]  # their rows (the supervised warm-up's questions)
+    eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
 
 
 def preflight(config: Config) -> Inputs:
@@ -90,10 +108,16 @@ def preflight(config: Config) -> Inputs:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     try:
-        prompts = tokenize_prompts(load_rows(config.data), tokenizer, config.data)
+        rows, held_out = load_rows(config.data), []
+        if config.eval.every:
+            rows, held_out = split_held_out(rows, config.data, config.eval)
+        prompts = tokenize_prompts(rows, tokenizer, config.data)
+        eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+        if config.sft_warmup.steps:
+            sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return Inputs(out, model_path, tokenizer, prompts)
+    return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
 
 
 def _check_tools(config: Config) -> None:
@@ -169,8 +193,15 @@ def connect_ray(config: Config) -> None:
         have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
         _check_fits(have_cpu, _local_gpus(), config)
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        # Ray enables token authentication for a local instance by default and says so on every start;
+        # we keep the default and drop the notice
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(
-            num_cpus=have_cpu, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20
+            num_cpus=have_cpu,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=512 * 2**20,
+            logging_level=logging.WARNING,
         )
     else:
         ray.init(log_to_driver=False)
@@ -287,6 +318,11 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
     before = checkpoint.latest_marker(inputs.out)
     for restart in range(config.run.max_restarts + 1):
         try:
+            if config.sft_warmup.steps:  # RL starts from the warmed-up model (kept in the run folder)
+                from rltrain.sft import warm_start
+
+                warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out)
+                return train_once(config, dataclasses.replace(inputs, model_path=warm))
             return train_once(config, inputs)
         except ActorFailure as failure:
             tag = checkpoint.latest_tag(inputs.out)
@@ -312,6 +348,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     run = start_run(config, inputs)
     learners, generators, sampler = run.learners, run.generators, run.sampler
     tracker = Tracker(run.out, config, run.start_step)
+    if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
+        tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer), advance=False)
     pending: deque = deque()  # rollouts in flight, oldest first: (refs, prompts)
     sampler_state_after = {run.start_step: sampler.state()}  # per step, for checkpoints
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
@@ -346,10 +384,12 @@ def train_once(config: Config, inputs: Inputs) -> Path:
 
             step_s = time.perf_counter() - t0
             generated = sum(len(c.token_ids) for c in scored.completions)
+            last = step in (config.run.steps, config.run.stop_after)
+            if inputs.eval_prompts and (last or step % config.eval.every == 0):
+                metrics |= evaluate(generators, inputs.eval_prompts, run.scorer)
             tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip
-            last = step in (config.run.steps, config.run.stop_after)
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 checkpoint.save(
                     learners, run.out, step, {"sampler": sampler_state_after[step]}, run.critic, keep

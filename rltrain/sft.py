@@ -1,0 +1,108 @@
+"""Supervised warm start before RL, on the policy learners' own engine path.
+
+:class:`SFTLearner` is a policy learner whose loss is the cross-entropy of the completion tokens
+(tool output masked out), reduced with the same ``masked_mean`` denominators as the RL loss, so it
+is exact in ``token`` mode under any layout. :func:`warm_start` trains it for
+``sft_warmup.steps`` optimizer steps and writes the model to ``<output_dir>/sft_model/``; a run
+that finds it there (resume, restart) starts RL from it without repeating the warm-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rltrain.batch import Completion, TrainBatch, collate
+from rltrain.config import Config, LearnerConfig
+from rltrain.data import chat_prompt, sft_examples, tokenize_completion
+from rltrain.learner import LearnerGroup, PolicyLearner
+from rltrain.masked_mean import masked_mean
+
+DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
+
+
+class SFTLearner(PolicyLearner):
+    ROLE = "sft learner"
+    PREFIX = "sft"
+    PERF = "sft_"
+    METRIC_SUMS = ["loss", "tokens"]
+    TEMPERATURE = 1.0  # the model's own distribution, not the sampling temperature
+
+    @staticmethod
+    def section(config: Config) -> LearnerConfig:
+        """The policy's layout with the warm-up's optimizer settings (one constant-lr step per batch)."""
+        sft = config.sft_warmup
+        return config.learner.model_copy(
+            update={
+                "lr": sft.lr,
+                "lr_schedule": "constant",
+                "warmup_steps": 0,
+                "num_mini_batches": 1,
+                "ppo_epochs": 1,
+            }
+        )
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return self._load_model(AutoModelForCausalLM)
+
+    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        return groups
+
+    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        return out
+
+    def _loss(self, mb: TrainBatch, denominator):
+        logprobs, _ = self._logprobs(self.engine, mb)
+        mask = mb.response_mask * mb.tool_mask
+        loss = masked_mean(-logprobs, mask, denominator=denominator)
+        return loss, {"loss": -(logprobs.detach() * mask).sum(), "tokens": mask.sum()}
+
+
+def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out: Path) -> str:
+    """The warmed-up model's folder (trained now, or found from an earlier attempt of this run)."""
+    sft, folder = config.sft_warmup, out / "sft_model"
+    settings = _settings(config, model_path)
+    done = folder / DONE
+    if done.exists() and json.loads(done.read_text())["settings"] == settings:
+        return str(folder)
+    examples = sft_examples(sft, rows, config.run.seed)
+    encoded = [
+        (chat_prompt(e["prompt"], tokenizer, config.data), *tokenize_completion(e["completion"], tokenizer))
+        for e in examples
+    ]
+    learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
+    rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
+    try:
+        with tqdm(total=sft.steps, desc="sft warm-up", unit="step", dynamic_ncols=True, leave=False) as bar:
+            for _ in range(sft.steps):
+                chosen = [encoded[rng.randrange(len(encoded))] for _ in range(sft.batch_size)]
+                losses.append(learners.train_step(_batch(chosen, tokenizer.pad_token_id))["sft/loss"])
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                bar.update(1)
+        learners.save_hf(folder)
+    finally:
+        learners.shutdown()
+    elapsed = time.perf_counter() - start
+    done.write_text(json.dumps({"settings": settings, "loss": losses, "seconds": elapsed}))
+    tqdm.write(f"sft warm-up: {sft.steps} steps in {elapsed:.0f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return str(folder)
+
+
+def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> TrainBatch:
+    prompts = [prompt for prompt, _, _ in chosen]
+    completions = [Completion(ids, [0.0] * len(ids), mask) for _, ids, mask in chosen]
+    return collate(prompts, completions, torch.zeros(len(chosen)), pad_id)
+
+
+def _settings(config: Config, model_path: str) -> str:
+    """What the warmed-up model depends on: the warm-up section, the start model, data, seed."""
+    parts = [config.sft_warmup.model_dump(), model_path, config.data.model_dump(), config.run.seed]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,140 @@
+"""Warm start and held-out evaluation: data, the SFT loss on the learners' path, scoring, curves."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_e2e import REPO, run_trainer
+from transformers import AutoTokenizer
+
+from rltrain.batch import Completion
+from rltrain.config import DataConfig, EvalConfig, SFTWarmupConfig
+from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
+from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
+from rltrain.eval import evaluate
+from rltrain.rewards import RewardScorer
+from rltrain.tracking import PANELS, plot_curves
+
+
+def test_held_out_questions_are_never_training_questions(tmp_path):
+    rows = arithmetic_rows()
+    train, held = split_held_out(rows, DataConfig(), EvalConfig(num_prompts=64))
+    assert train == rows and len(held) == 64
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    # a data file: its last rows are held out and leave training
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    train, held = split_held_out(
+        [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)],
+        DataConfig(source=str(path)),
+        EvalConfig(num_prompts=3),
+    )
+    assert [r["prompt"] for r in held] == ["q7", "q8", "q9"] and len(train) == 7
+    with pytest.raises(ValueError, match="would leave none"):
+        split_held_out(train[:2], DataConfig(source=str(path)), EvalConfig(num_prompts=3))
+
+
+def test_warm_up_examples_and_their_tool_masks(tiny_model_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = [{"prompt": "What is 12 + 30? Answer with the number.", "answer": "42"}] * 200
+    examples = sft_examples(SFTWarmupConfig(tool_fraction=0.25), rows, seed=0)
+    calls = [e["completion"] for e in examples if e["completion"].startswith("<tool:")]
+    assert 30 < len(calls) < 70  # ~25% of 200
+    assert calls[0] == "<tool:calculator>12 + 30</tool><result>42</result> 42"
+    assert {e["completion"] for e in examples} - set(calls) == {"42"}
+    ids, mask = tokenize_completion(calls[0], tokenizer)
+    # byte-level tokenizer: one token per character; tool mask 0 exactly on <result>42</result>
+    call, result = len("<tool:calculator>12 + 30</tool>"), len("<result>42</result>")
+    assert mask == [1] * call + [0] * result + [1] * len(" 42") + [1]  # + EOS
+    assert (
+        ids[-1] == tokenizer.eos_token_id
+        and tokenizer.decode(ids[call : call + result]) == "<result>42</result>"
+    )
+
+
+class ScriptedPool:
+    """Stands in for GeneratorPool: greedy requests get scripted completions."""
+
+    def __init__(self, texts):
+        self.texts, self.greedy = texts, []
+
+    def submit(self, prompts, seeds, greedy=False):
+        self.greedy.append(greedy)
+        return list(range(len(prompts)))
+
+    def collect(self, refs):
+        return [Completion(token_ids=[1] * len(t), text=t, tool_calls=int("<tool:" in t)) for t in self.texts]
+
+
+def test_evaluate_scores_greedy_completions_with_math_verify():
+    from rltrain.data import Prompt
+
+    prompts = [Prompt(i, [1, 2], answer) for i, answer in enumerate(["42", "7", "13", "5"])]
+    pool = ScriptedPool(
+        ["<tool:calculator>40+2</tool><result>42</result> 42", "The answer is 7", "12", "five"]
+    )
+    with RewardScorer({"math": 1.0}, timeout_s=10) as scorer:
+        metrics = evaluate(pool, prompts, scorer)
+    assert pool.greedy == [True]
+    # correct: 42 (after the tool), 7; wrong: 12, "five" -> 2 / 4; one of four called a tool
+    assert metrics["eval/accuracy"] == 0.5 and metrics["eval/tool_call_rate"] == 0.25
+
+
+def test_curves_draw_every_panel(tmp_path):
+    rows = [{"step": s, "reward/mean": s / 10, "reward/math": s / 20, "eval/accuracy": s / 30, "train/kl": 0.01,
+             "train/entropy": 1.0, "train/clip_fraction": 0.1, "rollout/length_mean": 5.0, "time/generate_s": 0.2,
+             "time/train_s": 0.1, "time/sync_s": 0.02, "train/pg_loss": 0.0} for s in range(1, 4)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    titles = [title for title, _ in PANELS]
+    for wanted in ["held-out accuracy", "reward", "response length (tokens)", "entropy", "KL to the reference",
+                   "clip fraction", "step time (s)"]:  # fmt: skip
+        assert wanted in titles
+
+
+@pytest.mark.slow
+def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path):
+    from rltrain.sft import SFTLearner
+
+    batch = synthetic_rollouts()  # tool tokens (masked out of the loss) and an all-masked sequence
+    reference = update_after_one_step(layout_config(1, 8, 0), tiny_model_path, batch, SFTLearner)
+    split = update_after_one_step(layout_config(2, 3, 2), tiny_model_path, batch, SFTLearner)
+    packed = update_after_one_step(
+        layout_config(2, 1, 2, max_tokens_per_micro_batch=16), tiny_model_path, batch, SFTLearner
+    )
+    naive_one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch, SFTLearner)
+    naive_split = update_after_one_step(layout_config(2, 3, 2, None), tiny_model_path, batch, SFTLearner)
+    assert relative_difference(split, reference) < 1e-5
+    assert relative_difference(packed, reference) < 1e-5
+    assert relative_difference(naive_split, naive_one) > 1e-2
+    assert any(v.abs().sum() > 0 for v in reference.values())
+
+
+@pytest.mark.slow
+def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
+    out = tmp_path / "run"
+    common = ["sft_warmup.steps=20", "eval.every=2", "eval.num_prompts=8", "rollout.max_new_tokens=48",
+              "run.checkpoint_every=0"]  # fmt: skip
+    done = run_trainer(out, *common, "run.steps=3")
+    assert "sft warm-up: 20 steps" in done.stderr + done.stdout
+    assert "WARNING" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
+    assert json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["loss"][0] > 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3]  # start, every 2, end
+    assert "held-out (greedy)" in done.stdout  # the before/after table
+    # resuming reuses the warmed-up model: no second warm-up
+    done = run_trainer(out, *common, "run.steps=4", "run.resume=true")
+    assert "sft warm-up" not in done.stderr + done.stdout
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    # scoring the final model apart gives what the run logged at its end (same prompts, greedy)
+    scored = subprocess.run([sys.executable, "-m", "rltrain.eval", "--model", str(out / "final_model"), "--config",
+                             "configs/cpu_demo.yaml", *common[2:4], "run.ray_num_cpus=2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(scored.stdout.strip().splitlines()[-1])
+    for key in ["eval/accuracy", "eval/tool_call_rate", "eval/response_length"]:
+        assert result[key] == pytest.approx(last[key]), key
+    assert torch.isfinite(torch.tensor(result["eval/accuracy"]))

@@ -42,6 +42,8 @@ def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> d
         "algorithm.overlong=none",
         "rollout.tools.enabled=[]",
         "reward.functions={digits: 1.0}",
+        "sft_warmup.steps=0",
+        "run.eval_every=0",
         f"run.steps={args.steps}",
         "run.checkpoint_every=0",
         f"run.output_dir={out}",

@@ -257,7 +257,7 @@ class SFTWarmupConfig(Section):
     cross-entropy of the completion tokens, tool output masked out); 0 skips it. The warmed-up
     model is kept in the run folder (`sft_model/`), so a resumed or restarted run does not repeat it."""
     source: str = BUILTIN_TASK
-    """Examples: `builtin:arithmetic` (questions of the built-in task's training prompts, answered
+    """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in task's training prompts, answered
     directly or through the calculator, see tool_fraction), or a local .jsonl file with `prompt` and
     `completion` columns (tool output inside a completion is written `<result>...</result>` and masked)."""
     batch_size: int = Field(32, ge=1)
@@ -267,11 +267,16 @@ class SFTWarmupConfig(Section):
     tool_fraction: float = Field(0.5, ge=0, le=1)
     """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_is_source(cls, raw: Any) -> Any:
+        """`sft_warmup.data` is accepted for `sft_warmup.source` (and wins over it, as an override)."""
+        if isinstance(raw, dict) and "data" in raw:
+            raw = {key: value for key, value in raw.items() if key != "data"} | {"source": raw["data"]}
+        return raw
+
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0)
-    """Evaluate on the held-out prompts every N steps (also at the start and the end when N > 0);
-    0: never."""
     num_prompts: int = Field(64, ge=1)
     """Held-out prompts: never used for training."""
     source: str | None = None
@@ -308,6 +313,9 @@ class RunConfig(Section):
     """Seed for data order, sampling and initialization."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every N steps (and at the end); 0: only at the end."""
+    eval_every: int = Field(0, ge=0)
+    """Score the held-out prompts (the `eval` section) every N steps, and at the start and the end
+    of the run; 0: never."""
     keep_checkpoints: int | None = Field(None, ge=1)
     """Keep the newest N checkpoints and delete older ones after each save; null keeps all."""
     max_restarts: int = Field(2, ge=0)
@@ -342,6 +350,17 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use."""
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_every_spelled_in_its_section(cls, raw: Any) -> Any:
+        """`eval.every` is accepted for `run.eval_every`."""
+        if isinstance(raw, dict) and isinstance(raw.get("eval"), dict) and "every" in raw["eval"]:
+            raw = {**raw, "eval": dict(raw["eval"])}
+            every = raw["eval"].pop("every")
+            run = raw.get("run") or {}
+            raw["run"] = {**run, "eval_every": every} if isinstance(run, dict) else run
+        return raw
 
     @model_validator(mode="after")
     def _layout(self) -> Config:

@@ -25,7 +25,7 @@ class Prompt:
     answer: str
 
 
-def arithmetic_rows(n: int = 512, seed: int = 1234) -> list[dict[str, str]]:
+def arithmetic_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
     """Small addition/subtraction questions with integer answers."""
     rng = random.Random(seed)
     rows = []
@@ -55,7 +55,7 @@ def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[
             )
         return rows[:-n], rows[-n:]
     if ev.source is not None:
-        candidates = load_rows(data.model_copy(update={"source": ev.source}))
+        candidates = load_rows(data.model_copy(update={"source": ev.source}), "eval.source")
     else:  # the built-in task: more questions, drawn apart from the training ones
         candidates = arithmetic_rows(n=8 * n, seed=4321)
     seen, held = {r["prompt"] for r in rows}, []
@@ -75,7 +75,8 @@ def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict
         examples = load_rows(
             DataConfig(
                 source=sft.source, prompt_key="prompt", answer_key="completion", max_prompt_tokens=10**9
-            )
+            ),
+            "sft_warmup.source",
         )
         return [{"prompt": e["prompt"], "completion": e["answer"]} for e in examples]
     rng, examples = random.Random(seed), []
@@ -106,28 +107,28 @@ def tokenize_completion(text: str, tokenizer) -> tuple[list[int], list[int]]:
     return ids + [tokenizer.eos_token_id], mask + [1]
 
 
-def load_rows(config: DataConfig) -> list[dict]:
+def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
     """Every row as ``{"prompt", "answer"}``, validated: a problem raises ValueError naming the
-    source, the row (line, for JSON Lines) and the column."""
+    config ``key`` the source came from, the row (line, for JSON Lines) and the column."""
     if config.source.startswith("builtin:"):
         if config.source != BUILTIN_TASK:
-            raise ValueError(f"data.source: unknown built-in {config.source!r} (built-ins: {BUILTIN_TASK})")
+            raise ValueError(f"{key}: unknown built-in {config.source!r} (built-ins: {BUILTIN_TASK})")
         return arithmetic_rows()
     path = Path(config.source).expanduser()
     if path.exists():
         files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix in LOCAL_FORMATS)
         if not files:
-            raise ValueError(f"data.source: no {'/'.join(LOCAL_FORMATS)} files in {str(path)!r}")
-        records = _read_local(files)
+            raise ValueError(f"{key}: no {'/'.join(LOCAL_FORMATS)} files in {str(path)!r}")
+        records = _read_local(files, key)
     else:
-        records = _read_hub(config)
-    rows = [_row(where, record, config) for where, record in records]
+        records = _read_hub(config, key)
+    rows = [_row(where, record, config, key) for where, record in records]
     if not rows:
-        raise ValueError(f"data.source {config.source!r} holds no rows")
+        raise ValueError(f"{key} {config.source!r} holds no rows")
     return rows
 
 
-def _read_local(files: list[Path]) -> list[tuple[str, dict]]:
+def _read_local(files: list[Path], key: str) -> list[tuple[str, dict]]:
     if all(f.suffix == ".jsonl" for f in files):  # read here, so a bad line can be named
         records = []
         for f in files:
@@ -138,11 +139,9 @@ def _read_local(files: list[Path]) -> list[tuple[str, dict]]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"data.source: {where} is not valid JSON ({e.msg})") from None
+                    raise ValueError(f"{key}: {where} is not valid JSON ({e.msg})") from None
                 if not isinstance(record, dict):
-                    raise ValueError(
-                        f"data.source: {where} holds a {type(record).__name__}, expected an object"
-                    )
+                    raise ValueError(f"{key}: {where} holds a {type(record).__name__}, expected an object")
                 records.append((where, record))
         return records
     import datasets
@@ -152,18 +151,18 @@ def _read_local(files: list[Path]) -> list[tuple[str, dict]]:
             LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files], split="train"
         )
     except Exception as e:
-        raise ValueError(f"data.source: cannot read {str(files[0].parent)!r}: {_first_line(e)}") from None
+        raise ValueError(f"{key}: cannot read {str(files[0].parent)!r}: {_first_line(e)}") from None
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
 
 
-def _read_hub(config: DataConfig) -> list[tuple[str, dict]]:
+def _read_hub(config: DataConfig, key: str) -> list[tuple[str, dict]]:
     import datasets
 
     try:
         dataset = datasets.load_dataset(config.source, config.subset, split=config.split)
     except Exception as e:
         raise ValueError(
-            f"data.source: {config.source!r} is no local file and cannot be loaded from the hub: {_first_line(e)}"
+            f"{key}: {config.source!r} is no local file and cannot be loaded from the hub: {_first_line(e)}"
         ) from None
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
 
@@ -173,22 +172,22 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _row(where: str, record: dict, config: DataConfig) -> dict[str, str]:
-    for key, name in [(config.prompt_key, "prompt_key"), (config.answer_key, "answer_key")]:
-        if key not in record:
+def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, str]:
+    for column, name in [(config.prompt_key, "prompt_key"), (config.answer_key, "answer_key")]:
+        if column not in record:
+            setting = f" (data.{name})" if key == "data.source" else ""
             raise ValueError(
-                f"data.source {config.source!r}: {where} has no column {key!r} (data.{name}); "
-                f"it has {sorted(record)}"
+                f"{key} {config.source!r}: {where} has no column {column!r}{setting}; it has {sorted(record)}"
             )
     prompt, answer = record[config.prompt_key], record[config.answer_key]
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(
-            f"data.source {config.source!r}: {where}, column {config.prompt_key!r}: expected a non-empty "
+            f"{key} {config.source!r}: {where}, column {config.prompt_key!r}: expected a non-empty "
             f"string, got {prompt!r}"
         )
     if answer is None or isinstance(answer, dict | list):
         raise ValueError(
-            f"data.source {config.source!r}: {where}, column {config.answer_key!r}: expected a string or "
+            f"{key} {config.source!r}: {where}, column {config.answer_key!r}: expected a string or "
             f"number, got {answer!r}"
         )
     answer = str(answer)

@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use.
 
-During training ``eval.every`` logs ``eval/*`` at the start, every N steps and at the end. The same
+During training ``run.eval_every`` logs ``eval/*`` at the start, every N steps and at the end. The same
 scoring of a saved model:
 
     python -m rltrain.eval --model runs/cpu_demo/final_model --config configs/cpu_demo.yaml
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = [*args.overrides, f"model.name_or_path={args.model}", f"run.output_dir={scratch}"]
         config = load_config(args.config, overrides)
-        config = config.model_copy(update={"eval": config.eval.model_copy(update={"every": 1})})
+        config = config.model_copy(update={"run": config.run.model_copy(update={"eval_every": 1})})
         inputs = preflight(config)
         connect_ray(_one_engine(config))
     except ConfigError as e:

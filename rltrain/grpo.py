@@ -52,18 +52,21 @@ def score(
     scores = scorer([c.text for c in completions], answers)
     rewards = torch.tensor(scores.rewards)
     alg, max_new = config.algorithm, config.rollout.max_new_tokens
+    shaping = {}
     if alg.overlong == "soft_penalty":
-        penalties = [
+        penalties = torch.tensor([
             soft_overlong_penalty(len(c.token_ids), max_new, alg.overlong_buffer, alg.overlong_penalty)
             for c in completions
-        ]
-        rewards = rewards + torch.tensor(penalties)
+        ])  # fmt: skip
+        rewards = rewards + penalties
+        shaping["reward/overlong"] = penalties.mean().item()  # shown apart from the reward functions
     lengths = [len(c.token_ids) for c in completions]
     metrics = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "reward/failures": float(scores.failures),
         **{f"reward/{name}": value for name, value in scores.per_function.items()},
+        **shaping,
         "rollout/length_mean": sum(lengths) / len(lengths),
         "rollout/truncated_fraction": sum(c.truncated for c in completions) / len(completions),
         "rollout/tool_calls": float(sum(c.tool_calls for c in completions)),

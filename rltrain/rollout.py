@@ -36,6 +36,14 @@ class GeneratorBackend(Protocol):
         ...
 
 
+# On CPU, a prompt is never split over engine steps: vLLM rewinds the per-request sampling generator
+# of a partly prefilled request (`set_offset`), which CPU generators do not have, and the step fails
+# ("CPU Generator does not use offset") once a batch of seeded requests outgrows one step's tokens.
+# The per-step token budget then has to hold the longest prompt.
+def _whole_prefills(max_model_len: int) -> dict[str, Any]:
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+
+
 class VLLMBackend:
     def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int):
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
@@ -55,7 +63,11 @@ class VLLMBackend:
             # log-probs after temperature: the distribution the tokens were sampled from, which the
             # truncated importance-sampling correction compares against the learner
             logprobs_mode="processed_logprobs",
-            **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else {}),
+            **(
+                {"gpu_memory_utilization": rc.gpu_memory_utilization}
+                if cuda
+                else _whole_prefills(rc.max_model_len)
+            ),
         )
 
     def _params(self, greedy: bool = False, **kwargs):

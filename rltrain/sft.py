@@ -81,12 +81,16 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
-        with tqdm(total=sft.steps, desc="sft warm-up", unit="step", dynamic_ncols=True, leave=False) as bar:
-            for _ in range(sft.steps):
+        # a bar on a terminal; in a log file a line at every fifth of the way
+        with tqdm(total=sft.steps, desc="sft warm-up", unit="step", dynamic_ncols=True, leave=False,
+                  disable=None) as bar:  # fmt: skip
+            for step in range(1, sft.steps + 1):
                 chosen = [encoded[rng.randrange(len(encoded))] for _ in range(sft.batch_size)]
                 losses.append(learners.train_step(_batch(chosen, tokenizer.pad_token_id))["sft/loss"])
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
                 bar.update(1)
+                if bar.disable and step % max(1, sft.steps // 5) == 0 and step < sft.steps:
+                    tqdm.write(f"sft warm-up: step {step}/{sft.steps}, loss {losses[-1]:.3f}")
         learners.save_hf(folder)
     finally:
         learners.shutdown()

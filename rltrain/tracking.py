@@ -41,9 +41,9 @@ class Tracker:
                 dir=str(out_dir),
                 resume="allow",
             )
-        self.bar = tqdm(
-            total=config.run.steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True
-        )
+        # a bar on a terminal; in a log file (CI, `ray job submit`) the per-step lines alone
+        self.bar = tqdm(total=config.run.steps, initial=start_step, desc="training", unit="step",
+                        dynamic_ncols=True, disable=None)  # fmt: skip
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         """One row for ``step``; ``advance=False`` for a row that is not a training step (step 0)."""

@@ -96,9 +96,11 @@ def preflight(config: Config) -> Inputs:
             load_reward_fn(spec)
         except ValueError as e:
             raise ConfigError(f"reward.functions: {e}") from None
-    source = config.data.source
-    if source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists():
-        raise ConfigError(f"data.source: {source!r} does not exist")
+    for key, source in [("data.source", config.data.source), ("eval.source", config.eval.source),
+                        ("sft_warmup.source", config.sft_warmup.source)]:  # fmt: skip
+        looks_local = source is not None and source.startswith(("/", "./", "../", "~"))
+        if looks_local and not Path(source).expanduser().exists():
+            raise ConfigError(f"{key}: {source!r} does not exist")
     _check_tools(config)
     _check_backend(config)
     out = _output_folder(config)
@@ -109,7 +111,7 @@ def preflight(config: Config) -> Inputs:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     try:
         rows, held_out = load_rows(config.data), []
-        if config.eval.every:
+        if config.run.eval_every:
             rows, held_out = split_held_out(rows, config.data, config.eval)
         prompts = tokenize_prompts(rows, tokenizer, config.data)
         eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
@@ -385,7 +387,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             step_s = time.perf_counter() - t0
             generated = sum(len(c.token_ids) for c in scored.completions)
             last = step in (config.run.steps, config.run.stop_after)
-            if inputs.eval_prompts and (last or step % config.eval.every == 0):
+            if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
                 metrics |= evaluate(generators, inputs.eval_prompts, run.scorer)
             tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,

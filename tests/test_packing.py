@@ -148,7 +148,7 @@ def test_trim_drops_columns_no_sequence_attends_to():
     [
         (
             ["learner.max_tokens_per_micro_batch=100"],
-            "learner.max_tokens_per_micro_batch=100 cannot hold one sequence of up to 152",
+            "learner.max_tokens_per_micro_batch=100 cannot hold one sequence of up to 208",
         ),
         (["learner.packing=false", "learner.max_tokens_per_micro_batch=4096"], "needs learner.packing=true"),
         (["learner.max_tokens_per_micro_batch=0"], "learner.max_tokens_per_micro_batch: got 0"),
@@ -162,8 +162,8 @@ def test_bad_token_budget_is_one_line(overrides, expected):
 
 def test_default_budget_is_the_padded_worst_case():
     config = load_config("configs/cpu_demo.yaml", ["learner.micro_batch_size=4"])
-    # 4 sequences x (128 prompt + 24 completion tokens)
-    assert config.learner.packing and config.token_budget(config.learner) == 4 * (128 + 24)
+    # 4 sequences x (128 prompt + 80 completion tokens)
+    assert config.learner.packing and config.token_budget(config.learner) == 4 * (128 + 80)
 
 
 def test_document_attention_equals_attention_under_a_block_diagonal_causal_mask():

@@ -85,3 +85,21 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
     assert scored.rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     assert scored.metrics["rollout/sampling_rounds"] == 2.0
     assert scored.prompts[0].index == first[1].index  # the informative group of round 1 is kept, in order
+
+
+def test_overlong_penalty_is_in_the_reward_and_logged_apart_from_the_functions():
+    from rltrain.grpo import score
+
+    config = Config.model_validate({
+        "algorithm": {"group_size": 2, "overlong": "soft_penalty", "overlong_buffer": 4, "overlong_penalty": 0.5},
+        "rollout": {"max_new_tokens": 20},
+    })  # fmt: skip
+    prompts = [Prompt(0, [1, 2], "7")]
+    # 16 tokens: before the ramp (20 - 4), no penalty; 18 tokens: halfway up the ramp, -0.25
+    completions = [Completion(token_ids=[3] * 16, text="7"), Completion(token_ids=[3] * 18, text="7")]
+    with RewardScorer({"exact_match": 1.0}, timeout_s=5) as scorer:
+        scored = score(prompts, completions, config, scorer)
+    assert scored.rewards.tolist() == [1.0, 0.75]
+    assert scored.metrics["reward/exact_match"] == 1.0  # the function's own score, unshaped
+    assert scored.metrics["reward/overlong"] == -0.125  # (0 - 0.25) / 2
+    assert scored.metrics["reward/mean"] == 0.875

@@ -116,7 +116,7 @@ def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path
 @pytest.mark.slow
 def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
     out = tmp_path / "run"
-    common = ["sft_warmup.steps=20", "eval.every=2", "eval.num_prompts=8", "rollout.max_new_tokens=48",
+    common = ["sft_warmup.steps=20", "run.eval_every=2", "eval.num_prompts=8", "rollout.max_new_tokens=48",
               "run.checkpoint_every=0"]  # fmt: skip
     done = run_trainer(out, *common, "run.steps=3")
     assert "sft warm-up: 20 steps" in done.stderr + done.stdout

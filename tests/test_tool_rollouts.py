@@ -76,3 +76,21 @@ def test_tool_call_runs_and_its_output_is_masked(backend, tool_model):
     assert all(lp <= 0.0 for lp in completion.logprobs) and len(completion.logprobs) == len(
         completion.token_ids
     )
+
+
+def test_vllm_batch_of_seeded_requests_larger_than_one_engine_step(tiny_model_path):
+    """64 seeded prompts of 100 tokens (6400 tokens) outgrow vLLM's default 2048-token step. With the
+    prompt split over steps, vLLM on CPU rewinds each request's sampling generator and fails ("CPU
+    Generator does not use offset"); whole prefills keep sampling going, and seeded as before: the
+    same seed gives the same tokens whatever else is in the batch."""
+    from rltrain.config import RolloutConfig
+    from rltrain.rollout import VLLMBackend
+
+    backend = VLLMBackend(tiny_model_path, RolloutConfig(max_model_len=512), stop=[], seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 200, (64, 100), generator=generator).tolist()
+    segments = backend.generate(prompts, [8] * 64, seeds=list(range(64)))
+    assert len(segments) == 64 and all(1 <= len(s.token_ids) <= 8 for s in segments)
+    (alone,) = backend.generate(prompts[5:6], [8], seeds=[5])
+    assert alone.token_ids == segments[5].token_ids
+    del backend

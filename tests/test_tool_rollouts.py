@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rltrain.config import Config, DataConfig
-from rltrain.data import tokenize_prompts
+from rltrain.config import Config, DataConfig, RolloutConfig
+from rltrain.data import arithmetic_rows, tokenize_prompts
 from rltrain.losses import sft_cross_entropy
-from rltrain.rollout import GeneratorActor
+from rltrain.rollout import GeneratorActor, VLLMBackend
 
 pytestmark = pytest.mark.slow
 CALL, RESULT, ANSWER = "<tool:calculator>6*7</tool>", "<result>42</result>", "The answer is 42.<|im_end|>"
@@ -83,9 +83,6 @@ def test_vllm_batch_of_seeded_requests_larger_than_one_engine_step(tiny_model_pa
     prompt split over steps, vLLM on CPU rewinds each request's sampling generator and fails ("CPU
     Generator does not use offset"); whole prefills keep sampling going, and seeded as before: the
     same seed gives the same tokens whatever else is in the batch."""
-    from rltrain.config import RolloutConfig
-    from rltrain.rollout import VLLMBackend
-
     backend = VLLMBackend(tiny_model_path, RolloutConfig(max_model_len=512), stop=[], seed=0)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 200, (64, 100), generator=generator).tolist()
@@ -94,3 +91,20 @@ def test_vllm_batch_of_seeded_requests_larger_than_one_engine_step(tiny_model_pa
     (alone,) = backend.generate(prompts[5:6], [8], seeds=[5])
     assert alone.token_ids == segments[5].token_ids
     del backend
+
+
+def test_vllm_text_decoded_once_equals_its_incremental_detokenization(tiny_model_path):
+    """Without stop strings the completion is decoded once after generation, not token by token by
+    vLLM; same seeds, same tokens: the text, the tokens and their log-probs are what vLLM's own
+    detokenizing path gives (the random byte-level model writes invalid UTF-8 too, also at the end)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompts = [p.token_ids for p in tokenize_prompts(arithmetic_rows(16), tokenizer, DataConfig())]
+    backend = VLLMBackend(tiny_model_path, RolloutConfig(max_model_len=512), stop=["<never written>"], seed=0)
+    incremental = backend.generate(prompts, [24] * 16, seeds=list(range(16)))
+    backend.stop = []  # as for a run without tools
+    decoded_once = backend.generate(prompts, [24] * 16, seeds=list(range(16)))
+    del backend
+    assert [s.token_ids for s in decoded_once] == [s.token_ids for s in incremental]
+    assert [s.logprobs for s in decoded_once] == [s.logprobs for s in incremental]
+    assert [s.text for s in decoded_once] == [s.text for s in incremental]
+    assert sum(len(s.text) for s in incremental) > 100

@@ -257,9 +257,10 @@ class SFTWarmupConfig(Section):
     cross-entropy of the completion tokens, tool output masked out); 0 skips it. The warmed-up
     model is kept in the run folder (`sft_model/`), so a resumed or restarted run does not repeat it."""
     source: str = BUILTIN_TASK
-    """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in task's training prompts, answered
-    directly or through the calculator, see tool_fraction), or a local .jsonl file with `prompt` and
-    `completion` columns (tool output inside a completion is written `<result>...</result>` and masked)."""
+    """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in
+    task's training prompts, answered directly or through the calculator, see tool_fraction), or a
+    local .jsonl file with `prompt` and `completion` columns (tool output inside a completion is
+    written `<result>...</result>` and masked)."""
     batch_size: int = Field(32, ge=1)
     """Examples per optimizer step."""
     lr: float = Field(3e-3, gt=0)

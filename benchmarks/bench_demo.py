@@ -33,6 +33,7 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/accuracy" in r]
+    steps = [r for r in rows if "reward/mean" in r]  # training steps (the step-0 row is evaluation only)
     first, last = evals[0], evals[-1]
     warm_up = json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["seconds"]
     return {
@@ -40,8 +41,8 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
         "accuracy after": last["eval/accuracy"],
         "tool calls before": first["eval/tool_call_rate"],
         "tool calls after": last["eval/tool_call_rate"],
-        "reward first 5 steps": sum(r["reward/mean"] for r in rows[1:6]) / 5,
-        "reward last 5 steps": sum(r["reward/mean"] for r in rows[-5:]) / 5,
+        "reward first 5 steps": sum(r["reward/mean"] for r in steps[:5]) / 5,
+        "reward last 5 steps": sum(r["reward/mean"] for r in steps[-5:]) / 5,
         "warm-up s": warm_up,
         "run s": wall,
     }

@@ -53,6 +53,7 @@ CASES = {
         ["learner.sequence_parallel_size=2", "loss.kind=gspo"],
         "learner.sequence_parallel_size=2 needs a per-token loss",
     ),
+    "negative eval interval": (["run.eval_every=-1"], "run.eval_every: got -1; Input should be greater than"),
     "token budget": (
         ["learner.max_tokens_per_micro_batch=64"],
         "learner.max_tokens_per_micro_batch=64 cannot hold one sequence of up to 208 tokens",  # 128 + 80

@@ -120,6 +120,10 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
               "run.checkpoint_every=0"]  # fmt: skip
     done = run_trainer(out, *common, "run.steps=3")
     assert "sft warm-up: 20 steps" in done.stderr + done.stdout
+    # a log file, not a terminal: no progress-bar frames (their rate reads "step/s"), and the warm-up
+    # reports every fifth of the way (20 // 5 = 4 steps)
+    assert "step/s" not in done.stderr + done.stdout
+    assert "sft warm-up: step 4/20" in done.stdout and "sft warm-up: step 16/20" in done.stdout
     assert "WARNING" not in done.stderr and "Warning" not in done.stderr, done.stderr[-2000:]
     assert json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["loss"][0] > 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

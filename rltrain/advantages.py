@@ -8,8 +8,12 @@ Rewards arrive flat, ``[num_groups * group_size]``, with the completions of one 
   question-difficulty bias the std introduces.
 - RLOO: ``r_i - mean_{j != i} r_j``, the leave-one-out baseline.
 
-A group whose rewards are all equal has zero advantage everywhere and teaches nothing;
-:func:`zero_variance_groups` finds them so DAPO's dynamic sampling can drop and refill them.
+A group whose rewards are all equal has **exactly** zero advantage everywhere and teaches nothing;
+:func:`zero_variance_groups` finds them so DAPO's dynamic sampling can drop and refill them. Group
+statistics are computed in float64 and equal groups are zeroed explicitly: in float32 the rounding
+error of the mean of eight rewards of 0.7, divided by ``std + eps`` with ``std ~ 0``, became an
+advantage of +0.056 for every member (a push in one direction from a group with no signal).
+Results are float32, or float64 for float64 rewards (never silently downcast).
 
 GAE (:func:`gae_advantages`, classic PPO with a learned critic) works per token, ``[B, T]``, over
 the tokens the policy generated; where it departs from the paper: tokens the policy did not
@@ -26,7 +30,16 @@ import torch
 def _grouped(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size < 1 or rewards_N.numel() % group_size != 0:
         raise ValueError(f"{rewards_N.numel()} rewards do not split into groups of {group_size} completions")
-    return rewards_N.reshape(-1, group_size).float()  # [G, n]
+    return rewards_N.reshape(-1, group_size).to(torch.float64)  # [G, n]
+
+
+def _finish(advantages_Gn: torch.Tensor, r_Gn: torch.Tensor, rewards_N: torch.Tensor) -> torch.Tensor:
+    """Zero the groups whose rewards are all equal (exactly, whatever the rounding), flatten, and
+    return float64 for float64 rewards, float32 otherwise."""
+    equal_G = (r_Gn == r_Gn[:, :1]).all(-1, keepdim=True)
+    advantages_Gn = torch.where(equal_G, torch.zeros_like(advantages_Gn), advantages_Gn)
+    dtype = torch.float64 if rewards_N.dtype == torch.float64 else torch.float32
+    return advantages_Gn.reshape(-1).to(dtype)
 
 
 def grpo_advantages(
@@ -38,7 +51,7 @@ def grpo_advantages(
     if normalize_std:
         std = r_Gn.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(r_Gn[:, :1])
         centered = centered / (std + eps)
-    return centered.reshape(-1)
+    return _finish(centered, r_Gn, rewards_N)
 
 
 def rloo_advantages(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -47,7 +60,7 @@ def rloo_advantages(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError("RLOO needs group_size >= 2")
     r_Gn = _grouped(rewards_N, group_size)
     baseline = (r_Gn.sum(-1, keepdim=True) - r_Gn) / (group_size - 1)
-    return (r_Gn - baseline).reshape(-1)
+    return _finish(r_Gn - baseline, r_Gn, rewards_N)
 
 
 def zero_variance_groups(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -56,6 +56,9 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, T]
     returns: torch.Tensor | None = None  # [N, T] value targets (GAE)
     old_values: torch.Tensor | None = None  # [N, T] the critic's values at rollout time (GAE)
+    # set by a learner whose ranks share sequences (sequence parallelism), for per-sequence losses:
+    sequence_tokens: torch.Tensor | None = None  # [N] loss tokens of each whole sequence
+    counted: torch.Tensor | None = None  # [N] 1 where this rank counts the sequence in the step total
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -86,7 +89,9 @@ class TrainBatch:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            want = [(n,), (n, t)] if f.name == "advantages" else [(n, t)]
+            want = {"advantages": [(n,), (n, t)], "sequence_tokens": [(n,)], "counted": [(n,)]}.get(
+                f.name, [(n, t)]
+            )
             if tuple(value.shape) not in want:
                 raise ValueError(
                     f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {' or '.join(map(str, want))}"

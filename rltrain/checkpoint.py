@@ -1,8 +1,9 @@
 """Save, resume, Hugging Face export.
 
 ``<output_dir>/checkpoints/step_<k>/`` holds the DeepSpeed state of every learner (weights,
-optimizer, scheduler, RNG) plus the trainer's state (data order, step) and ``hf/``, the policy in
-Hugging Face format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``.
+optimizer, scheduler, RNG), ``trainer_state.json`` (the step and the data order, written by the
+driver: :meth:`rltrain.orchestrator.Orchestrator.state`) and ``hf/``, the policy in Hugging Face
+format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``.
 
 Saves are atomic: everything is written to ``step_<k>.partial/``, which is renamed to
 ``step_<k>/`` once complete; then ``checkpoints/latest`` (the newest complete one) is replaced by
@@ -12,6 +13,7 @@ point of a save resumes from the previous checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +23,7 @@ from typing import Any
 from rltrain.learner import LearnerGroup
 
 CRITIC = "critic"  # the critic's DeepSpeed state: step_<k>/critic/
+TRAINER_STATE = "trainer_state.json"  # the step and the data order: step_<k>/trainer_state.json
 
 
 def checkpoint_root(out_dir: Path) -> Path:
@@ -39,7 +42,8 @@ def save(
     root, tag = checkpoint_root(out_dir), f"step_{step}"
     partial = root / f"{tag}{PARTIAL}"
     shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-save
-    learners.save_checkpoint(root, partial.name, {"step": step, **trainer_state})
+    learners.save_checkpoint(root, partial.name, {"step": step})
+    (partial / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}))
     learners.save_hf(partial / "hf")
     if critic is not None:
         critic.save_checkpoint(partial, CRITIC, {"step": step})
@@ -90,4 +94,5 @@ def load(learners: LearnerGroup, out_dir: Path, critic: LearnerGroup | None = No
         raise FileNotFoundError(f"run.resume: no checkpoint in {checkpoint_root(out_dir)}")
     if critic is not None:
         critic.load_checkpoint(checkpoint_root(out_dir) / tag, CRITIC)
-    return learners.load_checkpoint(checkpoint_root(out_dir), tag)
+    learners.load_checkpoint(checkpoint_root(out_dir), tag)
+    return json.loads((checkpoint_root(out_dir) / tag / TRAINER_STATE).read_text())

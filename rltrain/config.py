@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rltrain.masked_mean import resolve_denominator
+from rltrain.masked_mean import Aggregation, resolve_denominator
 
 TINY_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:arithmetic"
@@ -108,21 +108,39 @@ class LossConfig(Section):
     """Dual-clip bound for negative advantages (e.g. 3.0); null disables."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1/k2/k3)."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+", "abs"] = "k3"
+    """KL estimator: Schulman's k1/k2/k3, `abs` (|log-ratio|), or `k3+` (k3's value with k2's
+    gradient, straight-through)."""
     tis_cap: float | None = Field(2.0, gt=0)
     """Cap of truncated importance weights learner/generator; null disables the correction."""
     masked_mean_denominator: Any = "token"
-    """`token`: divide by the loss tokens of the whole optimizer step (all micro-batches, all ranks),
-    exact under any layout; null: per-micro-batch mean (the common, layout-dependent behaviour);
-    a positive number: a constant (Dr. GRPO)."""
+    """`token`: divide by the count of the whole optimizer step (all micro-batches, all ranks; loss
+    tokens for token-mean, sequences for the per-sequence aggregations), exact under any layout;
+    null: this micro-batch's own count (the common, layout-dependent behaviour); a positive number:
+    a constant in place of the count, per micro-batch (Dr. GRPO)."""
     masked_mean_axis: Literal[1] | None = None
-    """1: mean per sequence, then over sequences (original GRPO); null: over tokens."""
+    """1: mean per sequence, then over sequences (original GRPO): the same as
+    aggregation=seq-mean-token-mean; null: as `aggregation` says."""
+    aggregation: Aggregation | None = None
+    """How per-token losses reduce (verl's loss_agg_mode names): `token-mean`, `seq-mean-token-mean`,
+    `seq-mean-token-sum`, `seq-mean-token-sum-norm` (token sums over `aggregation_norm`, Dr. GRPO);
+    null: token-mean, or seq-mean-token-mean with masked_mean_axis=1. Applies to the policy, value
+    and warm-up (SFT) losses alike."""
+    aggregation_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
 
     @model_validator(mode="after")
     def _denominator(self) -> LossConfig:
         resolved = resolve_denominator(self.masked_mean_denominator, self.masked_mean_axis)
         object.__setattr__(self, "masked_mean_denominator", resolved)
+        if self.masked_mean_axis == 1 and self.aggregation not in (None, "seq-mean-token-mean"):
+            raise ValueError(
+                f"masked_mean_axis: 1 means aggregation seq-mean-token-mean; got "
+                f"loss.aggregation={self.aggregation} (set one of the two)"
+            )
+        if self.aggregation is None:
+            aggregation = "seq-mean-token-mean" if self.masked_mean_axis == 1 else "token-mean"
+            object.__setattr__(self, "aggregation", aggregation)
         return self
 
 
@@ -419,16 +437,16 @@ class Config(Section):
             raise ValueError(
                 f"learner.sequence_parallel_size={sp} needs learner.packing=true (it splits packed rows)"
             )
-        if self.loss.kind == "gspo" or self.loss.masked_mean_axis is not None:
-            raise ValueError(
-                f"learner.sequence_parallel_size={sp} needs a per-token loss: loss.kind ppo or cispo with "
-                "loss.masked_mean_axis null (a sequence's tokens are spread over ranks)"
-            )
 
     @property
     def longest_sequence(self) -> int:
         """The most tokens (prompt + completion) one training sequence can have."""
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def aggregation_norm(self) -> float:
+        """The constant of ``seq-mean-token-sum-norm``: ``loss.aggregation_norm`` or the generation budget."""
+        return self.loss.aggregation_norm or float(self.rollout.max_new_tokens)
 
     def token_budget(self, lc: LearnerConfig) -> int:
         """``max_tokens_per_micro_batch`` of a learner section (the policy's or the critic's), or
@@ -478,7 +496,7 @@ def _one_line(error: ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
-    if message.startswith("masked_mean_denominator:"):
+    if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):
         return f"{key + '.' if key else ''}{message}"
     if first["type"] == "value_error" and not key:
         return message  # a cross-section check names its keys itself; its input is the whole config

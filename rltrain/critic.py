@@ -74,6 +74,9 @@ class CriticLearner(EngineLearner):
             keep,
             denominator,
             self.config.critic.value_clip,
+            self.config.loss.aggregation,
+            mb.sequence_tokens,
+            self.config.aggregation_norm,
         )
         residual = mb.returns - mb.old_values
         for name, x in {"return_sq": mb.returns**2, "residual": residual, "residual_sq": residual**2}.items():

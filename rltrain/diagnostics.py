@@ -67,6 +67,7 @@ def layout_config(
     zero_stage: int,
     denominator="token",
     max_tokens_per_micro_batch: int | None = None,
+    loss: dict | None = None,
     **learner,
 ) -> Config:
     """Plain SGD without clipping: the update is then linear in the gradient, so a wrong
@@ -74,7 +75,7 @@ def layout_config(
 
     Micro-batches hold ``micro_batch_size`` padded sequences, or, with a token budget
     ``max_tokens_per_micro_batch``, are packed under it. Sequence limits fit
-    :func:`synthetic_rollouts` (t=14)."""
+    :func:`synthetic_rollouts` (t=14). ``loss`` adds keys of the loss section (``aggregation``, ...)."""
     packing = {
         "packing": max_tokens_per_micro_batch is not None,
         "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
@@ -91,7 +92,7 @@ def layout_config(
                 **packing,
                 **learner,
             },
-            "loss": {"masked_mean_denominator": denominator},
+            "loss": {"masked_mean_denominator": denominator, **(loss or {})},
             "data": {"max_prompt_tokens": SYNTHETIC_PROMPT_TOKENS},
             "rollout": {"max_new_tokens": SYNTHETIC_COMPLETION_TOKENS},
         }

@@ -10,8 +10,9 @@ One training step on a global batch of scored rollouts:
    (:func:`rltrain.batch.plan_packed_micro_batches`) shares balance tokens and micro-batches are
    bounded by a token budget and run as one padding-free row each; without it
    (:func:`rltrain.batch.plan_micro_batches`) they hold ``micro_batch_size`` padded sequences.
-2. In ``token`` mode, every rank counts its loss tokens per accumulation group and sums them over
-   ranks in one all-reduce (:func:`rltrain.masked_mean.group_token_totals`).
+2. In ``token`` mode, every rank counts its loss tokens and sequences per accumulation group and
+   sums them over ranks in one all-reduce (:func:`rltrain.masked_mean.step_totals`); the loss's
+   ``loss.aggregation`` picks which count divides it.
 3. Forward/backward per micro-batch, with the accumulation boundary set explicitly: DeepSpeed's
    ZeRO-1/2 keep only the last micro-batch's gradient under manual accumulation otherwise.
    Loss scaling per ``masked_mean_denominator`` mode is documented in :mod:`rltrain.masked_mean`.
@@ -41,7 +42,7 @@ from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_p
 from rltrain.config import Config, LearnerConfig
 from rltrain.logprobs import sequence_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
-from rltrain.masked_mean import group_token_totals
+from rltrain.masked_mean import step_totals
 from rltrain.remote import gather, where
 
 # counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
@@ -168,7 +169,11 @@ class EngineLearner:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        lc, mode = self.lc, self.config.loss.masked_mean_denominator
+        lc, mode, aggregation = (
+            self.lc,
+            self.config.loss.masked_mean_denominator,
+            self.config.loss.aggregation,
+        )
         if self.use_cuda:
             torch.cuda.reset_peak_memory_stats()
         groups = [[self._to_device(self._own_tokens(self._nonempty(mb))) for mb in group] for group in groups]
@@ -178,9 +183,9 @@ class EngineLearner:
         if mode == "token":
             # one collective for every accumulation group of the step (the same over PPO epochs);
             # with packing, groups may hold different numbers of micro-batches
-            totals = group_token_totals(
-                [mb.response_mask for mb in flat], [len(g) for g in groups], [mb.tool_mask for mb in flat]
-            )
+            counted = None if self.sp == 1 else [mb.counted for mb in flat]
+            totals = step_totals([mb.response_mask for mb in flat], [len(g) for g in groups],
+                                 [mb.tool_mask for mb in flat], counted)  # fmt: skip
         n = len(self.METRIC_SUMS)
         sums = torch.zeros(n + len(TOKEN_COUNTS), dtype=torch.float64)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
@@ -190,10 +195,10 @@ class EngineLearner:
             for g, group in enumerate(groups):
                 for i, mb in enumerate(group):
                     if mode == "token":
-                        # the group's global token count / world size: DeepSpeed averages gradients
-                        # over ranks, which the factor world_size cancels; no /accumulation_steps
-                        # (the count covers them all)
-                        denominator = totals[g] / self.world_size
+                        # the group's global count (tokens, or sequences for a per-sequence
+                        # aggregation) / world size: DeepSpeed averages gradients over ranks, which
+                        # the factor world_size cancels; no /accumulation_steps (the count covers them all)
+                        denominator = totals.denominator(g, aggregation, self.world_size)
                     else:
                         denominator = mode  # None (this micro-batch's own count) or a constant
                     loss, metrics = self._loss(mb, denominator)
@@ -265,11 +270,19 @@ class EngineLearner:
 
     def _own_tokens(self, mb: TrainBatch) -> TrainBatch:
         """Under sequence parallelism, the loss tokens of this rank are those whose log-prob it
-        computes: each token then counts once in the losses, the metrics and the token totals."""
+        computes: each token then counts once in the losses, the metrics and the token totals. A
+        per-sequence loss divides by the whole sequence's token count (``sequence_tokens``: every
+        rank holds the whole row's masks), and the rank owning a sequence's first loss token counts
+        the sequence (``counted``), so it counts once in the step's sequence total."""
         if self.sp == 1:
             return mb
+        keep = mb.response_mask.bool() & mb.tool_mask.bool()
         owned = sequence_parallel.owned_positions(mb.attention_mask, self.sp, self.sp_rank)
-        return mb.replace(response_mask=mb.response_mask * owned)
+        first = keep.float().argmax(-1, keepdim=True)  # the first loss token of each row
+        counted = keep.any(-1) & owned.gather(-1, first).squeeze(-1)
+        return mb.replace(
+            response_mask=mb.response_mask * owned, sequence_tokens=keep.sum(-1), counted=counted.long()
+        )
 
     def _forward_tokens(self, mb: TrainBatch) -> float:
         """Tokens the model runs on for this micro-batch on this rank: its slice of the packed row,
@@ -344,6 +357,7 @@ class PolicyLearner(EngineLearner):
         self.loss_settings = PolicyLossSettings(
             kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
             kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, tis_cap=loss.tis_cap,
+            aggregation=loss.aggregation, aggregation_norm=config.aggregation_norm,
         )  # fmt: skip
         self.ref_model = None
 
@@ -388,7 +402,9 @@ class PolicyLearner(EngineLearner):
             tool_mask_BT=mb.tool_mask,
             ref_logprobs_BT=mb.ref_logprobs,
             generator_logprobs_BT=mb.generator_logprobs,
-            axis=self.config.loss.masked_mean_axis,
+            sequence_tokens_B=mb.sequence_tokens,
+            # GSPO's sequence ratio sums each sequence's log-ratios over the ranks sharing its row
+            sequence_sum=sequence_parallel.sequence_sum if self.sp > 1 else None,
         )
         keep = mb.response_mask.bool() & mb.tool_mask.bool()
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()

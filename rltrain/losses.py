@@ -12,20 +12,35 @@ Departures from the papers:
 - GSPO: the sequence ratio is the length-normalized ratio of the sequence; we use the GSPO-token
   form (ratio value from the sequence, gradient per token), which equals GSPO when all tokens of a
   sequence share one advantage, and reduce it with the same per-token denominators as the others.
+  Under sequence parallelism a sequence's log-ratio sum is spread over the ranks of its group; the
+  caller passes ``sequence_sum`` (one all-reduce in that group, :mod:`rltrain.sequence_parallel`)
+  and ``sequence_tokens_B`` (the whole sequence's token count), so every rank uses the sequence's
+  full ratio. The ratio is a stop-gradient value, so the sum needs no backward collective.
+- Every ratio is ``exp`` of a log-ratio clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (20, as
+  verl): a token whose policies disagree wildly (a broken sync, a bf16 outlier) gives a finite loss
+  and gradient instead of inf/NaN. Such a token is far outside any clip range, so the bound changes
+  nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from rltrain.logprobs import token_logprobs
-from rltrain.masked_mean import loss_token_mask, masked_mean
+from rltrain.masked_mean import Aggregation, aggregate, loss_token_mask
 
 PolicyLossType = Literal["ppo", "cispo", "gspo"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "k3+", "abs"]
+LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: finite in fp32 and bf16
+
+
+def ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """``exp(logp - old)`` with the log-ratio clamped to ``+-LOG_RATIO_BOUND`` (finite, always)."""
+    return torch.exp(torch.clamp(logprobs_BT - old_logprobs_BT, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def ppo_clip_loss(
@@ -42,9 +57,9 @@ def ppo_clip_loss(
     with ``dual_clip = c > 1`` the loss of tokens with ``A < 0`` is further capped at ``-A * c``.
     ``clipped_BT`` is True where the clipped branch was taken (no gradient flows there).
     """
-    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
-    unclipped = -advantages_BT * ratio
-    clipped = -advantages_BT * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    r = ratio(logprobs_BT, old_logprobs_BT)
+    unclipped = -advantages_BT * r
+    clipped = -advantages_BT * torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     was_clipped = clipped > unclipped
     if dual_clip is not None:
@@ -69,9 +84,9 @@ def cispo_loss(
     Unlike PPO, clipped tokens still get a gradient (through ``logp``); only their weight is
     bounded. Returns ``(loss_BT, clipped_BT)``.
     """
-    ratio = torch.exp(logprobs_BT - old_logprobs_BT).detach()
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return -weight * advantages_BT * logprobs_BT, weight != ratio
+    r = ratio(logprobs_BT, old_logprobs_BT).detach()
+    weight = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages_BT * logprobs_BT, weight != r
 
 
 def gspo_loss(
@@ -81,17 +96,26 @@ def gspo_loss(
     mask_BT: torch.Tensor,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
+    sequence_tokens_B: torch.Tensor | None = None,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO(-token) per token. Returns ``(loss_BT, clipped_BT)``.
 
     The sequence ratio ``s_i = exp(mean_t (logp - old))`` over the sequence's loss tokens is shared
     by its tokens as a value, ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))``, then clipped as in PPO.
-    The paper's clip ranges are tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean.
+    The paper's clip ranges are tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean. When this
+    rank holds part of each sequence, ``sequence_sum`` sums a ``[B]`` tensor over the ranks holding
+    the rest and ``sequence_tokens_B`` is the whole sequences' token counts.
     """
     keep = mask_BT.bool()
     log_ratio = torch.where(keep, logprobs_BT - old_logprobs_BT, torch.zeros_like(logprobs_BT))
-    seq_log_ratio_B = log_ratio.sum(-1) / keep.sum(-1).clamp(min=1)
-    token_ratio = torch.exp(seq_log_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach())
+    log_ratio_sum_B = log_ratio.detach().sum(-1)
+    if sequence_sum is not None:
+        log_ratio_sum_B = sequence_sum(log_ratio_sum_B)
+    counts_B = keep.sum(-1) if sequence_tokens_B is None else sequence_tokens_B
+    seq_log_ratio_B = log_ratio_sum_B / counts_B.clamp(min=1)
+    seq_log_ratio_B = seq_log_ratio_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    token_ratio = torch.exp(seq_log_ratio_B[:, None] + logprobs_BT - logprobs_BT.detach())
     unclipped = -advantages_BT * token_ratio
     clipped = -advantages_BT * torch.clamp(token_ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
@@ -107,7 +131,7 @@ def truncated_is_weights(
     """
     if cap <= 0:
         raise ValueError(f"truncated importance-sampling cap must be > 0, got {cap}")
-    return torch.exp(learner_logprobs_BT - generator_logprobs_BT).clamp(max=cap).detach()
+    return ratio(learner_logprobs_BT, generator_logprobs_BT).clamp(max=cap).detach()
 
 
 def kl_penalty(
@@ -116,16 +140,23 @@ def kl_penalty(
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1-k3).
 
     With ``d = ref - logp``: k1 = ``-d``; k2 = ``d**2 / 2``; k3 = ``exp(d) - d - 1`` (unbiased and
-    never negative).
+    never negative); ``abs`` = ``|d|``; ``k3+`` = k3's value with k2's gradient (straight-through:
+    an unbiased estimate whose gradient is the unbiased gradient of the KL, as verl's ``+`` forms).
+    ``d`` is clamped to ``+-LOG_RATIO_BOUND`` first, so ``exp`` stays finite.
     """
-    d = ref_logprobs_BT - logprobs_BT
+    d = torch.clamp(ref_logprobs_BT - logprobs_BT, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
         return torch.expm1(d) - d
-    raise ValueError(f"kl estimator must be one of k1, k2, k3, got {estimator!r}")
+    if estimator == "k3+":
+        k2, k3 = 0.5 * d * d, torch.expm1(d) - d
+        return k2 + (k3 - k2).detach()
+    if estimator == "abs":
+        return d.abs()
+    raise ValueError(f"kl estimator must be one of k1, k2, k3, k3+, abs; got {estimator!r}")
 
 
 @dataclass(frozen=True)
@@ -139,6 +170,8 @@ class PolicyLossSettings:
     kl_beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
     tis_cap: float | None = None
+    aggregation: Aggregation = "token-mean"  # how per-token losses reduce (rltrain.masked_mean.aggregate)
+    aggregation_norm: float = 1.0  # the constant of seq-mean-token-sum-norm
 
 
 def policy_loss(
@@ -152,13 +185,18 @@ def policy_loss(
     ref_logprobs_BT: torch.Tensor | None = None,
     generator_logprobs_BT: torch.Tensor | None = None,
     axis: int | None = None,
+    sequence_tokens_B: torch.Tensor | None = None,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy objective for one micro-batch, reduced with ``masked_mean(..., denominator)``.
+    """The policy objective for one micro-batch, reduced with ``aggregate(..., settings.aggregation,
+    denominator)`` (a token count for ``token-mean``, a sequence count for the per-sequence modes).
 
-    Loss tokens are ``mask & tool_mask``. Returns the scalar loss and detached per-token *sums*
-    over the loss tokens (``pg_loss``, ``kl``, ``clipped``, ``ratio``) plus ``tokens``: a caller
-    sums these over micro-batches and ranks and divides by the summed ``tokens`` to log global
-    token means rather than means of micro-batch means.
+    Loss tokens are ``mask & tool_mask``. ``axis=1`` is the older spelling of
+    ``seq-mean-token-mean``. ``sequence_tokens_B`` and ``sequence_sum`` serve a rank that holds part
+    of each sequence (sequence parallelism; see :func:`aggregate` and :func:`gspo_loss`). Returns the
+    scalar loss and detached per-token *sums* over the loss tokens (``pg_loss``, ``kl``,
+    ``clipped``, ``ratio``) plus ``tokens``: a caller sums these over micro-batches and ranks and
+    divides by the summed ``tokens`` to log global token means rather than means of micro-batch means.
     """
     keep = loss_token_mask(mask_BT, tool_mask_BT)
     # one advantage per sequence (group estimators) or per token (GAE)
@@ -173,7 +211,8 @@ def policy_loss(
     elif s.kind == "cispo":
         pg, clipped = cispo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, s.clip_low, s.clip_high)
     elif s.kind == "gspo":
-        pg, clipped = gspo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, keep, s.clip_low, s.clip_high)
+        pg, clipped = gspo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, keep, s.clip_low, s.clip_high,
+                                sequence_tokens_B, sequence_sum)  # fmt: skip
     else:
         raise ValueError(f"policy loss kind must be ppo, cispo or gspo, got {s.kind!r}")
     if s.tis_cap is not None and generator_logprobs_BT is not None:
@@ -187,16 +226,16 @@ def policy_loss(
         kl = kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator)
         per_token = pg + s.kl_beta * kl
 
-    loss = masked_mean(per_token, keep, axis=axis, denominator=denominator)
+    aggregation = "seq-mean-token-mean" if axis == 1 else s.aggregation
+    loss = aggregate(per_token, keep, aggregation, denominator, sequence_tokens_B, s.aggregation_norm)
 
     def token_sum(x: torch.Tensor) -> torch.Tensor:
         return torch.where(keep, x.detach().float(), 0.0).sum()
 
-    ratio = torch.exp(logprobs_BT - old_logprobs_BT)
     metrics = {
         "pg_loss": token_sum(pg),
         "clipped": token_sum(clipped.float()),
-        "ratio": token_sum(ratio),
+        "ratio": token_sum(ratio(logprobs_BT, old_logprobs_BT)),
         "tokens": keep.sum().float(),
     }
     if kl is not None:
@@ -211,8 +250,12 @@ def value_loss(
     mask_BT: torch.Tensor,
     denominator: float | torch.Tensor | None,
     value_clip: float | None = 0.2,
+    aggregation: Aggregation = "token-mean",
+    sequence_tokens_B: torch.Tensor | None = None,
+    aggregation_norm: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped value loss, reduced with ``masked_mean(..., denominator)`` like the policy loss.
+    """PPO's clipped value loss, reduced with ``aggregate(..., aggregation, denominator)`` like the
+    policy loss.
 
     Per token ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)``; ``value_clip=None``
     gives the plain ``0.5 * (v - R)^2``. Returns the scalar loss and detached per-token sums over
@@ -229,7 +272,7 @@ def value_loss(
         per_token = torch.maximum(unclipped, clipped)
         clipped_taken = clipped > unclipped
     per_token = 0.5 * per_token
-    loss = masked_mean(per_token, keep, denominator=denominator)
+    loss = aggregate(per_token, keep, aggregation, denominator, sequence_tokens_B, aggregation_norm)
 
     def token_sum(x: torch.Tensor) -> torch.Tensor:
         return torch.where(keep, x.detach().float(), 0.0).sum()
@@ -249,8 +292,12 @@ def sft_cross_entropy(
     labels_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     denominator: float | torch.Tensor | None = None,
+    aggregation: Aggregation = "token-mean",
+    sequence_tokens_B: torch.Tensor | None = None,
+    aggregation_norm: float = 1.0,
 ) -> torch.Tensor:
-    """Token-level SFT cross-entropy: summed negative log-likelihood of the masked labels / denominator.
+    """SFT cross-entropy: the negative log-likelihood of the masked labels, reduced with
+    ``aggregate(..., aggregation, denominator)`` (``token-mean``: summed, ``/ denominator``).
 
     ``logits_BTV[:, t]`` predicts ``labels_BT[:, t]`` (shift before calling). With the group token
     total from :func:`rltrain.masked_mean.group_token_totals` as ``denominator`` (times the DP world
@@ -259,4 +306,4 @@ def sft_cross_entropy(
     so it works unchanged under DeepSpeed, where parameter gradients are not reachable then.
     """
     nll_BT = -token_logprobs(logits_BTV, labels_BT)
-    return masked_mean(nll_BT, mask_BT, denominator=denominator)
+    return aggregate(nll_BT, mask_BT, aggregation, denominator, sequence_tokens_B, aggregation_norm)

@@ -39,19 +39,41 @@ factor is the number of ranks the engine averages over:
   (DeepSpeed given a sequence-data-parallel ``mpu``): ``(1/D) * sum_groups sum_sp grad(owned sum) *
   D / N_group``: factor ``D``.
 
-Only :func:`group_token_totals` touches ``torch.distributed``: one ``all_reduce`` for all groups.
+**Per-sequence aggregations** (:func:`aggregate`, verl's ``loss_agg_mode`` names). With ``n_s`` the
+loss tokens of sequence ``s`` and ``S`` the sequences holding at least one loss token:
+
+=========================  ==================================================
+``token-mean``             ``sum_s sum_t l_st / sum_s n_s``
+``seq-mean-token-mean``    ``sum_s (sum_t l_st / n_s) / |S|``
+``seq-mean-token-sum``     ``sum_s sum_t l_st / |S|``
+``seq-mean-token-sum-norm`` ``sum_s sum_t l_st / (norm * |S|)`` (Dr. GRPO: ``norm`` a constant, such
+                           as the generation budget)
+=========================  ==================================================
+
+Each is a sum over tokens with a per-token weight known on the rank that holds the token (``1``,
+``1/n_s`` or ``1/norm``) divided by one global count (tokens or sequences). So the ``token`` scaling
+above holds unchanged with ``N_group`` the group's token count (``token-mean``) or its sequence count
+(the others): :func:`step_totals` returns both from the same single ``all_reduce``. Under sequence
+parallelism ``n_s`` is the whole sequence's count (every rank of the group holds the whole row's
+masks, so it needs no collective) and a sequence is counted on one rank only: the one that owns its
+first loss token.
+
+Only :func:`step_totals` touches ``torch.distributed``: one ``all_reduce`` for all groups.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 Denominator = float | Literal["token"] | None
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 DENOMINATOR_KEY = "masked_mean_denominator"
 _ACCEPTED = 'null (per-micro-batch mean), a positive number, or "token"'
@@ -115,6 +137,92 @@ def loss_token_mask(mask: torch.Tensor, tool_mask: torch.Tensor | None = None) -
     return keep
 
 
+def aggregate(
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    aggregation: Aggregation = "token-mean",
+    denominator: float | torch.Tensor | None = None,
+    sequence_tokens_B: torch.Tensor | None = None,
+    norm: float = 1.0,
+) -> torch.Tensor:
+    """Reduce per-token ``values_BT`` over the positions where ``mask_BT`` is non-zero to one loss.
+
+    - ``token-mean``: ``sum(values * mask) / denominator`` (default: the mask's token count);
+    - ``seq-mean-token-mean``: each sequence's token sum divided by its token count ``n_s``
+      (``sequence_tokens_B``, default ``mask_BT.sum(-1)``), summed over sequences, ``/ denominator``;
+    - ``seq-mean-token-sum``: each sequence's token sum, summed, ``/ denominator``;
+    - ``seq-mean-token-sum-norm``: the same divided by the constant ``norm`` too.
+
+    For the ``seq-*`` modes ``denominator`` is a *sequence* count: by default the rows holding at
+    least one masked token; pass the step's global count (:func:`step_totals`) for exact
+    normalization. Pass ``sequence_tokens_B`` when a rank holds only part of each sequence's tokens
+    (sequence parallelism). Zero denominators give 0, never NaN; masked positions never reach the result.
+    """
+    if aggregation == "token-mean":
+        return masked_mean(values_BT, mask_BT, denominator=denominator)
+    keep = mask_BT.bool()
+    zero = torch.zeros((), dtype=values_BT.dtype, device=values_BT.device)
+    sums_B = torch.where(keep, values_BT, zero).sum(-1)
+    if aggregation == "seq-mean-token-mean":
+        counts_B = keep.sum(-1) if sequence_tokens_B is None else sequence_tokens_B
+        sums_B = _safe_divide(sums_B, counts_B)
+    elif aggregation == "seq-mean-token-sum-norm":
+        if not _is_positive_number(norm):
+            raise ValueError(f"aggregate: norm must be a positive number, got {norm!r}")
+        sums_B = sums_B / norm
+    elif aggregation != "seq-mean-token-sum":
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+    if denominator is None:
+        denominator = keep.any(-1).sum()
+    elif not isinstance(denominator, torch.Tensor) and not _is_positive_number(denominator):
+        raise ValueError(f"aggregate: denominator must be a positive number, got {denominator!r}")
+    return _safe_divide(sums_B.sum(), denominator)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Loss tokens and sequences holding loss tokens of every accumulation group, on all ranks."""
+
+    tokens: torch.Tensor  # [G] float32
+    sequences: torch.Tensor  # [G] float32
+
+    def denominator(self, group: int, aggregation: Aggregation, world_size: int) -> torch.Tensor:
+        """The ``token``-mode denominator of one micro-batch of ``group``: the group's global count
+        (tokens for ``token-mean``, sequences otherwise) over the ranks the engine averages over."""
+        count = self.tokens if aggregation == "token-mean" else self.sequences
+        return count[group] / world_size
+
+
+def step_totals(
+    masks: Sequence[torch.Tensor],
+    accumulation_steps: int | Sequence[int],
+    tool_masks: Sequence[torch.Tensor] | None = None,
+    counted: Sequence[torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> StepTotals:
+    """Loss tokens and sequences of every accumulation group, summed over all ranks of ``group``
+    with exactly **one** ``all_reduce`` (see :func:`group_token_totals` for the arguments).
+
+    A sequence counts when it holds at least one loss token; ``counted`` (a bool ``[B]`` per
+    micro-batch) overrides which sequences this rank counts (under sequence parallelism, those whose
+    first loss token it owns, so a sequence split over ranks counts once).
+    """
+    group_of = _group_index(len(masks), accumulation_steps)
+    if tool_masks is not None and len(tool_masks) != len(masks):
+        raise ValueError(f"got {len(masks)} masks but {len(tool_masks)} tool_masks")
+    num_groups = (group_of[-1] + 1) if group_of else 0
+    device = masks[0].device if masks else torch.device("cpu")
+    totals = torch.zeros(2, num_groups, dtype=torch.int64, device=device)  # [tokens, sequences]
+    for i, mask in enumerate(masks):
+        keep = loss_token_mask(mask, None if tool_masks is None else tool_masks[i])
+        totals[0, group_of[i]] += keep.sum()
+        totals[1, group_of[i]] += (keep.any(-1) if counted is None else counted[i].bool()).sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+    totals = totals.to(torch.float32)
+    return StepTotals(tokens=totals[0], sequences=totals[1])
+
+
 def group_token_totals(
     masks: Sequence[torch.Tensor],
     accumulation_steps: int | Sequence[int],
@@ -135,18 +243,7 @@ def group_token_totals(
     ``all_reduce`` for all groups together, so every rank must call this with the same number of
     micro-batches (pad with all-zero masks). Counting happens in int64, so totals are exact.
     """
-    group_of = _group_index(len(masks), accumulation_steps)
-    if tool_masks is not None and len(tool_masks) != len(masks):
-        raise ValueError(f"got {len(masks)} masks but {len(tool_masks)} tool_masks")
-    num_groups = (group_of[-1] + 1) if group_of else 0
-    device = masks[0].device if masks else torch.device("cpu")
-    totals = torch.zeros(num_groups, dtype=torch.int64, device=device)
-    for i, mask in enumerate(masks):
-        tool_mask = None if tool_masks is None else tool_masks[i]
-        totals[group_of[i]] += loss_token_mask(mask, tool_mask).sum()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-    return totals.to(torch.float32)
+    return step_totals(masks, accumulation_steps, tool_masks, group=group).tokens
 
 
 def _group_index(num_masks: int, accumulation_steps: int | Sequence[int]) -> list[int]:
@@ -165,9 +262,9 @@ def resolve_denominator(value: object, axis: int | None = None) -> Denominator:
     """Validate a ``masked_mean_denominator`` setting and return its canonical form.
 
     Accepts ``None``, a positive finite number (also as a numeric string, as YAML or the command
-    line may give it) and ``"token"``. ``"token"`` cannot be combined with a ``masked_mean_axis``:
-    per-sequence means have no global token denominator. Raises ``ValueError`` whose message names
-    the key, the bad value and the accepted forms.
+    line may give it) and ``"token"``. Raises ``ValueError`` whose message names
+    the key, the bad value and the accepted forms. (``axis`` is accepted for compatibility: every
+    aggregation now works in ``token`` mode.)
     """
     if value is None:
         resolved: Denominator = None
@@ -179,11 +276,6 @@ def resolve_denominator(value: object, axis: int | None = None) -> Denominator:
         resolved = float(value)
     else:
         raise ValueError(f"{DENOMINATOR_KEY}: got {value!r}; expected {_ACCEPTED}")
-    if resolved == "token" and axis is not None:
-        raise ValueError(
-            f'{DENOMINATOR_KEY}: got "token" with masked_mean_axis={axis!r}; '
-            '"token" normalizes over all tokens of the step and needs masked_mean_axis: null'
-        )
     return resolved
 
 

@@ -22,7 +22,7 @@ from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import Config, LearnerConfig
 from rltrain.data import chat_prompt, sft_examples, tokenize_completion
 from rltrain.learner import LearnerGroup, PolicyLearner
-from rltrain.masked_mean import masked_mean
+from rltrain.masked_mean import aggregate
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
 
@@ -62,7 +62,8 @@ class SFTLearner(PolicyLearner):
     def _loss(self, mb: TrainBatch, denominator):
         logprobs, _ = self._logprobs(self.engine, mb)
         mask = mb.response_mask * mb.tool_mask
-        loss = masked_mean(-logprobs, mask, denominator=denominator)
+        loss = aggregate(-logprobs, mask, self.config.loss.aggregation, denominator, mb.sequence_tokens,
+                         self.config.aggregation_norm)  # fmt: skip
         return loss, {"loss": -(logprobs.detach() * mask).sum(), "tokens": mask.sum()}
 
 

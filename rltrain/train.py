@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ from typing import Any
 import torch
 
 from rltrain import checkpoint
-from rltrain.advantages import zero_variance_groups
 from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
 from rltrain.data import Prompt, PromptSampler, load_rows, sft_examples, split_held_out, tokenize_prompts
 from rltrain.eval import evaluate
-from rltrain.grpo import ScoredGroups, build_batch, score, with_gae
+from rltrain.grpo import build_batch, with_gae
+from rltrain.orchestrator import Orchestrator, collect_groups  # noqa: F401  (collect_groups: public path)
 from rltrain.rewards import RewardScorer, load_reward_fn
 
 
@@ -245,7 +244,7 @@ class Run:
 
     out: Path
     tokenizer: Any
-    sampler: PromptSampler
+    orchestrator: Orchestrator  # the sampler, the steps generated ahead, the data order
     scorer: RewardScorer
     learners: Any  # rltrain.learner.LearnerGroup
     generators: Any  # rltrain.rollout.GeneratorPool
@@ -290,14 +289,15 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             part.shutdown()
         scorer.close()
         raise
-    run = Run(out, inputs.tokenizer, sampler, scorer, parts["learners"], parts["generators"],
+    orchestrator = Orchestrator(config, sampler, parts["generators"], scorer)
+    run = Run(out, inputs.tokenizer, orchestrator, scorer, parts["learners"], parts["generators"],
               ObjectStoreSync(), start_step=0, critic=parts.get("critic"))  # fmt: skip
     try:
         record_placement(run)
         if config.run.resume and checkpoint.latest_tag(out) is not None:
             state = checkpoint.load(run.learners, out, run.critic)
             run.start_step = state["step"]
-            sampler.load_state(state["sampler"])
+            orchestrator.load_state(state["data"], run.start_step)
             run.weight_sync.push(run.learners, run.generators)
     except BaseException:
         run.shutdown()
@@ -348,25 +348,16 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     from rltrain.tracking import Tracker
 
     run = start_run(config, inputs)
-    learners, generators, sampler = run.learners, run.generators, run.sampler
+    learners, generators, orchestrator = run.learners, run.generators, run.orchestrator
     tracker = Tracker(run.out, config, run.start_step)
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer), advance=False)
-    pending: deque = deque()  # rollouts in flight, oldest first: (refs, prompts)
-    sampler_state_after = {run.start_step: sampler.state()}  # per step, for checkpoints
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
     keep = config.run.keep_checkpoints
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
-            # keep `async_steps` steps of generation in flight ahead of this one
-            while len(pending) <= config.rollout.async_steps and step + len(pending) <= config.run.steps:
-                prompts = sampler.take(config.algorithm.prompts_per_step)
-                pending.append((submit(generators, prompts, config, step + len(pending), 0), prompts))
-                sampler_state_after[step + len(pending) - 1] = sampler.state()
-            refs, prompts = pending.popleft()
-
             t0 = time.perf_counter()
-            scored = collect_groups(generators, refs, prompts, sampler, config, run.scorer, step)
+            scored = orchestrator.next_batch(step)  # generated ahead (rollout.async_steps) and refilled
             generate_s = time.perf_counter() - t0
             if not scored.completions:
                 tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
@@ -393,9 +384,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                checkpoint.save(
-                    learners, run.out, step, {"sampler": sampler_state_after[step]}, run.critic, keep
-                )
+                state = {"data": orchestrator.state(step)}
+                checkpoint.save(learners, run.out, step, state, run.critic, keep)
                 saved = step
             if step == config.run.stop_after:
                 break
@@ -404,7 +394,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            state = {"sampler": sampler_state_after[trained]}
+            state = {"data": orchestrator.state(trained)}
             checkpoint.save(learners, run.out, trained, state, run.critic, keep)
         raise
     except BaseException:
@@ -431,47 +421,6 @@ def resolve_model(config: Config, out: Path) -> str:
 
         return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
     return config.model.name_or_path
-
-
-def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
-    """Distinct per-request seeds, a function of (run seed, step, round): resumable sampling."""
-    base = (config.run.seed * 1_000_003 + step * 10_007 + round_ * 101) * 1_000
-    return [(base + i) % 2**31 for i in range(count)]
-
-
-def submit(generators, prompts, config: Config, step: int, round_: int):
-    n = config.algorithm.group_size
-    ids = [p.token_ids for p in prompts for _ in range(n)]
-    return generators.submit(ids, request_seeds(config, step, round_, len(ids)))
-
-
-def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int):
-    """Completions of this step, scored; with dynamic sampling, zero-variance groups are dropped
-    and more prompts are generated (up to ``max_sampling_rounds``) to refill the batch."""
-    alg = config.algorithm
-    scored = score(prompts, generators.collect(refs), config, scorer)
-    if not alg.dynamic_sampling:
-        return scored
-    parts, found, rounds = [], 0, 1
-    while True:
-        informative = ~zero_variance_groups(scored.rewards, alg.group_size)
-        parts.append(scored.keep(informative, alg.group_size))
-        found += int(informative.sum())
-        if found >= alg.prompts_per_step or rounds >= alg.max_sampling_rounds:
-            break
-        more = sampler.take(alg.prompts_per_step)
-        scored = score(
-            more, generators.collect(submit(generators, more, config, step, rounds)), config, scorer
-        )
-        rounds += 1
-    merged = ScoredGroups.concat(parts)
-    merged = merged.keep(torch.arange(len(merged.prompts)) < alg.prompts_per_step, alg.group_size)
-    merged.metrics = {
-        **parts[0].metrics,
-        "rollout/sampling_rounds": float(rounds),
-        "rollout/informative_groups": float(len(merged.prompts)),
-    }
-    return merged
 
 
 if __name__ == "__main__":

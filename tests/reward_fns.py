@@ -23,3 +23,9 @@ def hanging_reward(completion, answer):
 def spinning_reward(completion, answer):
     while True:
         pass
+
+
+def parity_reward(completion, answer):
+    # 0 or 1 at random for a random model: about half of the groups of 2 have zero variance, so
+    # dynamic sampling refills the batch
+    return float(len(completion) % 2)

@@ -78,3 +78,24 @@ def test_logprobs_leave_float32_logits_untouched():
     before = logits.detach().clone()
     token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), temperature=0.5).sum().backward()
     assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.parametrize("value", [0.7, 0.1, 1.1, 1.0 + 0.1, -0.3, 1e6 + 0.1])
+@pytest.mark.parametrize("group_size", range(2, 17))
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value, group_size):
+    # float32 rounding of the mean of eight 0.7s is ~6e-8; divided by std + 1e-6 it used to give +0.056
+    for dtype in (torch.float32, torch.float64):
+        rewards = torch.cat(
+            [torch.full((group_size,), value, dtype=dtype), torch.arange(group_size, dtype=dtype)]
+        )
+        for advantages in (grpo_advantages(rewards, group_size), grpo_advantages(rewards, group_size, False),
+                           rloo_advantages(rewards, group_size)):  # fmt: skip
+            assert torch.equal(advantages[:group_size], torch.zeros(group_size, dtype=dtype))
+            assert advantages[group_size:].abs().sum() > 0  # the informative group keeps its advantages
+            assert advantages.dtype == dtype  # float64 passes through, no silent downcast
+
+
+def test_group_statistics_are_computed_in_float64():
+    # rewards 0 and 1e-7 on top of 1e4: float32 cannot hold 1e4 + 1e-7, float64 can
+    rewards = torch.tensor([1e4, 1e4 + 1e-7], dtype=torch.float64)
+    assert grpo_advantages(rewards, 2, normalize_std=False).tolist() == pytest.approx([-5e-8, 5e-8], rel=1e-3)

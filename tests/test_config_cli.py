@@ -17,10 +17,15 @@ CASES = {
         'a positive number, or "token"',
     ),
     "zero denominator": (["loss.masked_mean_denominator=0"], "loss.masked_mean_denominator: got 0;"),
-    "token with axis": (
-        ["loss.masked_mean_axis=1"],
-        'masked_mean_denominator: got "token" with masked_mean_axis=1',
+    "axis against aggregation": (
+        ["loss.masked_mean_axis=1", "loss.aggregation=seq-mean-token-sum"],
+        "loss.masked_mean_axis: 1 means aggregation seq-mean-token-mean; got loss.aggregation=seq-mean-token-sum",
     ),
+    "unknown aggregation": (
+        ["loss.aggregation=seq-mean"],
+        "loss.aggregation: got 'seq-mean'; Input should be",
+    ),
+    "zero aggregation norm": (["loss.aggregation_norm=0"], "loss.aggregation_norm: got 0;"),
     "too many learners": (
         ["learner.num_learners=8", "learner.cpus_per_learner=1", "run.ray_num_cpus=2"],
         "learner.num_learners: 8 learners x 1.0 CPU + 1 engines x 0.5 CPU need 8.5 CPUs, the cluster has 2",
@@ -48,10 +53,6 @@ CASES = {
     "sequence parallel heads": (
         ["learner.num_learners=4", "learner.sequence_parallel_size=4", "run.ray_num_cpus=4"],
         "learner.sequence_parallel_size=4 does not divide the model's 2 attention heads",
-    ),
-    "sequence parallel gspo": (
-        ["learner.sequence_parallel_size=2", "loss.kind=gspo"],
-        "learner.sequence_parallel_size=2 needs a per-token loss",
     ),
     "negative eval interval": (["run.eval_every=-1"], "run.eval_every: got -1; Input should be greater than"),
     "token budget": (

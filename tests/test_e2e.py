@@ -74,6 +74,7 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
         "run.steps=3",
         "run.checkpoint_every=2",
         "loss.kl_beta=0.01",
+        "loss.kl_estimator=k3+",
         "rollout.async_steps=1",
         "rollout.tools.enabled=[calculator,python]",
         # where the machine cannot isolate the python tool, run it with its limits alone
@@ -94,22 +95,41 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
     assert "masked_mean_denominator: token" in (out / "config.yaml").read_text()
 
 
+# DAPO's dynamic sampling with a reward that leaves about half of the groups without variance: refill
+# rounds take prompts between saves (and, with async_steps, between the steps generated ahead)
+REFILLING = [
+    "algorithm.dynamic_sampling=true",
+    "algorithm.group_size=2",
+    "algorithm.max_sampling_rounds=3",
+    "reward.functions={reward_fns:parity_reward: 1.0}",
+]
+TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}  # the reward module
+
 RESUME_LAYOUTS = {
     "grpo": [],
-    # the two learners share every packed row (data-parallel size 1)
-    "sequence parallel": ["learner.sequence_parallel_size=2"],
-    # a critic with its own learner, checkpointed and restored beside the policy
-    "ppo with a critic": ["algorithm.advantage=gae", "critic.learners.lr=1e-3"],
+    "dynamic sampling": REFILLING,
+    "dynamic sampling, async": [*REFILLING, "rollout.async_steps=1"],
+    # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
+    # normalized over the step's sequences (each split sequence counted once)
+    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.masked_mean_axis=1"],
+    # a critic with its own learner, checkpointed and restored beside the policy; its value loss and
+    # the policy loss in Dr. GRPO's per-sequence sum over a constant
+    "ppo with a critic": [
+        "algorithm.advantage=gae",
+        "critic.learners.lr=1e-3",
+        "loss.aggregation=seq-mean-token-sum-norm",
+        "loss.aggregation_norm=16",
+    ],
 }
 
 
 @pytest.mark.parametrize("layout", RESUME_LAYOUTS)
 def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout):
     common = ["run.steps=3", "run.checkpoint_every=0", *RESUME_LAYOUTS[layout]]
-    run_trainer(tmp_path / "straight", *common)
-    run_trainer(tmp_path / "split", *common, "run.stop_after=2")
+    run_trainer(tmp_path / "straight", *common, env=TESTS_ON_PATH)
+    run_trainer(tmp_path / "split", *common, "run.stop_after=2", env=TESTS_ON_PATH)
     assert not (tmp_path / "split" / "final_model").exists()
-    run_trainer(tmp_path / "split", *common, "run.resume=true")
+    run_trainer(tmp_path / "split", *common, "run.resume=true", env=TESTS_ON_PATH)
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)
@@ -118,10 +138,25 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout)
                   for run in ("straight", "split")}  # fmt: skip
         for name in critic["straight"]:
             torch.testing.assert_close(critic["split"][name], critic["straight"][name], rtol=0, atol=1e-6)
-    rows = [
-        json.loads(line)["step"] for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert rows == [1, 2, 3]
+    rows = {run: logged_rows(tmp_path / run) for run in ("straight", "split")}
+    assert [r["step"] for r in rows["split"]] == [1, 2, 3]
+    assert_same_rows(rows["split"][2:], rows["straight"][2:])  # the step after the checkpoint
+    if "dynamic" in layout:  # the batch was refilled (the case a sampler position alone gets wrong)
+        assert max(r["rollout/sampling_rounds"] for r in rows["straight"]) > 1
+
+
+def logged_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_rows(rows: list[dict], expected: list[dict]) -> None:
+    """Equal metric rows but for wall-clock figures (time/, perf/)."""
+    assert len(rows) == len(expected)
+    for row, want in zip(rows, expected):
+        keys = {k for k in want if not k.startswith(("time/", "perf/"))}
+        assert keys == {k for k in row if not k.startswith(("time/", "perf/"))}
+        for k in sorted(keys):
+            assert row[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (row["step"], k)
 
 
 def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_model_path):

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_e2e import REPO, SMALL, final_weights, run_trainer
+from test_e2e import (
+    REFILLING,
+    REPO,
+    SMALL,
+    TESTS_ON_PATH,
+    assert_same_rows,
+    final_weights,
+    logged_rows,
+    run_trainer,
+)
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -47,17 +56,20 @@ def kill_actor(out: Path, actor: str) -> int:
     return pid
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("straight") / "run"
-    run_trainer(out, *FAULT_RUN)
-    return out
+# dynamic sampling refilling the batch, synchronous or with a step generated ahead: the data order
+# of the restarted run must be the uninterrupted run's
+RESTART_CASES = {
+    "policy learner 1": [*FAULT_RUN, *REFILLING],
+    "generator 0": [*FAULT_RUN, *REFILLING, "rollout.async_steps=1"],
+}
 
 
-@pytest.mark.parametrize("actor", ["policy learner 1", "generator 0"])
-def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_path, straight_run, actor):
+@pytest.mark.parametrize("actor", RESTART_CASES)
+def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_path, actor):
+    straight_run = tmp_path / "straight"
+    run_trainer(straight_run, *RESTART_CASES[actor], env=TESTS_ON_PATH)
     out = tmp_path / "run"
-    proc = start_trainer(out, *FAULT_RUN)
+    proc = start_trainer(out, *RESTART_CASES[actor], env=TESTS_ON_PATH)
     wait_for(lambda: len(logged_steps(out)) >= 3, proc)
     pid = kill_actor(out, actor)
     _, err = proc.communicate(timeout=600)
@@ -68,6 +80,8 @@ def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_
     for name in straight:  # the tolerance of the resume test
         torch.testing.assert_close(restarted[name], straight[name], rtol=0, atol=1e-6)
     assert logged_steps(out) == [1, 2, 3, 4, 5, 6]  # the re-run steps replaced their first rows
+    assert_same_rows(logged_rows(out), logged_rows(straight_run))
+    assert max(r["rollout/sampling_rounds"] for r in logged_rows(straight_run)) > 1  # refills happened
 
 
 def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tmp_path):

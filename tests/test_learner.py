@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rltrain.batch import plan_packed_micro_batches
+from rltrain.batch import TrainBatch, plan_packed_micro_batches
 from rltrain.critic import CriticLearner
 from rltrain.diagnostics import (
     critic_layout_config,
@@ -224,3 +224,65 @@ def test_sequence_parallel_with_per_micro_batch_means_changes_the_update(ray_loc
         2, 1, 2, None, max_tokens_per_micro_batch=budget_for(batch, 1, 4), sequence_parallel_size=2
     )
     assert relative_difference(update_after_one_step(config, tiny_model_path, batch), one) > 1e-2
+
+
+def straddling_rollouts() -> TrainBatch:
+    """5 sequences of 14 tokens (prompt 5, completion 9), one all-masked, tool tokens: packed into one
+    70-token row split over 2 sequence-parallel ranks at token 35, the third sequence's completion
+    lies on both ranks (synthetic_rollouts' short completions never straddle the cut)."""
+    batch = synthetic_rollouts(n=5)
+    full = torch.ones_like(batch.attention_mask)
+    response = (torch.arange(14) >= 5).long().expand_as(full).clone()
+    response[3] = 0
+    g = torch.Generator().manual_seed(5)
+    # old log-probs away from the policy's (~ -5.5 on 256 tokens): GSPO's sequence ratios matter
+    return batch.replace(attention_mask=full, response_mask=response,
+                         old_logprobs=-5.5 + 0.5 * torch.randn(full.shape, generator=g))  # fmt: skip
+
+
+# the per-sequence aggregations through real learners: ZeRO 0/2/3, padded, packed and sequence
+# parallel, each against one learner holding the whole batch in one micro-batch
+PER_SEQUENCE_CASES = [
+    ("seq-mean-token-mean", 0),
+    ("seq-mean-token-mean", 2),
+    ("seq-mean-token-mean", 3),
+    ("seq-mean-token-sum", 2),
+    ("seq-mean-token-sum-norm", 3),
+]
+
+
+@pytest.mark.parametrize("aggregation, zero_stage", PER_SEQUENCE_CASES)
+def test_per_sequence_aggregations_are_exact_padded_packed_and_sequence_parallel(
+    aggregation, zero_stage, ray_local, tiny_model_path
+):
+    batch = straddling_rollouts()
+    loss = {"aggregation": aggregation}
+    reference = update_after_one_step(layout_config(1, 5, 0, loss=loss), tiny_model_path, batch)
+    layouts = {
+        "padded 2 learners x micro-batch 2": layout_config(2, 2, zero_stage, loss=loss),
+        "packed 2 learners, budget 16": layout_config(
+            2, 1, zero_stage, max_tokens_per_micro_batch=16, loss=loss
+        ),
+        "sp2, one row": layout_config(
+            2, 1, zero_stage, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss
+        ),  # fmt: skip
+    }
+    diffs = {name: relative_difference(update_after_one_step(c, tiny_model_path, batch), reference)
+             for name, c in layouts.items()}  # fmt: skip
+    # control: each micro-batch divided by its own sequence count
+    naive = update_after_one_step(layout_config(2, 2, zero_stage, None, loss=loss), tiny_model_path, batch)
+    naive_diff = relative_difference(naive, reference)
+    print(f"{aggregation}, ZeRO-{zero_stage}: {diffs}; per-micro-batch control {naive_diff:.3e}")
+    assert max(diffs.values()) < 1e-5, diffs
+    assert naive_diff > 1e-2, naive_diff
+
+
+def test_gspo_under_sequence_parallelism_uses_each_whole_sequence_ratio(ray_local, tiny_model_path):
+    # the straddling sequence's ratio needs its log-ratios from both ranks (one all-reduce in the
+    # sp group); with a rank's own part alone the update is ~1e-3 off (wide clips: nothing clipped)
+    batch = straddling_rollouts()
+    loss = {"kind": "gspo", "clip_low": 10.0, "clip_high": 10.0, "masked_mean_axis": 1}
+    reference = update_after_one_step(layout_config(1, 5, 0, loss=loss), tiny_model_path, batch)
+    sp = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
+    diff = relative_difference(update_after_one_step(sp, tiny_model_path, batch), reference)
+    assert diff < 1e-5, diff

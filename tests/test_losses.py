@@ -4,12 +4,14 @@ import pytest
 import torch
 
 from rltrain.losses import (
+    LOG_RATIO_BOUND,
     PolicyLossSettings,
     cispo_loss,
     gspo_loss,
     kl_penalty,
     policy_loss,
     ppo_clip_loss,
+    ratio,
     sft_cross_entropy,
     truncated_is_weights,
 )
@@ -137,3 +139,45 @@ def test_sft_cross_entropy_with_token_denominator():
     # two supervised tokens: default mean = ln 2; with a group total of 8: 2 ln 2 / 8
     assert sft_cross_entropy(logits, labels, mask).item() == pytest.approx(LN(2.0))
     assert sft_cross_entropy(logits, labels, mask, torch.tensor(8.0)).item() == pytest.approx(LN(2.0) / 4)
+
+
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient():
+    # a broken sync: the learner's log-prob is 200 nats above the generator's; exp(200) is inf in fp32
+    logprobs = torch.tensor([[-0.1, -1.0]], requires_grad=True)
+    old = torch.tensor([[-200.1, -1.0]])
+    for kind in ("ppo", "cispo", "gspo"):
+        settings = PolicyLossSettings(kind=kind, clip_low=10.0, clip_high=1e9, kl_beta=0.1, tis_cap=None)
+        loss, metrics = policy_loss(logprobs, old, torch.tensor([1.0]), torch.ones(1, 2), None, settings,
+                                    ref_logprobs_BT=old)  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(metrics["ratio"]), kind
+    # the ratio saturates at exp(LOG_RATIO_BOUND)
+    assert ratio(torch.tensor(0.0), torch.tensor(-1e4)).item() == pytest.approx(math.exp(LOG_RATIO_BOUND))
+    assert ratio(torch.tensor(0.0), torch.tensor(1e4)).item() == pytest.approx(math.exp(-LOG_RATIO_BOUND))
+
+
+def test_kl_abs_and_straight_through_k3_plus():
+    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0])
+    # d = ref - logp = [-0.5, 1.0]; abs: |d| = [0.5, 1.0]
+    assert kl_penalty(logprobs, ref, "abs").tolist() == pytest.approx([0.5, 1.0])
+    # k3+: the value of k3 = exp(d) - d - 1 = [e^-0.5 - 0.5, e - 2] ...
+    k3_plus = kl_penalty(logprobs, ref, "k3+")
+    assert k3_plus.tolist() == pytest.approx([math.exp(-0.5) - 0.5, math.e - 2])
+    # ... and the gradient of k2 = d^2 / 2: d(k2)/d(logp) = -d = [0.5, -1.0]
+    (grad,) = torch.autograd.grad(k3_plus.sum(), logprobs)
+    assert grad.tolist() == pytest.approx([0.5, -1.0])
+    with pytest.raises(ValueError, match="k3\\+, abs"):
+        kl_penalty(logprobs, ref, "k4")
+
+
+def test_gspo_sequence_ratio_uses_the_whole_sequence_when_a_rank_holds_part():
+    # a sequence of 4 tokens with log-ratios [0.4, 0.0, 0.2, 0.2] (mean 0.2); this rank holds the
+    # first two (sum 0.4); the other rank's part (sum 0.4) arrives through sequence_sum
+    old = torch.zeros(1, 4)
+    logprobs = torch.tensor([[0.4, 0.0, 0.2, 0.2]])
+    held = torch.tensor([[1, 1, 0, 0]])
+    loss, _ = gspo_loss(logprobs, old, -torch.ones(1, 4), held, 10.0, 10.0,
+                        sequence_tokens_B=torch.tensor([4]), sequence_sum=lambda x: x + 0.4)  # fmt: skip
+    # every token's ratio is exp(0.8 / 4) = exp(0.2); loss = -A * ratio = exp(0.2)
+    assert loss[0, :2].tolist() == pytest.approx([math.exp(0.2)] * 2)

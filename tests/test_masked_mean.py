@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from rltrain.masked_mean import group_token_totals, masked_mean, resolve_denominator
+from rltrain.masked_mean import (
+    AGGREGATIONS,
+    aggregate,
+    group_token_totals,
+    masked_mean,
+    resolve_denominator,
+    step_totals,
+)
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -107,9 +114,66 @@ def test_resolve_denominator_rejects_with_key_value_and_accepted_forms(value):
     assert '"token"' in message and "positive number" in message
 
 
-def test_resolve_denominator_rejects_token_with_axis():
-    with pytest.raises(ValueError, match=r"masked_mean_denominator: got \"token\" with masked_mean_axis=1"):
-        resolve_denominator("token", axis=1)
-    # a constant with an axis is fine (Dr. GRPO per-sequence sums / constant)
+def test_resolve_denominator_accepts_token_with_an_axis():
+    # every aggregation is exact in token mode now (the per-sequence ones divide by a sequence count)
+    assert resolve_denominator("token", axis=1) == "token"
     assert resolve_denominator(4, axis=1) == 4.0
     assert math.isclose(resolve_denominator("8", axis=1), 8.0)
+
+
+# two sequences: a = [1, 2, 3] (3 loss tokens), b = [4] (1 loss token), c all-masked
+AGG_VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
+AGG_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "aggregation, expected",
+    [
+        ("token-mean", 10.0 / 4),  # (1 + 2 + 3 + 4) / 4 tokens
+        ("seq-mean-token-mean", (6.0 / 3 + 4.0 / 1) / 2),  # (mean a = 2, mean b = 4) / 2 sequences = 3
+        ("seq-mean-token-sum", (6.0 + 4.0) / 2),  # (sum a + sum b) / 2 sequences = 5
+        ("seq-mean-token-sum-norm", (6.0 + 4.0) / 8 / 2),  # sums / norm 8 / 2 sequences = 0.625
+    ],
+)
+def test_aggregate_by_hand(aggregation, expected):
+    got = aggregate(AGG_VALUES, AGG_MASK, aggregation, norm=8.0)
+    assert got.item() == pytest.approx(expected)
+
+
+def test_aggregate_divides_per_sequence_modes_by_the_given_sequence_count():
+    # the step holds 5 sequences in all: the same sums / 5 instead of / 2
+    got = aggregate(AGG_VALUES, AGG_MASK, "seq-mean-token-mean", denominator=torch.tensor(5.0))
+    assert got.item() == pytest.approx((2.0 + 4.0) / 5)
+    # a rank holding part of sequence a (tokens 1 and 2 of its 3) divides by the whole count 3
+    part = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0]])
+    got = aggregate(AGG_VALUES, part, "seq-mean-token-mean", 1.0, sequence_tokens_B=torch.tensor([3, 1, 0]))
+    assert got.item() == pytest.approx((1.0 + 2.0) / 3)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_aggregate_all_masked_gives_zero_and_zero_gradient(aggregation):
+    values = torch.randn(2, 3, requires_grad=True)
+    out = aggregate(values, torch.zeros(2, 3), aggregation)
+    out.backward()
+    assert out.item() == 0.0 and torch.equal(values.grad, torch.zeros(2, 3))
+
+
+def test_aggregate_rejects_an_unknown_mode_and_a_bad_norm():
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        aggregate(AGG_VALUES, AGG_MASK, "seq-mean")
+    with pytest.raises(ValueError, match="norm must be a positive number"):
+        aggregate(AGG_VALUES, AGG_MASK, "seq-mean-token-sum-norm", norm=0)
+
+
+def test_step_totals_count_tokens_and_sequences_per_group():
+    masks = [AGG_MASK, torch.tensor([[0, 1, 1]]), torch.tensor([[1, 1, 0]])]
+    tools = [torch.ones(3, 3), torch.tensor([[1, 1, 0]]), torch.ones(1, 3)]
+    totals = step_totals(masks, [2, 1], tools)
+    # group 0: 4 tokens in 2 sequences, plus [0, 1, 0] after the tool mask: 5 tokens, 3 sequences
+    assert totals.tokens.tolist() == [5.0, 2.0] and totals.sequences.tolist() == [3.0, 1.0]
+    # a rank that counts only the sequences it owns the first token of
+    counted = [torch.tensor([1, 0, 0]), torch.tensor([0]), torch.tensor([1])]
+    assert step_totals(masks, [2, 1], tools, counted).sequences.tolist() == [1.0, 1.0]
+    assert torch.equal(group_token_totals(masks, [2, 1], tools), totals.tokens)
+    assert totals.denominator(0, "token-mean", 2).item() == 2.5  # 5 tokens / 2 ranks
+    assert totals.denominator(0, "seq-mean-token-sum", 2).item() == 1.5  # 3 sequences / 2 ranks

@@ -6,9 +6,9 @@ from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt
 from rltrain.logprobs import sequence_logprobs
+from rltrain.orchestrator import collect_groups
 from rltrain.rewards import RewardScorer
 from rltrain.rollout import GeneratorActor
-from rltrain.train import collect_groups
 
 
 def test_hf_backend_rollout_with_tools_and_generator_logprobs(tiny_model_path):

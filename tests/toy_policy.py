@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,7 +47,9 @@ def make_rollouts(n: int, seed: int = 1) -> Rollouts:
     return Rollouts(ids, mask, tool_mask, advantages, old, ref)
 
 
-def micro_batch_loss(policy: torch.nn.Module, r: Rollouts, denominator) -> torch.Tensor:
+def micro_batch_loss(
+    policy: torch.nn.Module, r: Rollouts, denominator, aggregation="token-mean"
+) -> torch.Tensor:
     logprobs = token_logprobs(policy(r.ids), r.ids)
     loss, _ = policy_loss(
         logprobs,
@@ -55,7 +57,7 @@ def micro_batch_loss(policy: torch.nn.Module, r: Rollouts, denominator) -> torch
         r.advantages,
         r.mask,
         denominator,
-        SETTINGS,
+        replace(SETTINGS, aggregation=aggregation, aggregation_norm=5.0),
         tool_mask_BT=r.tool_mask,
         ref_logprobs_BT=r.ref_logprobs,
     )
@@ -66,10 +68,11 @@ def flat_grad(policy: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in policy.parameters()])
 
 
-def reference_grad(rollouts: Rollouts) -> torch.Tensor:
-    """Gradient of (sum over every loss token) / (number of loss tokens), in one pass."""
+def reference_grad(rollouts: Rollouts, aggregation="token-mean") -> torch.Tensor:
+    """Gradient of the whole batch's loss in one pass: (sum over every loss token) / (number of
+    loss tokens), or the per-sequence aggregation over every sequence holding loss tokens."""
     policy = make_policy()
-    micro_batch_loss(policy, rollouts, None).backward()
+    micro_batch_loss(policy, rollouts, None, aggregation).backward()
     return flat_grad(policy)
 
 

@@ -1,0 +1,152 @@
+"""The generation pipeline: which prompts are in flight for which step, and the data order.
+
+:class:`Orchestrator` draws prompts from the :class:`~rltrain.data.PromptSampler`, keeps
+``rollout.async_steps`` steps of generation in flight ahead of the step being trained, collects a
+step's completions, scores them and, with DAPO's dynamic sampling, refills the batch with more
+prompts (:func:`collect_groups`).
+
+**The data order is part of the checkpoint, whatever draws from the sampler.** Refill rounds and
+steps generated ahead take prompts between two saves, so the sampler's position alone cannot say
+which prompts a resumed run must train on next. :meth:`Orchestrator.state` is taken when a step's
+batch is complete: the sampler position *after* that step's refills and the steps already
+submitted ahead, plus, for each step ahead, the prompts it took and its completions (fetched when
+the checkpoint is written: they were sampled by weights older than the checkpoint's, so a resumed
+run could not sample them again). A resumed or restarted run restores that state and hands the
+learners exactly the batches of the uninterrupted run; request seeds are a function of (run seed,
+step, round), so what it generates from there is the same too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rltrain.advantages import zero_variance_groups
+from rltrain.batch import Completion
+from rltrain.config import Config
+from rltrain.data import Prompt, PromptSampler
+from rltrain.grpo import ScoredGroups, score
+
+
+def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
+    """Distinct per-request seeds, a function of (run seed, step, round): resumable sampling."""
+    base = (config.run.seed * 1_000_003 + step * 10_007 + round_ * 101) * 1_000
+    return [(base + i) % 2**31 for i in range(count)]
+
+
+def submit(generators, prompts: list[Prompt], config: Config, step: int, round_: int) -> list[Any]:
+    """Start ``group_size`` completions of every prompt (non-blocking); returns the references."""
+    n = config.algorithm.group_size
+    ids = [p.token_ids for p in prompts for _ in range(n)]
+    return generators.submit(ids, request_seeds(config, step, round_, len(ids)))
+
+
+def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int,
+                   completions: list[Completion] | None = None) -> ScoredGroups:  # fmt: skip
+    """Completions of this step (``completions`` when already fetched, else ``refs``), scored; with
+    dynamic sampling, zero-variance groups are dropped and more prompts are generated (up to
+    ``max_sampling_rounds``) to refill the batch."""
+    alg = config.algorithm
+    scored = score(
+        prompts, completions if completions is not None else generators.collect(refs), config, scorer
+    )
+    if not alg.dynamic_sampling:
+        return scored
+    parts, found, rounds = [], 0, 1
+    while True:
+        informative = ~zero_variance_groups(scored.rewards, alg.group_size)
+        parts.append(scored.keep(informative, alg.group_size))
+        found += int(informative.sum())
+        if found >= alg.prompts_per_step or rounds >= alg.max_sampling_rounds:
+            break
+        more = sampler.take(alg.prompts_per_step)
+        scored = score(
+            more, generators.collect(submit(generators, more, config, step, rounds)), config, scorer
+        )
+        rounds += 1
+    merged = ScoredGroups.concat(parts)
+    merged = merged.keep(torch.arange(len(merged.prompts)) < alg.prompts_per_step, alg.group_size)
+    merged.metrics = {
+        **parts[0].metrics,
+        "rollout/sampling_rounds": float(rounds),
+        "rollout/informative_groups": float(len(merged.prompts)),
+    }
+    return merged
+
+
+@dataclass
+class _Ahead:
+    """A step whose prompts were taken and submitted before it is trained."""
+
+    step: int
+    prompts: list[Prompt]
+    refs: list[Any] = field(default_factory=list)
+    completions: list[Completion] | None = None  # once fetched
+
+    def fetch(self, generators) -> list[Completion]:
+        if self.completions is None:
+            self.completions = generators.collect(self.refs)
+        return self.completions
+
+
+class Orchestrator:
+    """The sampler, the steps in flight and the data order; see the module docstring."""
+
+    def __init__(self, config: Config, sampler: PromptSampler, generators, scorer):
+        self.config, self.sampler, self.generators, self.scorer = config, sampler, generators, scorer
+        self.ahead: deque[_Ahead] = deque()  # oldest first
+        # per completed step: (sampler state, the steps ahead then); the last two are kept, for a save
+        # after the step and for Ctrl-C while the next one is collected
+        self._after: dict[int, tuple[dict[str, int], list[_Ahead]]] = {0: (sampler.state(), [])}
+
+    def next_batch(self, step: int) -> ScoredGroups:
+        """The scored groups of ``step``; keeps ``rollout.async_steps`` steps in flight beyond it."""
+        cfg = self.config
+        last = cfg.run.steps
+        while len(self.ahead) <= cfg.rollout.async_steps and step + len(self.ahead) <= last:
+            ahead_step = step + len(self.ahead)
+            prompts = self.sampler.take(cfg.algorithm.prompts_per_step)
+            self.ahead.append(
+                _Ahead(ahead_step, prompts, submit(self.generators, prompts, cfg, ahead_step, 0))
+            )
+        current = self.ahead.popleft()
+        assert current.step == step, (current.step, step)
+        scored = collect_groups(self.generators, current.refs, current.prompts, self.sampler, cfg,
+                                self.scorer, step, current.completions)  # fmt: skip
+        self._after = {s: v for s, v in self._after.items() if s >= step - 1}
+        self._after[step] = (self.sampler.state(), list(self.ahead))
+        return scored
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The data order after ``step``'s batch (see the module docstring); fetches the completions
+        of the steps generated ahead, which a resumed run cannot sample again."""
+        sampler_state, ahead = self._after[step]
+        return {
+            "sampler": sampler_state,
+            "ahead": [
+                {
+                    "step": a.step,
+                    "prompts": [p.index for p in a.prompts],
+                    "completions": [dataclasses.asdict(c) for c in a.fetch(self.generators)],
+                }  # fmt: skip
+                for a in ahead
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any], step: int) -> None:
+        """Continue after ``step`` from :meth:`state` (a checkpoint's ``data``)."""
+        self.sampler.load_state(state["sampler"])
+        by_index = {p.index: p for p in self.sampler.prompts}
+        self.ahead = deque(
+            _Ahead(
+                a["step"],
+                [by_index[i] for i in a["prompts"]],
+                completions=[Completion(**c) for c in a["completions"]],
+            )  # fmt: skip
+            for a in state.get("ahead", [])
+        )
+        self._after = {step: (self.sampler.state(), list(self.ahead))}

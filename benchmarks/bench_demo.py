@@ -1,7 +1,11 @@
 """The demo over several seeds: held-out accuracy and tool-call rate before RL (after the warm start)
-and at the end, the warm-up's and the whole run's wall time, per seed and on average.
+and at the end, the warm-up's and the whole run's wall time, per seed and on average; with a critic
+(PPO with GAE) also its explained variance over the last ten steps.
 
-    python benchmarks/bench_demo.py [--seeds 0 1 2] [--config configs/cpu_demo.yaml] [overrides ...]
+    python benchmarks/bench_demo.py [--seeds 0 1 2] [--config configs/cpu_demo.yaml ...] [overrides ...]
+
+Several configs (``--config configs/cpu_demo.yaml configs/cpu_ppo.yaml``: GRPO against PPO with the
+same warm start, reward and generation budget) run seed by seed, one after another, in one table.
 
 Each seed is one `python -m rltrain.train --config configs/cpu_demo.yaml run.seed=S` run, as
 `make demo` starts it: the seed changes the model's initialization, the warm-up examples' order and
@@ -36,6 +40,7 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     steps = [r for r in rows if "reward/mean" in r]  # training steps (the step-0 row is evaluation only)
     first, last = evals[0], evals[-1]
     warm_up = json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["seconds"]
+    explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
     return {
         "accuracy before": first["eval/accuracy"],
         "accuracy after": last["eval/accuracy"],
@@ -45,31 +50,39 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
         "reward last 5 steps": sum(r["reward/mean"] for r in steps[-5:]) / 5,
         "warm-up s": warm_up,
         "run s": wall,
+        "critic EV, last 10 steps": sum(explained[-10:]) / len(explained[-10:])
+        if explained
+        else float("nan"),
     }
 
 
 def shown(key: str, value: float) -> str:
     if "before" in key or "after" in key:
         return f"{value:.1%}"
+    if "EV" in key:
+        return "-" if value != value else f"{value:.3f}"  # NaN: no critic
     return f"{value:.2f}" if "reward" in key else f"{value:.0f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--config", default="configs/cpu_demo.yaml")
+    parser.add_argument("--config", nargs="+", default=["configs/cpu_demo.yaml"])
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-demo-"))
-    results = {}
-    for seed in args.seeds:
-        results[seed] = run_demo(args.config, seed, args.overrides, tmp / f"seed{seed}")
-        print(f"done: seed {seed}", file=sys.stderr, flush=True)
-    keys = list(next(iter(results.values())))
-    mean = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-    rows = [[f"seed {s}", *(shown(k, r[k]) for k in keys)] for s, r in results.items()]
-    rows.append(["mean", *(shown(k, mean[k]) for k in keys)])
-    print(f"{args.config} {' '.join(args.overrides)}; held-out: greedy, math-verify")
+    rows = []
+    for config in args.config:
+        results = {}
+        for seed in args.seeds:
+            results[seed] = run_demo(config, seed, args.overrides, tmp / f"{Path(config).stem}-seed{seed}")
+            print(f"done: {config} seed {seed}", file=sys.stderr, flush=True)
+        keys = list(next(iter(results.values())))
+        mean = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+        name = Path(config).stem
+        rows += [[f"{name} seed {s}", *(shown(k, r[k]) for k in keys)] for s, r in results.items()]
+        rows.append([f"{name} mean", *(shown(k, mean[k]) for k in keys)])
+    print(f"{' vs '.join(args.config)} {' '.join(args.overrides)}; held-out: greedy, math-verify")
     print(table(["run", *keys], rows))
 
 

@@ -18,9 +18,10 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rltrain.learner import LearnerGroup
+if TYPE_CHECKING:  # ray and deepspeed stay out of the input checks that use this module
+    from rltrain.learner import LearnerGroup
 
 CRITIC = "critic"  # the critic's DeepSpeed state: step_<k>/critic/
 TRAINER_STATE = "trainer_state.json"  # the step and the data order: step_<k>/trainer_state.json
@@ -84,6 +85,36 @@ def latest_marker(out_dir: Path) -> tuple[str, int] | None:
     """The ``latest`` pointer and when it was written: tells whether a save happened since."""
     marker = checkpoint_root(out_dir) / "latest"
     return (marker.read_text().strip(), marker.stat().st_mtime_ns) if marker.exists() else None
+
+
+# what must match between a checkpoint's model and the model a run resumes with
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def resume_problem(out_dir: Path, model_config: dict[str, Any] | None) -> str | None:
+    """Why ``run.resume`` cannot continue from the newest checkpoint, or None (also when there is no
+    checkpoint: the run then starts afresh). ``model_config`` is the run's model ``config.json``."""
+    tag = latest_tag(out_dir)
+    if tag is None:
+        return None
+    folder = checkpoint_root(out_dir) / tag
+    if not folder.is_dir():
+        return (
+            f"{checkpoint_root(out_dir) / 'latest'} names {tag!r}, which is not in {checkpoint_root(out_dir)}"
+        )
+    try:
+        json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as e:
+        return f"checkpoint {folder} is incomplete or damaged ({TRAINER_STATE}: {type(e).__name__})"
+    try:
+        saved = json.loads((folder / "hf" / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"checkpoint {folder} is incomplete or damaged (hf/config.json: {type(e).__name__})"
+    for key in SHAPE_KEYS if model_config is not None else ():
+        if key in saved and key in model_config and saved[key] != model_config[key]:
+            return (f"checkpoint {folder} holds another model ({key} {saved[key]!r}; the run's model has "
+                    f"{model_config[key]!r})")  # fmt: skip
+    return None
 
 
 def load(learners: LearnerGroup, out_dir: Path, critic: LearnerGroup | None = None) -> dict[str, Any]:

@@ -25,7 +25,10 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # no NaN or infinity anywhere: a learning rate, weight or limit that is not finite cannot train
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(Section):
@@ -126,7 +129,7 @@ class LossConfig(Section):
     `seq-mean-token-sum`, `seq-mean-token-sum-norm` (token sums over `aggregation_norm`, Dr. GRPO);
     null: token-mean, or seq-mean-token-mean with masked_mean_axis=1. Applies to the policy, value
     and warm-up (SFT) losses alike."""
-    aggregation_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    aggregation_norm: float | None = Field(None, gt=0)
     """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
 
     @model_validator(mode="after")
@@ -259,7 +262,7 @@ class DataConfig(Section):
 
 
 class RewardConfig(Section):
-    functions: dict[str, float] = {"math": 1.0}
+    functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
     """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`,
     or a user function `module:function` taking (completion, answer) and returning a float."""
     timeout_s: float = Field(5.0, gt=0)
@@ -343,7 +346,12 @@ class RunConfig(Section):
     resume command."""
     actor_timeout_s: float = Field(1800.0, gt=0)
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
-    a failure of that actor."""
+    a failure of that actor; the Python stacks of every actor are written to
+    `hangs/step_<N>.txt` in the run folder before the restart."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint save that fails (disk full, folder not writable): `stop` the run (exit code 1,
+    with the resume command) or `continue` training without that checkpoint. Either way the
+    previous checkpoint stays the newest and loadable."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)
@@ -479,7 +487,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(value) if value else ""
+        try:
+            node[leaf] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
     return validate(raw)
 
 

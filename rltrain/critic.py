@@ -92,6 +92,7 @@ class CriticLearner(EngineLearner):
         out[f"{p}/explained_variance"] = (
             1.0 - var_residual / var_return if var_return > 1e-12 else float("nan")
         )
+        out[f"{p}/return_variance"] = var_return  # what there is to explain (token-weighted)
         out[f"{p}/value_clip_fraction"] = out.pop(f"{p}/value_clipped")
         out[f"{p}/value_mean"] = out.pop(f"{p}/value")
         out[f"{p}/return_mean"] = out.pop(f"{p}/return")

@@ -49,6 +49,25 @@ from rltrain.remote import gather, where
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
 
 
+HANG_FILE = "RLTRAIN_TEST_HANG"  # fault injection for the hang-report test (tests/test_faults.py)
+
+
+def _planted_hang(rank: int, optimizer_steps: int) -> None:
+    """When the file named by ``$RLTRAIN_TEST_HANG`` says ``<rank> <optimizer steps> <seconds>`` for
+    this rank and step, delete it (so a restarted run goes on) and sleep in :func:`planted_sleep`."""
+    path = os.environ.get(HANG_FILE)
+    if not path or not os.path.exists(path):
+        return
+    want_rank, want_steps, seconds = Path(path).read_text().split()
+    if (int(want_rank), int(want_steps)) == (rank, optimizer_steps):
+        os.unlink(path)
+        planted_sleep(float(seconds))
+
+
+def planted_sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 class EngineLearner:
     """One data-parallel rank owning a DeepSpeed engine: set-up, the accumulation loop (explicit
     boundaries, the one token-total collective, one metrics all-reduce), checkpoints and export.
@@ -168,6 +187,7 @@ class EngineLearner:
         """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
         import torch.distributed as dist
 
+        _planted_hang(self.rank, self.optimizer_steps)
         start = time.perf_counter()
         lc, mode, aggregation = (
             self.lc,

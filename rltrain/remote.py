@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -25,9 +29,10 @@ PEER_GRACE_S = 5.0  # after a method raised, how long to look for a peer that di
 class ActorFailure(RuntimeError):
     """An actor died or stopped answering; the run can restart from its newest checkpoint."""
 
-    def __init__(self, actor: str, cause: str):
+    def __init__(self, actor: str, cause: str, timed_out: bool = False):
         super().__init__(f"{actor} {cause}")
-        self.actor, self.cause = actor, cause
+        self.actor, self.cause, self.timed_out = actor, cause, timed_out
+        self.stacks: Path | None = None  # where every actor's stacks were written (a time-out)
 
 
 def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float | None = None) -> list[Any]:
@@ -38,9 +43,9 @@ def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            i = index[pending[0]]
-            raise ActorFailure(names[i], f"did not answer within run.actor_timeout_s={timeout_s:g}s")
+        if not ready:  # every actor still pending is named (one hung, its peers wait in a collective)
+            silent = ", ".join(names[index[ref]] for ref in pending)
+            raise ActorFailure(silent, f"did not answer within run.actor_timeout_s={timeout_s:g}s", True)
         for ref in ready:
             try:
                 results[index[ref]] = ray.get(ref)
@@ -83,3 +88,26 @@ def where() -> dict[str, Any]:
     """Where the calling actor runs (for the run folder's placement.json)."""
     context = ray.get_runtime_context()
     return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+
+def write_stacks(places: list[dict[str, Any]], path: Path, timeout_s: float = 30.0) -> Path:
+    """Every actor's Python stacks (``py-spy dump``, what ``ray stack`` runs) into ``path``, one
+    section per actor of ``places`` (placement.json's entries); an actor on another node, or one
+    py-spy cannot read, gets a line saying why."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    here = ray.util.get_node_ip_address()
+    sections = []
+    for place in places:
+        head = f"=== {place['actor']} (pid {place['pid']}, {place['ip']})"
+        if place["ip"] != here:
+            sections.append(f"{head}\non another node: run `ray stack` there\n")
+            continue
+        try:
+            done = subprocess.run([py_spy, "dump", "--pid", str(place["pid"])], capture_output=True,
+                                  text=True, timeout=timeout_s)  # fmt: skip
+            sections.append(f"{head}\n{done.stdout or done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            sections.append(f"{head}\npy-spy failed: {e}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(sections))
+    return path

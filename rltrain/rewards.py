@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import multiprocessing
 import re
@@ -73,8 +74,18 @@ def load_reward_fn(spec: str) -> RewardFn:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load {spec!r}: {e}") from None
+    except Exception as e:  # the user's module raised while it was imported
+        raise ValueError(
+            f"cannot load {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
+        ) from None
     if not callable(fn):
         raise ValueError(f"{spec!r} is not callable")
+    try:
+        inspect.signature(fn).bind("", "")  # called as fn(completion, answer)
+    except TypeError as e:
+        raise ValueError(f"{spec!r} must take (completion, answer): {e}") from None
+    except ValueError:
+        pass  # a callable without an inspectable signature (a builtin): it is called as it is
     return fn
 
 

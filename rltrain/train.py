@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -105,6 +106,12 @@ def preflight(config: Config) -> Inputs:
     out = _output_folder(config)
     model_path = resolve_model(config, out)
     _check_model(config, model_path)
+    if config.run.resume:
+        config_json = Path(model_path).expanduser() / "config.json"
+        model_config = json.loads(config_json.read_text()) if config_json.is_file() else None
+        problem = checkpoint.resume_problem(out, model_config)
+        if problem:
+            raise ConfigError(f"run.resume: {problem}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
@@ -305,6 +312,18 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     return run
 
 
+def write_stacks(run: Run, step: int) -> Path | None:
+    """``hangs/step_<step>.txt``: the Python stacks of every actor of the run (placement.json)."""
+    from rltrain.remote import write_stacks as dump
+
+    try:
+        places = json.loads((run.out / "placement.json").read_text())
+        return dump(places, run.out / "hangs" / f"step_{step}.txt")
+    except OSError as e:
+        print(f"rltrain: could not write the actors' stacks ({e})", file=sys.stderr, flush=True)
+        return None
+
+
 def record_placement(run: Run) -> None:
     """``placement.json``: the node, address and pid of every actor of the run."""
     places = run.learners.where() + run.generators.where() + (run.critic.where() if run.critic else [])
@@ -331,13 +350,14 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
             # a restart resumes what this run saved or resumed from, never an older run's checkpoint
             resumable = config.run.resume or checkpoint.latest_marker(inputs.out) != before
             where = f"checkpoint {tag}" if resumable and tag else "the first step (no checkpoint yet)"
+            stacks = f"; every actor's stacks: {failure.stacks}" if failure.stacks else ""
             if restart == config.run.max_restarts:
                 raise RunFailed(
-                    f"{failure}; stopping after {restart} restart(s) (run.max_restarts={config.run.max_restarts}); "
+                    f"{failure}{stacks}; stopping after {restart} restart(s) (run.max_restarts={config.run.max_restarts}); "
                     f"last checkpoint: {inputs.out / 'checkpoints' / tag if tag else 'none'}; resume with: "
                     f"python -m rltrain.train --config {inputs.out / 'config.yaml'} run.resume=true"
                 ) from failure
-            print(f"rltrain: {failure}; restarting every actor from {where} "
+            print(f"rltrain: {failure}{stacks}; restarting every actor from {where} "
                   f"(restart {restart + 1} of {config.run.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
             config = config.model_copy(update={"run": config.run.model_copy(update={"resume": resumable})})
     raise AssertionError("unreachable")
@@ -353,7 +373,6 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer), advance=False)
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
-    keep = config.run.keep_checkpoints
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
@@ -384,9 +403,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                state = {"data": orchestrator.state(step)}
-                checkpoint.save(learners, run.out, step, state, run.critic, keep)
-                saved = step
+                if save_checkpoint(run, config, step, {"data": orchestrator.state(step)}):
+                    saved = step
             if step == config.run.stop_after:
                 break
     except KeyboardInterrupt:
@@ -394,10 +412,11 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            state = {"data": orchestrator.state(trained)}
-            checkpoint.save(learners, run.out, trained, state, run.critic, keep)
+            save_checkpoint(run, config, trained, {"data": orchestrator.state(trained)})
         raise
-    except BaseException:
+    except BaseException as error:
+        if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
+            error.stacks = write_stacks(run, step)
         run.shutdown()
         raise
     finally:
@@ -408,6 +427,38 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             run.critic.save_hf(run.out / "final_critic")
     run.shutdown()
     return run.out
+
+
+def save_checkpoint(run: Run, config: Config, step: int, state: dict[str, Any]) -> bool:
+    """:func:`rltrain.checkpoint.save`; when it fails (disk full, folder not writable) the previous
+    checkpoint stays the newest, one line says so, and the run stops (``RunFailed``) or goes on
+    without this checkpoint, as ``run.on_save_error`` says. Returns whether the save happened."""
+    from rltrain.remote import ActorFailure
+
+    try:
+        checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+        return True
+    except ActorFailure:  # a dead or silent actor: the restart path, not a save error
+        raise
+    except Exception as error:  # also raised inside an actor: torch.save says ENOSPC as an iostream error
+        cause = getattr(error, "cause", None) or error
+        reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
+        root = checkpoint.checkpoint_root(run.out)
+        free = shutil.disk_usage(root).free / 2**20 if root.exists() else float("nan")
+        latest = checkpoint.latest_tag(run.out)
+        message = (f"saving checkpoint step_{step} failed ({reason}; {free:.1f} MiB free in {root}); the "
+                   f"newest checkpoint is still {root / latest if latest else 'none'}")  # fmt: skip
+        if config.run.on_save_error == "stop":
+            raise RunFailed(
+                f"{message}; stopping (run.on_save_error=stop); resume with: python -m rltrain.train "
+                f"--config {run.out / 'config.yaml'} run.resume=true"
+            ) from None
+        print(
+            f"rltrain: {message}; going on without it (run.on_save_error=continue)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
 
 
 def total_optimizer_steps(config: Config, lc) -> int:

@@ -54,6 +54,16 @@ CASES = {
         ["learner.num_learners=4", "learner.sequence_parallel_size=4", "run.ray_num_cpus=4"],
         "learner.sequence_parallel_size=4 does not divide the model's 2 attention heads",
     ),
+    "override that is not YAML": (["run.steps=[1,"], "override 'run.steps=[1,': the value is not valid YAML"),
+    "infinite learning rate": (["learner.lr=.inf"], "learner.lr: got inf; Input should be a finite number"),
+    "NaN reward weight": (
+        ["reward.functions={math: .nan}"],
+        "reward.functions.math: got nan; Input should be a finite",
+    ),
+    "empty reward set": (
+        ["reward.functions={}"],
+        "reward.functions: got {}; Dictionary should have at least 1 item",
+    ),
     "negative eval interval": (["run.eval_every=-1"], "run.eval_every: got -1; Input should be greater than"),
     "token budget": (
         ["learner.max_tokens_per_micro_batch=64"],
@@ -139,6 +149,51 @@ INPUTS = {
         "eval.source: '",
     ),
 }
+
+
+def _checkpoint(t, tag: str, hf_config: dict | None = None, pointer: str | None = None) -> list[str]:
+    """A run folder whose ``checkpoints/latest`` names ``pointer`` (default ``tag``); ``tag`` holds a
+    trainer state and, when given, an ``hf/config.json``."""
+    import json
+
+    root = t / "run" / "checkpoints"
+    (root / tag / "hf").mkdir(parents=True)
+    (root / tag / "trainer_state.json").write_text('{"step": 2}')
+    if hf_config is not None:
+        (root / tag / "hf" / "config.json").write_text(json.dumps(hf_config))
+    (root / "latest").write_text(pointer or tag)
+    return ["run.resume=true"]
+
+
+RESUMES = {
+    "pointer to a missing checkpoint": (
+        lambda t: _checkpoint(t, "step_2", {}, pointer="step_9"),
+        ("run.resume: ", "latest names 'step_9', which is not in"),
+    ),
+    "checkpoint without its model": (
+        lambda t: _checkpoint(t, "step_2"),
+        "step_2 is incomplete or damaged (hf/config.json: FileNotFoundError)",
+    ),
+    "checkpoint of another model": (
+        lambda t: _checkpoint(t, "step_2", {"model_type": "qwen2", "hidden_size": 999}),
+        "holds another model (hidden_size 999; the run's model has 64)",
+    ),
+}
+INPUTS.update(RESUMES)
+
+
+def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path, monkeypatch):
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    (tmp_path / "boom_rewards.py").write_text("raise RuntimeError('no API key')\n")
+    (tmp_path / "odd_rewards.py").write_text("def one_arg(completion):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}"]
+    fails_with_one_line([*argv, "reward.functions={boom_rewards:f: 1.0}"],
+                        "importing boom_rewards raised RuntimeError: no API key", capsys)  # fmt: skip
+    fails_with_one_line([*argv, "reward.functions={odd_rewards:one_arg: 1.0}"],
+                        "'odd_rewards:one_arg' must take (completion, answer)", capsys)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", INPUTS)

@@ -278,21 +278,19 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
     assert steps[-1] == saved_step + 1
 
 
-def test_ppo_with_a_critic_learns_and_its_values_explain_the_returns(tmp_path):
-    # configs/cpu_ppo.yaml as shipped: 40 steps of PPO with GAE (critic warm-up 3 steps), ~1.5 min
+def test_the_ppo_config_runs_with_its_critic_warm_up_and_exports_both_models(tmp_path):
+    # configs/cpu_ppo.yaml with a short warm start and 6 steps (that it learns the task is measured by
+    # benchmarks/bench_demo.py; that the critic learns values by tests/test_critic.py)
     out = tmp_path / "ppo"
     done = subprocess.run(
         [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_ppo.yaml", f"run.output_dir={out}",
-         "run.checkpoint_every=0", "run.ray_num_cpus=2"],
+         "run.checkpoint_every=0", "run.ray_num_cpus=2", "sft_warmup.steps=100", "run.steps=6",
+         "run.eval_every=0"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert "train/pg_loss" not in rows[0] and "train/pg_loss" in rows[3]  # the policy waits 3 steps
-    first, last = rows[:5], rows[-5:]
-    reward = lambda part: sum(r["reward/mean"] for r in part) / len(part)  # noqa: E731
-    assert reward(last) > reward(first) + 0.5, (reward(first), reward(last))
-    explained = [r["critic/explained_variance"] for r in rows[-10:]]
-    assert sum(explained) / len(explained) > 0, explained
+    assert "train/pg_loss" not in rows[2] and "train/pg_loss" in rows[3]  # the policy waits 3 steps
+    assert all(math.isfinite(r["critic/value_loss"]) and r["critic/tokens"] > 0 for r in rows)
     AutoModelForCausalLM.from_pretrained(out / "final_model")
     assert (out / "final_critic" / "config.json").exists()

@@ -151,3 +151,62 @@ def test_learners_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
         assert logged_steps(out) == [1, 2] and (out / "final_model").exists()
     finally:
         cluster.shutdown()
+
+
+def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_the_restart(tmp_path):
+    # policy learner 1 sleeps at the start of its third update (after 2 optimizer steps), once
+    hang = tmp_path / "hang"
+    hang.write_text("1 2 600")
+    out = tmp_path / "run"
+    done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30",
+                       env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
+    stacks = out / "hangs" / "step_3.txt"
+    assert (
+        "policy learner 1" in done.stderr and "did not answer within run.actor_timeout_s=30s" in done.stderr
+    )
+    assert f"every actor's stacks: {stacks}; restarting every actor from checkpoint step_2" in done.stderr
+    report = stacks.read_text()
+    section = report.split("=== policy learner 1 ")[1].split("===")[0]
+    assert "planted_sleep" in section, report[-3000:]  # the sleeping function, in the sleeping actor
+    assert "=== generator 0 " in report and "=== policy learner 0 " in report
+    assert logged_steps(out) == [1, 2, 3, 4]
+    assert not hang.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: one checkpoint of the small run fits (~2.2 MiB), the second does not."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs on this machine")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_goes_on_or_stops(tmp_path, small_disk):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(small_disk)  # the run's checkpoints on the small disk
+    done = run_trainer(out, "run.steps=3", "run.checkpoint_every=1", "run.on_save_error=continue")
+    line = next(
+        x for x in done.stderr.splitlines() if x.startswith("rltrain: saving checkpoint step_2 failed (")
+    )
+    assert "MiB free in" in line  # how much room is left says why (torch.save reports ENOSPC as an I/O error)
+    assert line.endswith(f"the newest checkpoint is still {out / 'checkpoints' / 'step_1'}; going on without it "
+                         "(run.on_save_error=continue)"), line  # fmt: skip
+    assert (out / "checkpoints" / "latest").read_text() == "step_1"
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1" / "hf")  # still loadable
+    assert logged_steps(out) == [1, 2, 3] and (out / "final_model" / "config.json").exists()
+    # run.on_save_error=stop (the default): one line, exit code 1, and the resume command works
+    stopped = subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL,
+         f"run.output_dir={out}", "run.steps=5", "run.checkpoint_every=1", "run.resume=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("rltrain: saving checkpoint step_2 failed ("), last
+    assert "stopping (run.on_save_error=stop); resume with: python -m rltrain.train" in last

@@ -49,13 +49,13 @@ from rltrain.remote import gather, where
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
 
 
-HANG_FILE = "RLTRAIN_TEST_HANG"  # fault injection for the hang-report test (tests/test_faults.py)
+HANG_ENV = "RLTRAIN_TEST_HANG"  # fault injection for the hang-report test (tests/test_faults.py)
 
 
 def _planted_hang(rank: int, optimizer_steps: int) -> None:
     """When the file named by ``$RLTRAIN_TEST_HANG`` says ``<rank> <optimizer steps> <seconds>`` for
     this rank and step, delete it (so a restarted run goes on) and sleep in :func:`planted_sleep`."""
-    path = os.environ.get(HANG_FILE)
+    path = os.environ.get(HANG_ENV)
     if not path or not os.path.exists(path):
         return
     want_rank, want_steps, seconds = Path(path).read_text().split()
@@ -189,11 +189,8 @@ class EngineLearner:
 
         _planted_hang(self.rank, self.optimizer_steps)
         start = time.perf_counter()
-        lc, mode, aggregation = (
-            self.lc,
-            self.config.loss.masked_mean_denominator,
-            self.config.loss.aggregation,
-        )
+        lc, mode = self.lc, self.config.loss.masked_mean_denominator
+        aggregation = self.config.loss.aggregation
         if self.use_cuda:
             torch.cuda.reset_peak_memory_stats()
         groups = [[self._to_device(self._own_tokens(self._nonempty(mb))) for mb in group] for group in groups]

@@ -42,13 +42,12 @@ factor is the number of ranks the engine averages over:
 **Per-sequence aggregations** (:func:`aggregate`, verl's ``loss_agg_mode`` names). With ``n_s`` the
 loss tokens of sequence ``s`` and ``S`` the sequences holding at least one loss token:
 
-=========================  ==================================================
-``token-mean``             ``sum_s sum_t l_st / sum_s n_s``
-``seq-mean-token-mean``    ``sum_s (sum_t l_st / n_s) / |S|``
-``seq-mean-token-sum``     ``sum_s sum_t l_st / |S|``
-``seq-mean-token-sum-norm`` ``sum_s sum_t l_st / (norm * |S|)`` (Dr. GRPO: ``norm`` a constant, such
-                           as the generation budget)
-=========================  ==================================================
+===========================  ==================================================================
+``token-mean``               ``sum_s sum_t l_st / sum_s n_s``
+``seq-mean-token-mean``      ``sum_s (sum_t l_st / n_s) / |S|``
+``seq-mean-token-sum``       ``sum_s sum_t l_st / |S|``
+``seq-mean-token-sum-norm``  ``sum_s sum_t l_st / (norm * |S|)`` (Dr. GRPO: ``norm`` a constant)
+===========================  ==================================================================
 
 Each is a sum over tokens with a per-token weight known on the rank that holds the token (``1``,
 ``1/n_s`` or ``1/norm``) divided by one global count (tokens or sequences). So the ``token`` scaling

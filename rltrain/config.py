@@ -348,10 +348,6 @@ class RunConfig(Section):
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
     a failure of that actor; the Python stacks of every actor are written to
     `hangs/step_<N>.txt` in the run folder before the restart."""
-    on_save_error: Literal["stop", "continue"] = "stop"
-    """A checkpoint save that fails (disk full, folder not writable): `stop` the run (exit code 1,
-    with the resume command) or `continue` training without that checkpoint. Either way the
-    previous checkpoint stays the newest and loadable."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -403,8 +402,9 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                if save_checkpoint(run, config, step, {"data": orchestrator.state(step)}):
-                    saved = step
+                state = {"data": orchestrator.state(step)}
+                checkpoint.save(learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+                saved = step
             if step == config.run.stop_after:
                 break
     except KeyboardInterrupt:
@@ -412,7 +412,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            save_checkpoint(run, config, trained, {"data": orchestrator.state(trained)})
+            state = {"data": orchestrator.state(trained)}
+            checkpoint.save(learners, run.out, trained, state, run.critic, config.run.keep_checkpoints)
         raise
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
@@ -427,38 +428,6 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             run.critic.save_hf(run.out / "final_critic")
     run.shutdown()
     return run.out
-
-
-def save_checkpoint(run: Run, config: Config, step: int, state: dict[str, Any]) -> bool:
-    """:func:`rltrain.checkpoint.save`; when it fails (disk full, folder not writable) the previous
-    checkpoint stays the newest, one line says so, and the run stops (``RunFailed``) or goes on
-    without this checkpoint, as ``run.on_save_error`` says. Returns whether the save happened."""
-    from rltrain.remote import ActorFailure
-
-    try:
-        checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
-        return True
-    except ActorFailure:  # a dead or silent actor: the restart path, not a save error
-        raise
-    except Exception as error:  # also raised inside an actor: torch.save says ENOSPC as an iostream error
-        cause = getattr(error, "cause", None) or error
-        reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
-        root = checkpoint.checkpoint_root(run.out)
-        free = shutil.disk_usage(root).free / 2**20 if root.exists() else float("nan")
-        latest = checkpoint.latest_tag(run.out)
-        message = (f"saving checkpoint step_{step} failed ({reason}; {free:.1f} MiB free in {root}); the "
-                   f"newest checkpoint is still {root / latest if latest else 'none'}")  # fmt: skip
-        if config.run.on_save_error == "stop":
-            raise RunFailed(
-                f"{message}; stopping (run.on_save_error=stop); resume with: python -m rltrain.train "
-                f"--config {run.out / 'config.yaml'} run.resume=true"
-            ) from None
-        print(
-            f"rltrain: {message}; going on without it (run.on_save_error=continue)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
 
 
 def total_optimizer_steps(config: Config, lc) -> int:

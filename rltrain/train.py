@@ -372,6 +372,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer), advance=False)
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
+    keep = config.run.keep_checkpoints
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
@@ -403,7 +404,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "train/sequences": float(len(batch))})  # fmt: skip
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 state = {"data": orchestrator.state(step)}
-                checkpoint.save(learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+                checkpoint.save(learners, run.out, step, state, run.critic, keep)
                 saved = step
             if step == config.run.stop_after:
                 break
@@ -413,7 +414,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
             state = {"data": orchestrator.state(trained)}
-            checkpoint.save(learners, run.out, trained, state, run.critic, config.run.keep_checkpoints)
+            checkpoint.save(learners, run.out, trained, state, run.critic, keep)
         raise
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart

@@ -18,6 +18,7 @@ from rltrain.masked_mean import Aggregation, resolve_denominator
 
 TINY_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:arithmetic"
+SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
 
 
 class ConfigError(ValueError):
@@ -201,6 +202,27 @@ class ToolsConfig(Section):
     empty environment, killed as a group on timeout)."""
 
 
+class EnvConfig(Section):
+    name: str | None = None
+    """The environment each rollout is an episode of: `builtin:calculator` (the built-in task with
+    the calculator as a native tool), `builtin:guess` (a multi-turn number-guessing game), or
+    `module:Class` (a subclass of rltrain.envs.Environment); null: one completion per prompt, with
+    rollout.tools in the tag format."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode (turns that call tools included)."""
+    step_timeout_s: float = Field(10.0, gt=0)
+    """A reset or step that takes longer is stopped (its episode's process is killed) and ends the
+    episode with finish reason `error`; tool calls have rollout.tools.timeout_s."""
+    render: Literal["full", "last_turn"] = "full"
+    """`full`: what is added after a turn is the chat template's rendering of the whole
+    conversation minus the part already there, and a template that changes earlier turns (Qwen3
+    drops earlier reasoning) stops the run; `last_turn`: render the added messages after a
+    one-message stand-in for the history (works with such templates; the policy then trains on a
+    context the template would not build itself)."""
+
+
 class RolloutConfig(Section):
     backend: Literal["vllm", "hf"] = "vllm"
     """Generator: vLLM engines, or transformers `generate` where vLLM is unavailable."""
@@ -226,6 +248,11 @@ class RolloutConfig(Section):
     """vLLM GPU memory share."""
     tools: ToolsConfig = ToolsConfig()
     """Tool use during generation."""
+    tool_parser: Literal["hermes", "tag"] | None = None
+    """How tool calls are written: `hermes` (Qwen2.5/Hermes JSON in <tool_call></tool_call>, results
+    as `tool` messages through the chat template) or `tag` (<tool:NAME>ARGUMENT</tool>, results
+    inline as <result>...</result>); null: hermes with an environment, tag without. Without an
+    environment only `tag` is available."""
 
 
 class DataConfig(Section):
@@ -263,8 +290,10 @@ class DataConfig(Section):
 
 class RewardConfig(Section):
     functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
-    """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`,
-    or a user function `module:function` taking (completion, answer) and returning a float."""
+    """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`, `env`
+    (the environment's own reward, see env.name), or a user function `module:function` taking
+    (completion, answer) and returning a float. With an environment, the completion is the last
+    assistant turn's text."""
     timeout_s: float = Field(5.0, gt=0)
     """A reward call that takes longer scores 0, is counted as a failure, and is stopped (its worker
     process is killed and replaced)."""
@@ -279,9 +308,11 @@ class SFTWarmupConfig(Section):
     model is kept in the run folder (`sft_model/`), so a resumed or restarted run does not repeat it."""
     source: str = BUILTIN_TASK
     """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in
-    task's training prompts, answered directly or through the calculator, see tool_fraction), or a
-    local .jsonl file with `prompt` and `completion` columns (tool output inside a completion is
-    written `<result>...</result>` and masked)."""
+    task's training prompts, answered directly or through the calculator, see tool_fraction), `env`
+    (the environment's `demonstration(row)` conversations on the training rows, in the model's own
+    chat format: loss on the assistant turns only), or a local .jsonl file with `prompt` and
+    `completion` columns (tool output inside a completion is written `<result>...</result>` and
+    masked)."""
     batch_size: int = Field(32, ge=1)
     """Examples per optimizer step."""
     lr: float = Field(3e-3, gt=0)
@@ -333,6 +364,9 @@ class RunConfig(Section):
     """Training steps."""
     seed: int = 0
     """Seed for data order, sampling and initialization."""
+    save_rollouts_every: int = Field(0, ge=0)
+    """Write `rollouts/step_<N>.jsonl` every N steps: one line per sample with its messages, token
+    ids, mask, log-probs, rewards per function, finish reason and turns; 0: never."""
     checkpoint_every: int = Field(10, ge=0)
     """Save a resumable checkpoint every N steps (and at the end); 0: only at the end."""
     eval_every: int = Field(0, ge=0)
@@ -366,6 +400,8 @@ class Config(Section):
     rollout: RolloutConfig = RolloutConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
+    """Multi-turn environments: each rollout is an episode (rltrain.envs)."""
     critic: CriticConfig | None = None
     """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
     sft_warmup: SFTWarmupConfig = SFTWarmupConfig()
@@ -411,7 +447,24 @@ class Config(Section):
             )
         self._check_sequence_parallel()
         self._check_critic()
+        self._check_env()
         return self
+
+    def _check_env(self) -> None:
+        if self.sft_warmup.source == SFT_FROM_ENV and self.env.name is None:
+            raise ValueError("sft_warmup.source=env: the environment's demonstrations need env.name")
+        if "env" in self.reward.functions and self.env.name is None:
+            raise ValueError("reward.functions: `env` is the environment's reward; it needs env.name")
+        if self.env.name is None and self.rollout.tool_parser == "hermes":
+            raise ValueError(
+                "rollout.tool_parser=hermes needs an environment (env.name=builtin:calculator gives "
+                "the built-in task with native calls); without one, rollout.tools uses the tag format"
+            )
+
+    @property
+    def tool_parser(self) -> str:
+        """The parser in use: ``rollout.tool_parser`` or its default."""
+        return self.rollout.tool_parser or ("hermes" if self.env.name else "tag")
 
     def _check_critic(self) -> None:
         gae = self.algorithm.advantage == "gae"

@@ -1,6 +1,7 @@
 """Prompts: loading, chat templating, and a resumable shuffled order (no ray, no deepspeed).
 
-Sources: ``builtin:arithmetic`` (generated, for the CPU demo), a local ``.jsonl``/``.json``/
+Sources: ``builtin:arithmetic`` (generated, for the CPU demo), ``builtin:guess`` (episodes of the
+guessing game), a local ``.jsonl``/``.json``/
 ``.parquet``/``.arrow`` file or folder, or a Hugging Face hub dataset name (loaded with
 ``datasets``; never used by the tests, which have no network).
 """
@@ -21,8 +22,9 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arr
 @dataclass
 class Prompt:
     index: int  # row in the dataset
-    token_ids: list[int]
+    token_ids: list[int]  # empty with an environment: each episode renders its own opening
     answer: str
+    row: dict | None = None  # the data row (an environment's reset takes it)
 
 
 def arithmetic_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
@@ -41,6 +43,13 @@ def arithmetic_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
     return rows
 
 
+def guess_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
+    """Episodes of ``builtin:guess``: the answer picks the secret (see rltrain.envs.GuessEnv)."""
+    rng = random.Random(seed)
+    return [{"prompt": "guess", "answer": str(rng.randrange(10**6))} for _ in range(n)]
+
+
+BUILTIN_SOURCES = {BUILTIN_TASK: arithmetic_rows, "builtin:guess": guess_rows}
 ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
 
@@ -111,9 +120,11 @@ def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
     """Every row as ``{"prompt", "answer"}``, validated: a problem raises ValueError naming the
     config ``key`` the source came from, the row (line, for JSON Lines) and the column."""
     if config.source.startswith("builtin:"):
-        if config.source != BUILTIN_TASK:
-            raise ValueError(f"{key}: unknown built-in {config.source!r} (built-ins: {BUILTIN_TASK})")
-        return arithmetic_rows()
+        if config.source not in BUILTIN_SOURCES:
+            raise ValueError(
+                f"{key}: unknown built-in {config.source!r} (built-ins: {', '.join(BUILTIN_SOURCES)})"
+            )
+        return BUILTIN_SOURCES[config.source]()
     path = Path(config.source).expanduser()
     if path.exists():
         files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix in LOCAL_FORMATS)
@@ -220,10 +231,17 @@ def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Pr
             raise ValueError(
                 f"data: prompt {i} has {len(ids)} tokens, over data.max_prompt_tokens={config.max_prompt_tokens}"
             )
-        prompts.append(Prompt(i, list(ids), row["answer"]))
+        prompts.append(Prompt(i, list(ids), row["answer"], row))
     if not prompts:
         raise ValueError(f"data.source {config.source!r} holds no rows")
     return prompts
+
+
+def episode_prompts(rows: list[dict], config: DataConfig) -> list[Prompt]:
+    """Prompts of an environment: the rows, rendered by each episode from its opening messages."""
+    if not rows:
+        raise ValueError(f"data.source {config.source!r} holds no rows")
+    return [Prompt(i, [], row["answer"], row) for i, row in enumerate(rows)]
 
 
 class PromptSampler:

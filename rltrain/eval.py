@@ -19,15 +19,26 @@ from rltrain.data import Prompt
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
 
 
-def evaluate(generators, prompts: list[Prompt], scorer) -> dict[str, float]:
+def evaluate(generators, prompts: list[Prompt], scorer, env: bool = False) -> dict[str, float]:
     """``eval/accuracy`` (math-verify against the reference), ``eval/tool_call_rate`` (completions
-    that called a tool), ``eval/tool_errors``, ``eval/response_length`` on ``prompts``."""
-    refs = generators.submit([p.token_ids for p in prompts], [EVAL_SEED] * len(prompts), greedy=True)
-    completions = generators.collect(refs)
-    correct = scorer.one("math", [c.text for c in completions], [p.answer for p in prompts])
+    that called a tool), ``eval/tool_errors``, ``eval/response_length`` on ``prompts``; with an
+    environment (``env``: the prompts are its rows) ``eval/success`` (episodes whose environment
+    reward is positive), ``eval/env_reward`` and ``eval/turns`` in place of the accuracy."""
+    requests = [p.row if env else p.token_ids for p in prompts]
+    completions = generators.collect(generators.submit(requests, [EVAL_SEED] * len(prompts), greedy=True))
     n = len(completions)
+    if env:
+        rewards = [c.env_reward or 0.0 for c in completions]
+        quality = {
+            "eval/success": sum(r > 0 for r in rewards) / n,
+            "eval/env_reward": sum(rewards) / n,
+            "eval/turns": sum(c.turns for c in completions) / n,
+        }
+    else:
+        correct = scorer.one("math", [c.text for c in completions], [p.answer for p in prompts])
+        quality = {"eval/accuracy": sum(v or 0.0 for v in correct) / n}
     return {
-        "eval/accuracy": sum(v or 0.0 for v in correct) / n,
+        **quality,
         "eval/tool_call_rate": sum(c.tool_calls > 0 for c in completions) / n,
         "eval/tool_errors": sum(c.tool_errors for c in completions) / n,
         "eval/response_length": sum(len(c.token_ids) for c in completions) / n,
@@ -77,7 +88,7 @@ def score_model(config: Config, inputs) -> dict[str, float]:
     generators = GeneratorPool(config, inputs.model_path)
     try:
         with RewardScorer({"math": 1.0}, config.reward.timeout_s, config.reward.workers) as scorer:
-            return evaluate(generators, inputs.eval_prompts, scorer)
+            return evaluate(generators, inputs.eval_prompts, scorer, env=config.env.name is not None)
     finally:
         generators.shutdown()
 

@@ -3,7 +3,8 @@ with a critic's values, DAPO's dynamic-sampling filter (no ray, no deepspeed).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +23,7 @@ class ScoredGroups:
     completions: list[Completion]  # [len(prompts) * group_size]
     rewards: torch.Tensor  # [len(completions)], shaped (overlong penalty included)
     metrics: dict[str, float]
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # each function's scores, [N]
 
     def keep(self, groups: torch.Tensor, group_size: int) -> ScoredGroups:
         """The groups whose flag in ``groups`` ([G] bool) is True."""
@@ -32,6 +34,7 @@ class ScoredGroups:
             [self.completions[i] for i in rows],
             self.rewards[rows],
             self.metrics,
+            {name: scores[rows] for name, scores in self.per_function.items()},
         )
 
     @staticmethod
@@ -41,6 +44,7 @@ class ScoredGroups:
             [c for s in parts for c in s.completions],
             torch.cat([s.rewards for s in parts]),
             parts[0].metrics,
+            {name: torch.cat([s.per_function[name] for s in parts]) for name in parts[0].per_function},
         )
 
 
@@ -49,7 +53,7 @@ def score(
 ) -> ScoredGroups:
     n = config.algorithm.group_size
     answers = [p.answer for p in prompts for _ in range(n)]
-    scores = scorer([c.text for c in completions], answers)
+    scores = scorer([c.text for c in completions], answers, [c.env_reward for c in completions])
     rewards = torch.tensor(scores.rewards)
     alg, max_new = config.algorithm, config.rollout.max_new_tokens
     shaping = {}
@@ -72,8 +76,32 @@ def score(
         "rollout/tool_calls": float(sum(c.tool_calls for c in completions)),
         "rollout/tool_errors": float(sum(c.tool_errors for c in completions)),
         "rollout/zero_variance_groups": zero_variance_groups(rewards, n).float().mean().item(),
+        **episode_metrics(completions),
     }
-    return ScoredGroups(prompts, completions, rewards, metrics)
+    per_function = {name: torch.tensor(values) for name, values in scores.per_sample.items()}
+    return ScoredGroups(prompts, completions, rewards, metrics, per_function)
+
+
+def episode_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Failed tool and environment calls by kind (summed); with an environment, turns per
+    episode, tool calls per turn, the share of the completion tokens the environment, the tools
+    and the template added, and how episodes ended."""
+    errors = Counter()
+    for c in completions:
+        errors.update(c.errors)
+    metrics = {f"rollout/tool_errors/{kind}": float(count) for kind, count in sorted(errors.items())}
+    turns = sum(c.turns for c in completions)
+    if turns == 0:
+        return metrics
+    tokens = sum(len(c.tool_mask) for c in completions)
+    ends = Counter(c.finish_reason for c in completions)
+    return {
+        **metrics,
+        "rollout/turns": turns / len(completions),
+        "rollout/tool_calls_per_turn": sum(c.tool_calls for c in completions) / turns,
+        "rollout/env_token_share": sum(c.tool_mask.count(0) for c in completions) / max(tokens, 1),
+        **{f"rollout/finish_{reason}": ends[reason] / len(completions) for reason in ("turns", "error")},
+    }
 
 
 def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
@@ -86,6 +114,7 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int) -> TrainBatch
     """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`."""
     alg = config.algorithm
     prompt_ids = [p.token_ids for p in scored.prompts for _ in range(alg.group_size)]
+    prompt_ids = [c.prompt_ids or ids for c, ids in zip(scored.completions, prompt_ids)]  # episodes
     exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
     group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
     return collate(prompt_ids, scored.completions, group, pad_id, exclude)

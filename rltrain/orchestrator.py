@@ -41,8 +41,13 @@ def request_seeds(config: Config, step: int, round_: int, count: int) -> list[in
 def submit(generators, prompts: list[Prompt], config: Config, step: int, round_: int) -> list[Any]:
     """Start ``group_size`` completions of every prompt (non-blocking); returns the references."""
     n = config.algorithm.group_size
-    ids = [p.token_ids for p in prompts for _ in range(n)]
-    return generators.submit(ids, request_seeds(config, step, round_, len(ids)))
+    requests = [request(p, config) for p in prompts for _ in range(n)]
+    return generators.submit(requests, request_seeds(config, step, round_, len(requests)))
+
+
+def request(prompt: Prompt, config: Config) -> list[int] | dict:
+    """What a generator takes for a prompt: its token ids, or with an environment its data row."""
+    return prompt.row if config.env.name else prompt.token_ids
 
 
 def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int,

@@ -8,6 +8,7 @@ A reward function takes ``(completion_text, answer)`` and returns a float. Built
 - ``digits``: the share of the completion's visible characters that are digits, a dense shaping
   reward that a tiny randomly initialized model can climb in minutes (the CPU demo uses it).
 
+``env`` is an environment's own reward (:mod:`rltrain.envs`), taken from its episodes.
 Anything else is ``module:function``. Calls run in worker processes; one that raises, returns a
 non-number or runs past ``timeout_s`` scores 0 for that sample and is counted in the metrics, and
 one past its deadline is stopped for good: its worker process is killed and replaced (a hung
@@ -63,21 +64,32 @@ BUILTIN: dict[str, RewardFn] = {
 }
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name or ``module:function``; raises ValueError with what was wrong."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
+ENV = "env"  # the environment's reward: computed by its episodes, not by a function
+
+
+def import_attribute(spec: str, not_a_spec: str):
+    """``module:name`` imported; raises ValueError saying what went wrong (``not_a_spec`` when
+    ``spec`` does not have that shape)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor module:function")
+        raise ValueError(f"{spec!r} is {not_a_spec}")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load {spec!r}: {e}") from None
     except Exception as e:  # the user's module raised while it was imported
         raise ValueError(
             f"cannot load {spec!r}: importing {module_name} raised {type(e).__name__}: {e}"
         ) from None
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in name or ``module:function``; raises ValueError with what was wrong."""
+    if spec == ENV:
+        raise ValueError("`env` is the environment's reward, not a function")
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    fn = import_attribute(spec, f"neither a built-in ({', '.join(BUILTIN)}) nor module:function")
     if not callable(fn):
         raise ValueError(f"{spec!r} is not callable")
     try:
@@ -111,6 +123,7 @@ class Scores:
     rewards: list[float]  # weighted sum per completion
     per_function: dict[str, float]  # mean score of each function
     failures: int  # calls that raised, hung or returned a non-number
+    per_sample: dict[str, list[float]]  # each function's score of each completion
 
 
 class RewardScorer:
@@ -118,13 +131,14 @@ class RewardScorer:
     inherits the trainer's threads or actors). Close it (or use ``with``) to stop the workers."""
 
     def __init__(self, functions: dict[str, float], timeout_s: float, workers: int = 2):
-        for spec in functions:
+        called = [spec for spec in functions if spec != ENV]
+        for spec in called:
             load_reward_fn(spec)  # a bad spec fails here, in the trainer, with what was wrong
         self.functions, self.timeout_s = dict(functions), timeout_s
         self.pool = ProcessPool(
             max_workers=workers,
             initializer=_preload,
-            initargs=(list(functions),),
+            initargs=(called,),
             context=multiprocessing.get_context("spawn"),
         )
 
@@ -136,23 +150,32 @@ class RewardScorer:
         ]
         return [_result(f) for f in futures]
 
-    def __call__(self, completions: list[str], answers: list[str]) -> Scores:
+    def __call__(
+        self, completions: list[str], answers: list[str], env_rewards: list[float | None] | None = None
+    ) -> Scores:
+        """Every function's score of every completion; ``env_rewards`` are the episodes' own
+        rewards (None, an episode that gave none, scores 0) for the ``env`` entry."""
         futures = {
             spec: [
                 self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
                 for c, a in zip(completions, answers)
             ]
             for spec in self.functions
+            if spec != ENV
         }
         totals = [0.0] * len(completions)
-        per_function, failures = {}, 0
+        per_function, per_sample, failures = {}, {}, 0
         for spec, weight in self.functions.items():
-            values = [_result(f) for f in futures[spec]]
-            failures += sum(v is None for v in values)
-            scores = [v or 0.0 for v in values]
+            if spec == ENV:
+                scores = [v or 0.0 for v in (env_rewards or [None] * len(completions))]
+            else:
+                values = [_result(f) for f in futures[spec]]
+                failures += sum(v is None for v in values)
+                scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
             per_function[spec] = sum(scores) / max(len(scores), 1)
-        return Scores(totals, per_function, failures)
+            per_sample[spec] = scores
+        return Scores(totals, per_function, failures, per_sample)
 
     def close(self) -> None:
         self.pool.stop()

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from rltrain.batch import Completion, TrainBatch, collate
-from rltrain.config import Config, LearnerConfig
+from rltrain.config import SFT_FROM_ENV, Config, LearnerConfig
 from rltrain.data import chat_prompt, sft_examples, tokenize_completion
 from rltrain.learner import LearnerGroup, PolicyLearner
 from rltrain.masked_mean import aggregate
@@ -74,11 +74,16 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     done = folder / DONE
     if done.exists() and json.loads(done.read_text())["settings"] == settings:
         return str(folder)
-    examples = sft_examples(sft, rows, config.run.seed)
-    encoded = [
-        (chat_prompt(e["prompt"], tokenizer, config.data), *tokenize_completion(e["completion"], tokenizer))
-        for e in examples
-    ]
+    if sft.source == SFT_FROM_ENV:
+        encoded = demonstrations(config, rows, tokenizer)
+    else:
+        encoded = [
+            (
+                chat_prompt(e["prompt"], tokenizer, config.data),
+                *tokenize_completion(e["completion"], tokenizer),
+            )
+            for e in sft_examples(sft, rows, config.run.seed)
+        ]
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
@@ -101,6 +106,19 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     return str(folder)
 
 
+def demonstrations(
+    config: Config, rows: list[dict], tokenizer
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """The environment's ``demonstration(row)`` conversations, rendered as its episodes are:
+    ``(prompt ids, completion ids, mask)``, mask 1 on the assistant turns."""
+    from rltrain.envs import load_environment, tool_schemas
+    from rltrain.rollout.chat import ChatRenderer
+
+    env_class, kwargs = load_environment(config.env.name), config.env.kwargs
+    renderer = ChatRenderer(tokenizer, tool_schemas(env_class(**kwargs).tools), config.env.render)
+    return [renderer.conversation(env_class(**kwargs).demonstration(row)) for row in rows]
+
+
 def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> TrainBatch:
     prompts = [prompt for prompt, _, _ in chosen]
     completions = [Completion(ids, [0.0] * len(ids), mask) for _, ids, mask in chosen]
@@ -110,4 +128,6 @@ def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) ->
 def _settings(config: Config, model_path: str) -> str:
     """What the warmed-up model depends on: the warm-up section, the start model, data, seed."""
     parts = [config.sft_warmup.model_dump(), model_path, config.data.model_dump(), config.run.seed]
+    if config.sft_warmup.source == SFT_FROM_ENV:
+        parts.append(config.env.model_dump())
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

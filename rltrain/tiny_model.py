@@ -13,9 +13,28 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
 DEFAULT_HIDDEN_SIZE = 64
 TINY_ATTENTION_HEADS = DEFAULT_HIDDEN_SIZE // HEAD_DIM  # of the default built-in model
+# Qwen2.5's structure, with a shorter tool preamble (every character is a token here): tools as
+# one line each in the system turn, calls as JSON in <tool_call> tags, results as <tool_response>
+# blocks in one user turn. Without tools it renders exactly what it did before tools came.
+# (newlines right after a block tag are written as {{ '\n' }}: chat templates trim them)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content + '\n' }}{% endif %}"
+    "<tools>{% for tool in tools %}{{ '\n' + tool.function.name }}"
+    "({{ tool.function.parameters.properties | join(', ') }}){% endfor %}{{ '\n' }}</tools><|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first and tools %}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}{% set f = call.function or call %}"
+    '<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>{{ '\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ '\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ message.role + '\n' + message.content }}<|im_end|>{{ '\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}"
 )
 
 

@@ -17,16 +17,23 @@ import math
 import operator
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from rltrain.batch import Completion, Segment
 from rltrain.sandbox import DEFAULT_LIMITS, Limits, run_python
+
+if TYPE_CHECKING:
+    from rltrain.batch import Completion, Segment
 
 TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>\s*$", re.DOTALL)
 STOP = "</tool>"
 
 
 def calculator(expression: str) -> str:
-    """Evaluate + - * / // % ** and parentheses over numbers; nothing else is allowed."""
+    """Evaluate arithmetic: + - * / // % ** and parentheses over numbers, nothing else.
+
+    Args:
+        expression: The arithmetic expression, for example 12 + 7 * 3.
+    """
     ops = {
         ast.Add: operator.add,
         ast.Sub: operator.sub,
@@ -71,12 +78,13 @@ class ToolRunner:
         self.limits, self.isolate = limits, isolate
 
     @classmethod
-    def from_config(cls, tools) -> ToolRunner:
-        """From a ``rollout.tools`` config section."""
+    def from_config(cls, tools, enabled: Sequence[str] | None = None) -> ToolRunner:
+        """From a ``rollout.tools`` config section (``enabled``: in place of its tool list)."""
         box = tools.sandbox
         limits = Limits(memory_mb=box.memory_mb, cpu_s=math.ceil(tools.timeout_s) + 1,
                         processes=box.processes, file_size_mb=box.file_size_mb)  # fmt: skip
-        return cls(tools.enabled, tools.timeout_s, tools.max_output_chars, limits, box.require_isolation)
+        enabled = tools.enabled if enabled is None else enabled
+        return cls(enabled, tools.timeout_s, tools.max_output_chars, limits, box.require_isolation)
 
     def __call__(self, name: str, argument: str) -> tuple[str, bool]:
         """Returns ``(output text, ok)``; a failure's text starts with ``error:``."""
@@ -93,8 +101,24 @@ class ToolRunner:
         return f"<result>{out.strip()[: self.max_output_chars]}</result>", ok
 
 
+PYTHON = ToolRunner(["python"], 2.0, 200)  # the python tool's settings; rollout.tools in a run
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox (no network, limited memory and time) and return what it prints.
+
+    Args:
+        code: The program; print the values you want to see.
+    """
+    output, ok = PYTHON("python", code)
+    output = output.removeprefix("<result>").removesuffix("</result>")
+    if not ok:
+        raise RuntimeError(output.removeprefix("error: "))
+    return output
+
+
 # generate(prompts, max_tokens, seeds) -> one Segment per prompt
-GenerateFn = Callable[[list[list[int]], list[int], list[int]], list[Segment]]
+GenerateFn = Callable[[list[list[int]], list[int], list[int]], "list[Segment]"]
 SEED_STRIDE = 1_000_003  # each generation round of a sequence samples with seed + round * SEED_STRIDE
 
 
@@ -113,6 +137,8 @@ def generate_with_tools(
     at ``</tool>`` (keeping it in the output) when tools are on. Per-request seeds make a rollout a
     function of (weights, prompt, seed), so a resumed run samples what an uninterrupted one did.
     """
+    from rltrain.batch import Completion  # torch: imported when a rollout runs, not with the tools
+
     done = [Completion() for _ in prompts]
     active = list(range(len(prompts)))
     while active:

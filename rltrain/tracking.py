@@ -73,6 +73,40 @@ class Tracker:
             print(table, flush=True)
 
 
+def write_rollouts(path: Path, scored) -> None:
+    """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.grpo.ScoredGroups`
+    with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
+    token ids, the mask (1 = sampled by the policy), log-probs, rewards per function, finish
+    reason, turns. Written whole to a temporary name first, so a file is never half there."""
+    group = len(scored.completions) // max(len(scored.prompts), 1)
+    lines = []
+    for i, c in enumerate(scored.completions):
+        prompt = scored.prompts[i // group]
+        messages = c.messages or [
+            {"role": "user", "content": (prompt.row or {}).get("prompt", "")},
+            {"role": "assistant", "content": c.text},
+        ]
+        record = {
+            "prompt_index": prompt.index,
+            "messages": messages,
+            "prompt_ids": c.prompt_ids or prompt.token_ids,
+            "completion_ids": c.token_ids,
+            "completion_mask": c.tool_mask,
+            "completion_logprobs": c.logprobs,
+            "rewards": {name: float(scores[i]) for name, scores in scored.per_function.items()},
+            "reward": float(scored.rewards[i]),
+            "finish_reason": c.finish_reason,
+            "turns": c.turns,
+            "tool_calls": c.tool_calls,
+            "errors": c.errors,
+        }
+        lines.append(json.dumps(record))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text("\n".join(lines) + "\n")
+    partial.replace(path)
+
+
 def eval_table(rows: list[dict]) -> str:
     """Held-out results at the first and the last evaluation of the run, side by side."""
     evals = [r for r in rows if "eval/accuracy" in r]

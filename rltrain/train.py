@@ -27,12 +27,20 @@ from typing import Any
 import torch
 
 from rltrain import checkpoint
-from rltrain.config import TINY_MODEL, Config, ConfigError, describe, dump, load_config
-from rltrain.data import Prompt, PromptSampler, load_rows, sft_examples, split_held_out, tokenize_prompts
+from rltrain.config import SFT_FROM_ENV, TINY_MODEL, Config, ConfigError, describe, dump, load_config
+from rltrain.data import (
+    Prompt,
+    PromptSampler,
+    episode_prompts,
+    load_rows,
+    sft_examples,
+    split_held_out,
+    tokenize_prompts,
+)
 from rltrain.eval import evaluate
 from rltrain.grpo import build_batch, with_gae
 from rltrain.orchestrator import Orchestrator, collect_groups  # noqa: F401  (collect_groups: public path)
-from rltrain.rewards import RewardScorer, load_reward_fn
+from rltrain.rewards import ENV, RewardScorer, load_reward_fn
 
 
 class RunFailed(RuntimeError):
@@ -91,6 +99,8 @@ def preflight(config: Config) -> Inputs:
     """Every check that needs more than the schema (reward and tool specs, output folder, model,
     lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
     for spec in config.reward.functions:
+        if spec == ENV:
+            continue  # the environment's reward: the environment is checked below
         try:
             load_reward_fn(spec)
         except ValueError as e:
@@ -118,13 +128,60 @@ def preflight(config: Config) -> Inputs:
         rows, held_out = load_rows(config.data), []
         if config.run.eval_every:
             rows, held_out = split_held_out(rows, config.data, config.eval)
-        prompts = tokenize_prompts(rows, tokenizer, config.data)
-        eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
-        if config.sft_warmup.steps:
+        if config.env.name is not None:
+            check_environment(config, rows[0], tokenizer)
+            prompts = episode_prompts(rows, config.data)
+            eval_prompts = episode_prompts(held_out, config.data) if held_out else []
+        else:
+            prompts = tokenize_prompts(rows, tokenizer, config.data)
+            eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+        if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
             sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def check_environment(config: Config, row: dict, tokenizer) -> None:
+    """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row, and its
+    tools' schemas and the chat template's rendering of the additions work; raises ValueError
+    naming the key."""
+    from rltrain.envs import load_environment, tool_schemas
+    from rltrain.rollout.chat import ChatRenderer, TemplateError
+
+    env = config.env
+    try:
+        instance = load_environment(env.name)(**env.kwargs)
+    except TypeError as e:
+        raise ValueError(f"env.kwargs: {env.name} does not take {env.kwargs} ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"env.name: {e}") from None
+    try:
+        schemas = tool_schemas(instance.tools)
+    except Exception as e:  # transformers: a tool without type hints or an Args: section
+        raise ValueError(f"env.name: {env.name}'s tools have no JSON schema ({e})") from None
+    try:
+        opening = instance.reset(row)
+    except Exception as e:
+        raise ValueError(
+            f"env.name: {env.name}.reset(first row of data.source) raised {type(e).__name__}: {e}"
+        ) from None
+    if (
+        config.sft_warmup.steps
+        and config.sft_warmup.source == SFT_FROM_ENV
+        and not hasattr(instance, "demonstration")
+    ):
+        raise ValueError(f"sft_warmup.source=env: {env.name} has no demonstration(row) method")
+    renderer = ChatRenderer(tokenizer, schemas, env.render)
+    probe = [*opening, {"role": "assistant", "content": "1"}]
+    try:
+        renderer.additions(probe, [{"role": "user", "content": "2"}])
+        if schemas:
+            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+            turn = [*opening, {"role": "assistant", "content": "", "tool_calls": [call]}]
+            renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
+    except TemplateError as e:
+        raise ValueError(f"env.render: {e}") from None
 
 
 def _check_tools(config: Config) -> None:
@@ -364,13 +421,14 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
 
 def train_once(config: Config, inputs: Inputs) -> Path:
     """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
-    from rltrain.tracking import Tracker
+    from rltrain.tracking import Tracker, write_rollouts
 
     run = start_run(config, inputs)
     learners, generators, orchestrator = run.learners, run.generators, run.orchestrator
     tracker = Tracker(run.out, config, run.start_step)
+    env = config.env.name is not None  # episodes of an environment
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
-        tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer), advance=False)
+        tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
     keep = config.run.keep_checkpoints
     try:
@@ -381,6 +439,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if not scored.completions:
                 tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
                 continue
+            if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
+                write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
             batch = build_batch(scored, config, run.tokenizer.pad_token_id)
             trained = step
             metrics = {}
@@ -398,7 +458,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             generated = sum(len(c.token_ids) for c in scored.completions)
             last = step in (config.run.steps, config.run.stop_after)
             if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
-                metrics |= evaluate(generators, inputs.eval_prompts, run.scorer)
+                metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
             tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip

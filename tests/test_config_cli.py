@@ -181,6 +181,61 @@ RESUMES = {
 }
 INPUTS.update(RESUMES)
 
+GUESS = ["env.name=builtin:guess", "data.source=builtin:guess", "reward.functions={env: 1.0}"]
+
+
+def _rewriting_model(t) -> list[str]:
+    """The tiny model with a Qwen3-like template (earlier assistant turns lose their text)."""
+    from transformers import AutoTokenizer
+
+    from rltrain.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(t / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{ message.content or '' }}",
+        "{{ '' if messages[loop.index0 + 1:] | selectattr('role', 'equalto', 'user') | list else message.content }}",
+    )
+    tokenizer.save_pretrained(folder)
+    return [*GUESS, f"model.name_or_path={folder}"]
+
+
+ENVIRONMENTS = {
+    "env reward without an environment": (
+        lambda t: ["reward.functions={env: 1.0}"],
+        "reward.functions: `env` is the environment's reward; it needs env.name",
+    ),
+    "unknown built-in environment": (
+        lambda t: [*GUESS, "env.name=builtin:chess"],
+        "env.name: unknown built-in 'builtin:chess' (built-ins: builtin:calculator, builtin:guess)",
+    ),
+    "environment arguments it does not take": (
+        lambda t: [*GUESS, "env.kwargs={top: 9}"],
+        "env.kwargs: builtin:guess does not take {'top': 9}",
+    ),
+    "environment module that is not there": (
+        lambda t: [*GUESS, "env.name=no_such_module:Env"],
+        "env.name: cannot load 'no_such_module:Env': No module named 'no_such_module'",
+    ),
+    "native calls without an environment": (
+        lambda t: ["rollout.tool_parser=hermes"],
+        "rollout.tool_parser=hermes needs an environment",
+    ),
+    "warm-up on demonstrations without an environment": (
+        lambda t: ["sft_warmup.source=env"],
+        "sft_warmup.source=env: the environment's demonstrations need env.name",
+    ),
+    "template that rewrites earlier turns": (
+        _rewriting_model,
+        (
+            "env.render: the chat template of ",
+            "changes earlier turns when a user message is added",
+            "env.render=last_turn",
+        ),
+    ),
+}
+INPUTS.update(ENVIRONMENTS)
+
 
 def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path, monkeypatch):
     import rltrain.train

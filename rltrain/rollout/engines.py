@@ -18,6 +18,7 @@ import torch
 from rltrain.batch import Completion, Segment
 from rltrain.config import Config, RolloutConfig
 from rltrain.remote import gather, where
+from rltrain.rollout.episodes import Episodes
 from rltrain.tools import STOP, ToolRunner, generate_with_tools
 
 
@@ -189,7 +190,8 @@ class HFBackend:
 
 
 class GeneratorActor:
-    """One generation engine plus the tool loop. Created by :class:`GeneratorPool` as a Ray actor."""
+    """One generation engine plus the tool loop, or the episodes of an environment
+    (:func:`~rltrain.rollout.episodes.run_episodes`). Created by :class:`GeneratorPool` as a Ray actor."""
 
     def __init__(self, config: Config, model_path: str, engine_index: int):
         from transformers import AutoTokenizer
@@ -201,22 +203,33 @@ class GeneratorActor:
         )
         self.tools = ToolRunner.from_config(rc.tools) if rc.tools.enabled else None
         stop = [STOP] if self.tools else []
+        self.episodes = None
+        if config.env.name is not None:
+            self.episodes = Episodes(config, self.tokenizer)
+            stop = self.episodes.parser.stop
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(model_path, rc, stop, config.run.seed + engine_index)
         else:
             self.backend = HFBackend(model_path, rc, stop, config.model.trust_remote_code)
 
-    def rollout(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> list[Completion]:
+    def rollout(self, requests: list, seeds: list[int], greedy: bool = False) -> list[Completion]:
+        """A completion per request: a prompt's token ids, or with an environment a data row."""
         rc = self.config.rollout
+        generate = functools.partial(self.backend.generate, greedy=greedy)
+        if self.episodes is not None:
+            return self.episodes.run(generate, requests, seeds)
         return generate_with_tools(
-            functools.partial(self.backend.generate, greedy=greedy),
-            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-            prompts,
+            generate,
+            self.encode,
+            requests,
             rc.max_new_tokens,
             self.tools,
             rc.tools.max_calls,
             seeds,
         )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.backend.load_weights(state_dict.items())
@@ -241,13 +254,14 @@ class GeneratorPool:
         self.timeout_s = config.run.actor_timeout_s
         self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
 
-    def submit(self, prompts: list[list[int]], seeds: list[int], greedy: bool = False) -> list[ray.ObjectRef]:
-        """Start generating (non-blocking); :meth:`collect` the returned references."""
-        chunks = _split(list(range(len(prompts))), len(self.actors))
+    def submit(self, requests: list, seeds: list[int], greedy: bool = False) -> list[ray.ObjectRef]:
+        """Start generating (non-blocking) from prompts' token ids or, with an environment, data
+        rows; :meth:`collect` the returned references."""
+        chunks = _split(list(range(len(requests))), len(self.actors))
         refs = []
         for actor, name, idx in zip(self.actors, self.names, chunks):
             if idx:
-                refs.append(actor.rollout.remote([prompts[i] for i in idx], [seeds[i] for i in idx], greedy))
+                refs.append(actor.rollout.remote([requests[i] for i in idx], [seeds[i] for i in idx], greedy))
                 self._submitted[refs[-1]] = name
         return refs
 

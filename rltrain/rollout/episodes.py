@@ -1,0 +1,255 @@
+"""Episodes: an environment and the policy, turn by turn, token-in/token-out (no ray, no vllm).
+
+Each request opens an episode from its data row (``reset``), and every round generates the next
+stretch of every live episode in one engine call. After an assistant turn:
+
+- tool calls (parsed by the ``rollout.tool_parser``) are run in the episode's process, and their
+  results (or the error of a malformed call) are appended as ``tool`` messages; generation goes on;
+- a turn without calls goes to the environment's ``step``, which appends messages, gives a
+  reward, or ends the episode.
+
+The sequence is the ids the engine sampled, with their log-probs and mask 1, and between turns the
+chat template's tokens for what was added (:class:`~rltrain.rollout.chat.ChatRenderer`), mask 0 and
+log-prob 0. Nothing sampled is decoded and encoded again. ``rollout.max_new_tokens`` bounds the
+whole episode after the prompt (added tokens included) and ``rollout.max_model_len`` the context;
+an episode cut by either ends with finish reason ``length``; ``env.max_turns`` assistant turns end
+it with ``turns``; an environment that raises, hangs or dies ends it with ``error``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rltrain.batch import Completion, Segment
+from rltrain.rollout.chat import ChatRenderer
+from rltrain.rollout.env_host import EnvHost
+from rltrain.rollout.parsers import ParsedTurn, ToolCall, ToolParser
+from rltrain.tools import SEED_STRIDE, GenerateFn
+
+TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
+
+
+@dataclass
+class EpisodeLimits:
+    max_new_tokens: int  # tokens after the prompt, added ones included
+    max_model_len: int  # prompt + completion
+    max_prompt_tokens: int
+    max_turns: int
+    max_tool_calls: int  # per episode
+    step_timeout_s: float  # reset and step
+    tool_timeout_s: float
+
+
+class Episodes:
+    """A generator's environment side: its host process, template renderer, parser and limits."""
+
+    def __init__(self, config, tokenizer):
+        from rltrain.envs import tool_schemas
+        from rltrain.rollout.parsers import get_parser
+        from rltrain.tools import ToolRunner
+
+        rc, env = config.rollout, config.env
+        self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))
+        self.renderer = ChatRenderer(tokenizer, tool_schemas(self.host.tools), env.render)
+        self.parser = get_parser(config.tool_parser)
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.limits = EpisodeLimits(
+            rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens, env.max_turns,
+            rc.tools.max_calls, env.step_timeout_s, rc.tools.timeout_s,
+        )  # fmt: skip
+
+    def run(self, generate: GenerateFn, rows: list[dict[str, Any]], seeds: list[int]) -> list[Completion]:
+        return run_episodes(
+            generate, self.host, self.renderer, self.parser, self.encode, rows, seeds, self.limits
+        )
+
+
+class _Episode:
+    def __init__(self, key: int, seed: int):
+        self.key, self.seed, self.rounds = key, seed, 0
+        self.c = Completion()
+        self.turn_text = ""  # the assistant turn being generated (inline tool results included)
+        self.live = True
+
+    def fail(self, kind: str) -> None:
+        self.c.errors[kind] = self.c.errors.get(kind, 0) + 1
+        self.end("error")
+
+    def end(self, reason: str) -> None:
+        self.c.finish_reason, self.live = reason, False
+
+    def room(self, limits: EpisodeLimits) -> int:
+        """Tokens the next round may generate (or the next addition may take)."""
+        used = len(self.c.token_ids)
+        return min(limits.max_new_tokens - used, limits.max_model_len - len(self.c.prompt_ids) - used)
+
+    def take(self, seg: Segment) -> None:
+        c = self.c
+        c.token_ids += seg.token_ids
+        c.logprobs += seg.logprobs
+        c.tool_mask += [1] * len(seg.token_ids)
+        self.turn_text += seg.text
+        self.rounds += 1
+
+    def add(self, ids: list[int], limits: EpisodeLimits) -> None:
+        """Tokens the template, a tool or the environment added; cut at the budget (then ended)."""
+        room = self.room(limits)
+        ids = ids[: max(room, 0)]
+        self.c.token_ids += ids
+        self.c.logprobs += [0.0] * len(ids)
+        self.c.tool_mask += [0] * len(ids)
+        if self.room(limits) <= 0:
+            self.end("length")
+
+    def close_turn(self, turn: ParsedTurn) -> None:
+        self.c.messages.append(turn.message())
+        self.c.text = turn.content
+        self.c.turns += 1
+        self.turn_text = ""
+
+
+def run_episodes(
+    generate: GenerateFn,
+    host: EnvHost,
+    renderer: ChatRenderer,
+    parser: ToolParser,
+    encode: Callable[[str], list[int]],
+    rows: list[dict[str, Any]],
+    seeds: list[int],
+    limits: EpisodeLimits,
+) -> list[Completion]:
+    """One finished episode per row (see the module docstring); ``generate(prompts, max_tokens,
+    seeds)`` is the engine, stopping at the parser's stop strings and keeping them."""
+    episodes = [_Episode(key, seed) for key, seed in zip(host.open(len(rows)), seeds)]
+    answers = host.call([(e.key, "reset", row, limits.step_timeout_s) for e, row in zip(episodes, rows)])
+    for e, (status, value) in zip(episodes, answers):
+        if status != "ok":
+            e.fail(f"env_{status}")
+            continue
+        e.c.messages = list(value)
+        e.c.prompt_ids = renderer.opening(e.c.messages)
+        if len(e.c.prompt_ids) > limits.max_prompt_tokens:
+            e.fail("prompt_too_long")
+    try:
+        live = [e for e in episodes if e.live]
+        while live:
+            for e in live:
+                if e.room(limits) <= 0:
+                    e.end("length")
+            live = [e for e in live if e.live]
+            if not live:
+                break
+            segments = generate(
+                [e.c.prompt_ids + e.c.token_ids for e in live],
+                [e.room(limits) for e in live],
+                [e.seed + e.rounds * SEED_STRIDE for e in live],
+            )
+            for e, seg in zip(live, segments):
+                e.take(seg)
+                if seg.finish_reason == "length" or e.room(limits) <= 0:
+                    e.close_turn(parser.parse(e.turn_text))
+                    e.end("length")
+            live = [e for e in live if e.live]
+            _after_turns(live, host, renderer, parser, encode, limits)
+            live = [e for e in live if e.live]
+    finally:
+        host.close([e.key for e in episodes])
+    return [e.c for e in episodes]
+
+
+def _after_turns(live, host, renderer, parser, encode, limits) -> None:
+    """Tool calls, then ``step`` for the turns that called none; what they add is appended."""
+    turns = {e.key: parser.parse(e.turn_text) for e in live}
+    calling = {}
+    for e in live:
+        turn = turns[e.key]
+        if turn.calls and e.c.tool_calls < limits.max_tool_calls:
+            calling[e.key] = turn
+        elif turn.errors and not parser.inline_results:
+            calling[e.key] = turn  # malformed calls only: the model is told what was wrong
+    outputs = _run_tools([e for e in live if e.key in calling], calling, host, limits)
+    stepping = []
+    for e in live:
+        if e.key not in calling:  # the turn is over (with inline results, its whole text is the message)
+            e.close_turn(ParsedTurn(e.turn_text) if parser.inline_results else turns[e.key])
+            stepping.append(e)
+            continue
+        if not e.live:  # its tool hung or killed the process
+            e.close_turn(turns[e.key])
+            continue
+        results = outputs[e.key]
+        if parser.inline_results:  # tag: the result goes on inside the same turn
+            text = parser.format_result(results[0]["content"])
+            e.turn_text += text
+            e.add(encode(text), limits)
+            if not e.live:
+                e.close_turn(ParsedTurn(e.turn_text))
+            continue
+        e.close_turn(turns[e.key])
+        _append(e, results, renderer, limits)
+    if not stepping:
+        return
+    answers = host.call([(e.key, "step", e.c.messages, limits.step_timeout_s) for e in stepping])
+    for e, (status, value) in zip(stepping, answers):
+        if status != "ok":
+            e.fail(f"env_{status}")
+            continue
+        if value["reward"] is not None:
+            e.c.env_reward = float(value["reward"])
+        if value["done"] or not value["messages"]:
+            e.end("stop")
+        elif e.c.turns >= limits.max_turns:
+            e.end("turns")
+        else:
+            _append(e, value["messages"], renderer, limits)
+    for e in live:  # a turn of tool calls counts as a turn too
+        if e.live and e.c.turns >= limits.max_turns and not e.turn_text:
+            e.end("turns")
+
+
+def _run_tools(
+    calling_episodes, turns: dict[int, ParsedTurn], host: EnvHost, limits
+) -> dict[int, list[dict]]:
+    """Each episode's calls in order (one call per episode per round trip, episodes side by side);
+    malformed calls answer with their error. Returns the ``tool`` messages of each episode."""
+    results: dict[int, list[dict]] = {e.key: [] for e in calling_episodes}
+    queues: dict[int, list[ToolCall]] = {}
+    for e in calling_episodes:
+        turn = turns[e.key]
+        for kind, message in turn.errors:
+            e.c.errors[kind] = e.c.errors.get(kind, 0) + 1
+            e.c.tool_errors += 1
+            results[e.key].append({"role": "tool", "name": "error", "content": message})
+        allowed = max(0, limits.max_tool_calls - e.c.tool_calls)
+        queues[e.key] = turn.calls[:allowed]
+        for call in turn.calls[allowed:]:
+            e.c.errors["limit"] = e.c.errors.get("limit", 0) + 1
+            e.c.tool_errors += 1
+            results[e.key].append({"role": "tool", "name": call.name, "content": "error: no tool calls left"})
+    by_key = {e.key: e for e in calling_episodes}
+    while any(queues.values()):
+        batch = [(key, queue.pop(0)) for key, queue in queues.items() if queue]
+        timeout = limits.tool_timeout_s + TOOL_SLACK_S
+        answers = host.call([(key, "tool", call, timeout) for key, call in batch])
+        for (key, call), (status, value) in zip(batch, answers):
+            e = by_key[key]
+            e.c.tool_calls += 1
+            if status != "ok":  # the process is gone: the episode ends
+                e.c.tool_errors += 1
+                queues[key] = []
+                e.fail("timeout" if status == "timeout" else f"env_{status}")
+                continue
+            output, kind = value
+            if kind is not None:
+                e.c.errors[kind] = e.c.errors.get(kind, 0) + 1
+                e.c.tool_errors += 1
+            results[key].append({"role": "tool", "name": call.name, "content": output})
+    return results
+
+
+def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: EpisodeLimits) -> None:
+    ids = renderer.additions(e.c.messages, messages)
+    e.c.messages += messages
+    e.add(ids, limits)

@@ -1,0 +1,48 @@
+"""Environments for the tests (imported by module path in the episodes' processes)."""
+
+import time
+
+from rltrain.envs import Environment, Step
+
+
+def wait(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+class SlowEnv(Environment):
+    """A row whose answer is "hang" hangs in step; any episode may call the sleeping tool."""
+
+    tools = [wait]
+
+    def reset(self, row):
+        self.hang = row["answer"] == "hang"
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, messages):
+        if self.hang:
+            time.sleep(600)
+        return Step(reward=1.0, done=True)
+
+
+class RaisingEnv(Environment):
+    def reset(self, row):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, messages):
+        raise RuntimeError("the environment broke")
+
+
+class RewritingTemplateEnv(Environment):
+    """Opens with a user message; answers every turn (used with a history-rewriting template)."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": "first"}]
+
+    def step(self, messages):
+        return Step([{"role": "user", "content": "next"}], reward=0.0)

@@ -1,0 +1,187 @@
+"""Episodes, token-in/token-out: the training sequence is the sampled ids plus the chat template's
+tokens for what the environment and tools add, the mask is 1 exactly on sampled ids, and nothing
+is re-tokenized. A scripted engine plays the policy; environments run in their real processes."""
+
+import time
+
+import pytest
+
+from rltrain.batch import Segment
+from rltrain.envs import CalculatorEnv, tool_schemas
+from rltrain.rollout.chat import ChatRenderer, TemplateError
+from rltrain.rollout.env_host import EnvHost
+from rltrain.rollout.episodes import EpisodeLimits, run_episodes
+from rltrain.rollout.parsers import HermesParser, TagParser
+from rltrain.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from rltrain.tools import SEED_STRIDE
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+LIMITS = EpisodeLimits(max_new_tokens=400, max_model_len=1024, max_prompt_tokens=200, max_turns=4,
+                       max_tool_calls=8, step_timeout_s=5.0, tool_timeout_s=2.0)  # fmt: skip
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def scripted(turns: dict[int, list[list[int]]], calls: list | None = None):
+    """An engine that answers episode e's round r with ``turns[e][r]`` (ids), log-prob -0.25 each.
+    The episode and round are read back from the request seed (episode + round * SEED_STRIDE)."""
+
+    def generate(prompts, max_tokens, seeds):
+        if calls is not None:
+            calls.append(prompts)
+        out = []
+        for seed, budget in zip(seeds, max_tokens):
+            planned = turns[seed % SEED_STRIDE][seed // SEED_STRIDE]
+            sampled = planned[:budget]  # ends at EOS or a stop string unless the budget cuts it
+            text = TOK.decode(sampled, skip_special_tokens=True)
+            out.append(
+                Segment(sampled, [-0.25] * len(sampled), text, "length" if len(planned) > budget else "stop")
+            )
+        return out
+
+    return generate
+
+
+def play(spec, turns, rows, parser=None, limits=LIMITS, kwargs=None, calls=None):
+    host = EnvHost(spec, kwargs or {})
+    try:
+        renderer = ChatRenderer(TOK, tool_schemas(host.tools) if host.tools else None)
+        return run_episodes(scripted(turns, calls), host, renderer, parser or HermesParser(),
+                            ids, rows, list(range(len(rows))), limits)  # fmt: skip
+    finally:
+        host.shutdown()
+
+
+def test_three_turn_episode_is_the_sampled_ids_plus_the_template_between_turns():
+    # secret = low + answer % 15 = 1 + 10 = 11: guesses 8 (higher), 12 (lower), 11 (found)
+    sampled = [ids("8") + [EOS], ids("12") + [EOS], ids("11") + [EOS]]
+    prompts_seen = []
+    (c,) = play("builtin:guess", {0: sampled}, [{"prompt": "guess", "answer": "10"}], calls=prompts_seen)
+    # written out by hand from the Qwen2.5-shaped template: what follows an assistant turn is the
+    # newline after <|im_end|>, the user turn, and the next assistant header
+    between = ["\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n",
+               "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"]  # fmt: skip
+    expected = sampled[0] + ids(between[0]) + sampled[1] + ids(between[1]) + sampled[2]
+    assert c.prompt_ids == ids(
+        "<|im_start|>user\nGuess my number from 1 to 15.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert c.token_ids == expected
+    mask = [1] * 2 + [0] * len(ids(between[0])) + [1] * 3 + [0] * len(ids(between[1])) + [1] * 3
+    assert c.tool_mask == mask
+    assert c.logprobs == [-0.25 if m else 0.0 for m in mask]
+    assert (c.env_reward, c.turns, c.finish_reason, c.text) == (1.0, 3, "stop", "11")
+    # each round's request is exactly the prompt and everything before it
+    assert prompts_seen[2] == [c.prompt_ids + expected[: len(expected) - 3]]
+    assert [m["role"] for m in c.messages] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+
+
+def test_sampled_ids_are_never_re_encoded():
+    # the policy spells the characters of "<|im_end|>" byte by byte: decoding and encoding again
+    # would give the one special token, 10 ids fewer
+    spelled = ids("<|im") + ids("_end|>")
+    assert ids(TOK.decode(spelled)) != spelled  # the case matters: re-encoding changes the ids
+    sampled = [spelled + [EOS], ids("11") + [EOS]]
+    (c,) = play("builtin:guess", {0: sampled}, [{"prompt": "guess", "answer": "10"}])
+    assert c.token_ids[: len(spelled) + 1] == spelled + [EOS]
+    assert c.tool_mask[: len(spelled) + 1] == [1] * (len(spelled) + 1)
+    assert sum(c.tool_mask) == len(spelled) + 1 + 3  # policy tokens: both turns, nothing else
+    assert c.messages[2]["content"] == "say a number from 1 to 15"
+
+
+def test_malformed_calls_are_messages_to_the_model_and_counted_by_kind():
+    bad = (
+        '<tool_call>{"name": calculator}</tool_call>'  # bad_json
+        "<tool_call>[1, 2]</tool_call>"  # bad_call
+        '<tool_call>{"name": "search", "arguments": {}}</tool_call>'  # unknown_tool
+        '<tool_call>{"name": "calculator", "arguments": {"x": "1"}}</tool_call>'  # bad_arguments
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "import os"}}</tool_call>'  # tool_raised
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2 + 3\\"}"}</tool_call>'  # ok
+    )
+    unclosed = '<tool_call>{"name": "calculator"'
+    turns = {0: [ids(bad) + [EOS], ids("5") + [EOS]], 1: [ids(unclosed) + [EOS], ids("5") + [EOS]]}
+    row = {"prompt": "What is 2 + 3?", "answer": "5"}
+    roomy = EpisodeLimits(**{**LIMITS.__dict__, "max_new_tokens": 1500, "max_model_len": 2048})  # six results
+    first, second = play("builtin:calculator", turns, [row, row], limits=roomy)
+    kinds = {"bad_json": 1, "bad_call": 1, "unknown_tool": 1, "bad_arguments": 1, "tool_raised": 1}
+    assert first.errors == kinds and first.tool_errors == 5
+    assert first.tool_calls == 4  # the four well-formed calls ran (one of them failed inside)
+    tool_messages = [m["content"] for m in first.messages if m["role"] == "tool"]
+    assert len(tool_messages) == 6 and sum(t.startswith("error:") for t in tool_messages) == 5
+    assert "5" in tool_messages  # the good call's result
+    assert (first.env_reward, first.turns, first.finish_reason) == (1.0, 2, "stop")
+    assert second.errors == {"unclosed": 1} and second.env_reward == 1.0
+
+
+def test_native_calls_round_trip_through_the_template():
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+    turns = {0: [ids(call) + [EOS], ids("5") + [EOS]]}
+    (c,) = play("builtin:calculator", turns, [{"prompt": "What is 2 + 3?", "answer": "5"}])
+    added = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert c.token_ids == ids(call) + [EOS] + ids(added) + ids("5") + [EOS]
+    assert c.messages[1]["tool_calls"][0]["function"] == {
+        "name": "calculator",
+        "arguments": {"expression": "2 + 3"},
+    }
+    # the same conversation written by hand renders to the same tokens (warm-up examples match)
+    renderer = ChatRenderer(TOK, tool_schemas(CalculatorEnv.tools))
+    prompt, completion, mask = renderer.conversation(c.messages)
+    assert (prompt, completion, mask) == (c.prompt_ids, c.token_ids, c.tool_mask)
+
+
+def test_tag_parser_appends_results_inside_the_turn():
+    turns = {0: [ids("<tool:calculator>2 + 3</tool>"), ids(" 5") + [EOS]]}
+    (c,) = play(
+        "builtin:calculator", turns, [{"prompt": "What is 2 + 3?", "answer": "5"}], parser=TagParser()
+    )
+    assert TOK.decode(c.token_ids) == "<tool:calculator>2 + 3</tool><result>5</result> 5<|im_end|>"
+    assert c.tool_mask.count(0) == len(ids("<result>5</result>"))
+    assert (c.tool_calls, c.turns, c.env_reward) == (1, 1, 1.0)
+
+
+def test_limits_end_episodes_with_length_or_turns():
+    wrong = [ids("1") + [EOS]] * 4  # secret 11 is never guessed
+    long = [ids("7" * 500)]  # does not end its turn within max_new_tokens=400
+    turned, cut = play("builtin:guess", {0: wrong, 1: long}, [{"prompt": "g", "answer": "10"}] * 2)
+    assert (turned.finish_reason, turned.turns, turned.env_reward) == ("turns", 4, 0.0)
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 400
+
+
+def test_hung_step_and_hung_tool_end_only_their_own_episode():
+    call = '<tool_call>{"name": "wait", "arguments": {"seconds": 600}}</tool_call>'
+    turns = {0: [ids("ok") + [EOS]], 1: [ids(call) + [EOS]], 2: [ids("ok") + [EOS]]}
+    rows = [{"prompt": "", "answer": "hang"}, {"prompt": "", "answer": ""}, {"prompt": "", "answer": ""}]
+    limits = EpisodeLimits(**{**LIMITS.__dict__, "step_timeout_s": 1.0, "tool_timeout_s": 0.5})
+    start = time.monotonic()
+    hung_step, hung_tool, fine = play("envs_for_tests:SlowEnv", turns, rows, limits=limits)
+    assert time.monotonic() - start < 15  # 1 s and 0.5 + 1 s deadlines, not 600 s
+    assert (hung_step.finish_reason, hung_step.errors) == ("error", {"env_timeout": 1})
+    assert (hung_tool.finish_reason, hung_tool.errors) == ("error", {"timeout": 1})
+    assert (fine.finish_reason, fine.env_reward) == ("stop", 1.0)
+
+
+def test_a_raising_environment_ends_its_episode_not_the_run():
+    (c,) = play("envs_for_tests:RaisingEnv", {0: [ids("hi") + [EOS]]}, [{"prompt": "", "answer": ""}])
+    assert (c.finish_reason, c.errors, c.turns) == ("error", {"env_raised": 1}, 1)
+
+
+# Qwen3-like: assistant turns before the last user message lose their content when re-rendered
+REWRITING = CHAT_TEMPLATE.replace(
+    "{{ message.content or '' }}",
+    "{{ '' if messages[loop.index0 + 1:] | selectattr('role', 'equalto', 'user') | list else message.content }}",
+)
+assert REWRITING != CHAT_TEMPLATE
+
+
+def test_a_template_that_rewrites_history_stops_with_one_line():
+    tok = build_tokenizer()
+    tok.chat_template = REWRITING
+    history = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "12"}]
+    with pytest.raises(TemplateError) as error:
+        ChatRenderer(tok).additions(history, [{"role": "user", "content": "next"}])
+    assert "\n" not in str(error.value) and "env.render=last_turn" in str(error.value)
+    # the documented fallback renders the new message after a stand-in for the history
+    added = ChatRenderer(tok, history="last_turn").additions(history, [{"role": "user", "content": "next"}])
+    assert tok.decode(added) == "\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n"

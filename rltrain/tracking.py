@@ -77,7 +77,7 @@ def write_rollouts(path: Path, scored) -> None:
     """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.grpo.ScoredGroups`
     with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
     token ids, the mask (1 = sampled by the policy), log-probs, rewards per function, finish
-    reason, turns. Written whole to a temporary name first, so a file is never half there."""
+    reason, turns. Written atomically."""
     group = len(scored.completions) // max(len(scored.prompts), 1)
     lines = []
     for i, c in enumerate(scored.completions):
@@ -102,9 +102,7 @@ def write_rollouts(path: Path, scored) -> None:
         }
         lines.append(json.dumps(record))
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text("\n".join(lines) + "\n")
-    partial.replace(path)
+    _write_atomically(path, "".join(line + "\n" for line in lines))
 
 
 def eval_table(rows: list[dict]) -> str:
@@ -129,8 +127,13 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         for line in path.read_text().splitlines()
         if line.strip() and json.loads(line)["step"] <= last_step
     ]
+    _write_atomically(path, "".join(line + "\n" for line in kept))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A crash leaves the old file or the new one, never half of it."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text(text)
     tmp.replace(path)
 
 

@@ -205,7 +205,7 @@ class GeneratorActor:
         stop = [STOP] if self.tools else []
         self.episodes = None
         if config.env.name is not None:
-            self.episodes = Episodes(config, self.tokenizer)
+            self.episodes = Episodes(config, self.tokenizer, self.encode)
             stop = self.episodes.parser.stop
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(model_path, rc, stop, config.run.seed + engine_index)

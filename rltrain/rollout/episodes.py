@@ -45,7 +45,7 @@ class EpisodeLimits:
 class Episodes:
     """A generator's environment side: its host process, template renderer, parser and limits."""
 
-    def __init__(self, config, tokenizer):
+    def __init__(self, config, tokenizer, encode: Callable[[str], list[int]]):
         from rltrain.envs import tool_schemas
         from rltrain.rollout.parsers import get_parser
         from rltrain.tools import ToolRunner
@@ -54,7 +54,7 @@ class Episodes:
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))
         self.renderer = ChatRenderer(tokenizer, tool_schemas(self.host.tools), env.render)
         self.parser = get_parser(config.tool_parser)
-        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.encode = encode  # inline (tag) tool results
         self.limits = EpisodeLimits(
             rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens, env.max_turns,
             rc.tools.max_calls, env.step_timeout_s, rc.tools.timeout_s,
@@ -73,8 +73,14 @@ class _Episode:
         self.turn_text = ""  # the assistant turn being generated (inline tool results included)
         self.live = True
 
-    def fail(self, kind: str) -> None:
+    def count(self, kind: str, tool: bool = True) -> None:
+        """A failed call of this kind; ``tool``: it was a tool call (``tool_errors`` too)."""
         self.c.errors[kind] = self.c.errors.get(kind, 0) + 1
+        self.c.tool_errors += tool
+
+    def fail(self, kind: str, tool: bool = False) -> None:
+        """A call that ends the episode (its environment's process is gone or broke)."""
+        self.count(kind, tool)
         self.end("error")
 
     def end(self, reason: str) -> None:
@@ -219,14 +225,12 @@ def _run_tools(
     for e in calling_episodes:
         turn = turns[e.key]
         for kind, message in turn.errors:
-            e.c.errors[kind] = e.c.errors.get(kind, 0) + 1
-            e.c.tool_errors += 1
+            e.count(kind)
             results[e.key].append({"role": "tool", "name": "error", "content": message})
         allowed = max(0, limits.max_tool_calls - e.c.tool_calls)
         queues[e.key] = turn.calls[:allowed]
         for call in turn.calls[allowed:]:
-            e.c.errors["limit"] = e.c.errors.get("limit", 0) + 1
-            e.c.tool_errors += 1
+            e.count("limit")
             results[e.key].append({"role": "tool", "name": call.name, "content": "error: no tool calls left"})
     by_key = {e.key: e for e in calling_episodes}
     while any(queues.values()):
@@ -237,14 +241,12 @@ def _run_tools(
             e = by_key[key]
             e.c.tool_calls += 1
             if status != "ok":  # the process is gone: the episode ends
-                e.c.tool_errors += 1
                 queues[key] = []
-                e.fail("timeout" if status == "timeout" else f"env_{status}")
+                e.fail("timeout" if status == "timeout" else f"env_{status}", tool=True)
                 continue
             output, kind = value
             if kind is not None:
-                e.c.errors[kind] = e.c.errors.get(kind, 0) + 1
-                e.c.tool_errors += 1
+                e.count(kind)
             results[key].append({"role": "tool", "name": call.name, "content": output})
     return results
 

@@ -185,3 +185,21 @@ def test_a_template_that_rewrites_history_stops_with_one_line():
     # the documented fallback renders the new message after a stand-in for the history
     added = ChatRenderer(tok, history="last_turn").additions(history, [{"role": "user", "content": "next"}])
     assert tok.decode(added) == "\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_episode_metrics_sum_error_kinds_and_average_turns():
+    from rltrain.batch import Completion
+    from rltrain.grpo import episode_metrics
+
+    a = Completion(
+        tool_mask=[1, 1, 0, 0, 1], turns=2, tool_calls=1, errors={"bad_json": 1}, finish_reason="turns"
+    )
+    b = Completion(tool_mask=[1, 0, 1], turns=1, errors={"bad_json": 2, "timeout": 1}, finish_reason="error")
+    m = episode_metrics([a, b])
+    assert m["rollout/tool_errors/bad_json"] == 3.0 and m["rollout/tool_errors/timeout"] == 1.0
+    assert m["rollout/turns"] == 1.5  # (2 + 1) / 2 episodes
+    assert m["rollout/tool_calls_per_turn"] == 1 / 3  # 1 call over 3 turns
+    assert m["rollout/env_token_share"] == 3 / 8  # mask-0 tokens: 2 + 1 of 5 + 3
+    assert m["rollout/finish_turns"] == 0.5 and m["rollout/finish_error"] == 0.5
+    # one-turn completions without an environment report only their error kinds
+    assert episode_metrics([Completion(errors={"x": 1})]) == {"rollout/tool_errors/x": 1.0}

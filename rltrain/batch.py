@@ -66,6 +66,13 @@ class TrainBatch:
     # set by a learner whose ranks share sequences (sequence parallelism), for per-sequence losses:
     sequence_tokens: torch.Tensor | None = None  # [N] loss tokens of each whole sequence
     counted: torch.Tensor | None = None  # [N] 1 where this rank counts the sequence in the step total
+    # set by a learner with a rejecting rollout correction (rltrain.corrections): 0 on rejected tokens
+    correction_mask: torch.Tensor | None = None  # [N, T]
+
+    def loss_tool_mask(self) -> torch.Tensor:
+        """The tool mask less what a rollout correction rejected: with ``response_mask``, the loss
+        tokens the step's totals count."""
+        return self.tool_mask if self.correction_mask is None else self.tool_mask * self.correction_mask
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

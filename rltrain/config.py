@@ -101,6 +101,33 @@ class LearnerConfig(Section):
     """`auto`: bf16 on GPU, fp32 on CPU."""
 
 
+class RolloutCorrectionConfig(Section):
+    """How tokens the engine sampled from a slightly different policy are corrected (rltrain.corrections)."""
+
+    kind: Literal["tis", "mis", "geo_mask"] = "tis"
+    """`tis`: truncated importance weights min(r, cap); `mis` (IcePop): tokens whose ratio r =
+    exp(learner - engine log-prob) lies outside [low, high] leave the loss and the token totals
+    (counted in `rollout/correction_rejected`); `geo_mask`: a sequence whose geometric-mean ratio
+    lies outside [low, high] leaves the loss whole."""
+    level: Literal["token", "sequence"] = "token"
+    """`token`: each token's ratio; `sequence`: the sequence's ratio (the product over its tokens;
+    geo_mask: the geometric mean, and geo_mask needs this level)."""
+    cap: float = Field(2.0, gt=0)
+    """tis: the largest importance weight."""
+    low: float = Field(0.5, gt=0)
+    """mis, geo_mask: ratios below leave the loss."""
+    high: float = Field(2.0, gt=0)
+    """mis, geo_mask: ratios above leave the loss."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutCorrectionConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low={self.low} must be below high={self.high}")
+        if self.kind == "geo_mask" and self.level != "sequence":
+            raise ValueError("kind geo_mask is a sequence rule: set level: sequence")
+        return self
+
+
 class LossConfig(Section):
     kind: Literal["ppo", "cispo", "gspo"] = "ppo"
     """Per-token policy loss: PPO/DAPO clipped surrogate, CISPO or GSPO."""
@@ -116,7 +143,12 @@ class LossConfig(Section):
     """KL estimator: Schulman's k1/k2/k3, `abs` (|log-ratio|), or `k3+` (k3's value with k2's
     gradient, straight-through)."""
     tis_cap: float | None = Field(2.0, gt=0)
-    """Cap of truncated importance weights learner/generator; null disables the correction."""
+    """Cap of truncated importance weights learner/generator; null disables the correction. The
+    older spelling of rollout_correction {kind: tis, level: token, cap: x}, used when that is null."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Correction of the engine's sampling against the learner's old policy: truncated weights,
+    masked importance sampling (IcePop) or a geometric sequence mask, per token or per sequence;
+    null: tis_cap."""
     masked_mean_denominator: Any = "token"
     """`token`: divide by the count of the whole optimizer step (all micro-batches, all ranks; loss
     tokens for token-mean, sequences for the per-sequence aggregations), exact under any layout;
@@ -382,6 +414,12 @@ class RunConfig(Section):
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
     a failure of that actor; the Python stacks of every actor are written to
     `hangs/step_<N>.txt` in the run folder before the restart."""
+    max_mismatch_kl: float | None = Field(None, gt=0)
+    """Stop the run (one line, exit 1) when a step's `rollout/mismatch_kl` (the engine's sampling
+    log-probs against the learner's on the same tokens) exceeds this: the engine is then evidently
+    not running the learner's weights (a weight sync that never arrived, a precision or kernel
+    mismatch). In fp32 with no staleness the value is ~1e-12; with `rollout.async_steps` it also
+    holds the policy's change over those steps. null: never stop (the metric is logged anyway)."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)
@@ -499,6 +537,16 @@ class Config(Section):
     def longest_sequence(self) -> int:
         """The most tokens (prompt + completion) one training sequence can have."""
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def rollout_correction(self):
+        """The :class:`rltrain.corrections.RolloutCorrection` the loss applies, or None."""
+        from rltrain.corrections import RolloutCorrection
+
+        c, cap = self.loss.rollout_correction, self.loss.tis_cap
+        if c is not None:
+            return RolloutCorrection(c.kind, c.level, c.cap, c.low, c.high)
+        return RolloutCorrection("tis", cap=cap) if cap is not None else None
 
     @property
     def aggregation_norm(self) -> float:

@@ -127,12 +127,18 @@ class GuessEnv(Environment):
     """``builtin:guess``: find a secret whole number from ``low`` to ``high``; after each wrong
     guess the environment answers ``higher`` or ``lower``. Reward 1 when the number is found within
     ``env.max_turns`` guesses. Rows come from ``data.source: builtin:guess``; a row's answer (a
-    whole number) picks the secret. Really multi-turn: a policy must read the answers to do better than chance."""
+    whole number) picks the secret. Really multi-turn: a policy must read the answers to do better than chance.
 
-    def __init__(self, low: int = 1, high: int = 15):
+    ``guess_cost`` takes that much off the reward for each guess after the first (a find on the
+    k-th guess scores ``1 - guess_cost * (k - 1)``), so that a search that uses the answers well
+    scores more than one that finds the number late; 0 scores every find alike."""
+
+    def __init__(self, low: int = 1, high: int = 15, guess_cost: float = 0.0):
         if low >= high:
             raise ValueError(f"low={low} must be below high={high}")
-        self.low, self.high = low, high
+        if not 0.0 <= guess_cost < 1.0:
+            raise ValueError(f"guess_cost={guess_cost} must be in [0, 1)")
+        self.low, self.high, self.guess_cost = low, high, guess_cost
 
     def reset(self, row: dict[str, Any]) -> Messages:
         self.secret = self.low + int(row["answer"]) % (self.high - self.low + 1)
@@ -141,7 +147,8 @@ class GuessEnv(Environment):
     def step(self, messages: Messages) -> Step:
         guess = last_number(messages[-1]["content"] or "")
         if guess == self.secret:
-            return Step(reward=1.0, done=True)
+            guesses = sum(m["role"] == "assistant" for m in messages)
+            return Step(reward=max(0.0, 1.0 - self.guess_cost * (guesses - 1)), done=True)
         hint = "higher" if guess is not None and guess < self.secret else "lower"
         if guess is None:
             hint = f"say a number from {self.low} to {self.high}"

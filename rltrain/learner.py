@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltrain import attention, sequence_parallel
 from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_packed_micro_batches
 from rltrain.config import Config, LearnerConfig
+from rltrain.corrections import correction_mask
 from rltrain.logprobs import sequence_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
 from rltrain.masked_mean import step_totals
@@ -81,6 +82,7 @@ class EngineLearner:
     PREFIX = "train"  # of the logged metrics: train/..., time/train_s
     PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
     METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
+    METRIC_MAXES: list[str] = []  # maxima :meth:`_loss` reports; logged as the global maximum
 
     @staticmethod
     def section(config: Config) -> LearnerConfig:
@@ -202,11 +204,12 @@ class EngineLearner:
             # with packing, groups may hold different numbers of micro-batches
             counted = None if self.sp == 1 else [mb.counted for mb in flat]
             totals = step_totals([mb.response_mask for mb in flat], [len(g) for g in groups],
-                                 [mb.tool_mask for mb in flat], counted)  # fmt: skip
+                                 [mb.loss_tool_mask() for mb in flat], counted)  # fmt: skip
         n = len(self.METRIC_SUMS)
         sums = torch.zeros(n + len(TOKEN_COUNTS), dtype=torch.float64)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
         sums[n:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens])
+        maxes = torch.zeros(len(self.METRIC_MAXES), dtype=torch.float64)
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
@@ -224,6 +227,9 @@ class EngineLearner:
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
                     sums[:n] += torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_SUMS])
+                    maxes = torch.maximum(
+                        maxes, torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_MAXES])
+                    )
                 lrs.append(self.engine.get_lr()[0])
                 self.engine.step()
                 self.optimizer_steps += 1
@@ -231,9 +237,12 @@ class EngineLearner:
                 if norm is not None:
                     grad_norms.append(float(norm))
         dist.all_reduce(sums)  # one collective for every metric: global token sums
+        if self.METRIC_MAXES:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         tokens = max(sums[self.METRIC_SUMS.index("tokens")].item(), 1.0)
         p = self.PREFIX
         out = {f"{p}/{k}": sums[i].item() / tokens for i, k in enumerate(self.METRIC_SUMS) if k != "tokens"}
+        out |= {f"{p}/{k}": maxes[i].item() for i, k in enumerate(self.METRIC_MAXES)}
         out = self._finish_metrics(out)
         out[f"{p}/tokens"] = tokens / lc.ppo_epochs
         forward_tokens, sequence_tokens = sums[n:].tolist()
@@ -365,7 +374,8 @@ class PolicyLearner(EngineLearner):
     """A policy rank: per-token log-probs (padded, packed or sequence-parallel), the policy loss,
     a frozen reference model for the KL term."""
 
-    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "tokens"]
+    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "mismatch_kl", "rejected", "tokens"]
+    METRIC_MAXES = ["mismatch_max"]
     TEMPERATURE: float | None = None  # of the log-probs; None: rollout.temperature (the sampling one)
 
     def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
@@ -373,7 +383,7 @@ class PolicyLearner(EngineLearner):
         loss = config.loss
         self.loss_settings = PolicyLossSettings(
             kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
-            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, tis_cap=loss.tis_cap,
+            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, correction=config.rollout_correction,
             aggregation=loss.aggregation, aggregation_norm=config.aggregation_norm,
         )  # fmt: skip
         self.ref_model = None
@@ -423,20 +433,28 @@ class PolicyLearner(EngineLearner):
             # GSPO's sequence ratio sums each sequence's log-ratios over the ranks sharing its row
             sequence_sum=sequence_parallel.sequence_sum if self.sp > 1 else None,
         )
-        keep = mb.response_mask.bool() & mb.tool_mask.bool()
+        keep = mb.response_mask.bool() & mb.loss_tool_mask().bool()
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
         return loss, metrics
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         out["train/clip_fraction"] = out.pop("train/clipped")
+        # the engine's sampling log-probs against the learner's under the same weights: a rollout matter
+        out["rollout/mismatch_kl"] = out.pop("train/mismatch_kl")
+        out["rollout/mismatch_max"] = out.pop("train/mismatch_max")
+        rejected = out.pop("train/rejected")  # per kept token: the share of all is r / (1 + r)
+        if self.loss_settings.correction is not None and self.loss_settings.correction.rejects:
+            out["rollout/correction_rejected"] = rejected / (1.0 + rejected)
         return out
 
     @torch.no_grad()
     def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
         """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
         pre-update policy's log-probs, so every step's ratio is against the same old policy."""
-        lc = self.lc
-        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1
+        lc, correction = self.lc, self.loss_settings.correction
+        rejects = correction is not None and correction.rejects
+        # a rejecting correction decides before the step's token totals, on the pre-update policy
+        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1 or rejects
         out = []
         for group in groups:
             new_group = []
@@ -446,9 +464,30 @@ class PolicyLearner(EngineLearner):
                     changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
                 if needs_old:
                     changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
-                new_group.append(mb.replace(**changes))
+                mb = mb.replace(**changes)
+                if rejects and mb.generator_logprobs is not None:
+                    mb = self._reject(mb, correction)
+                new_group.append(mb)
             out.append(new_group)
         return out
+
+    def _reject(self, mb: TrainBatch, correction) -> TrainBatch:
+        """Fold the correction's rejections into ``correction_mask`` (the step's token totals honour
+        it). Under sequence parallelism this rank decides on the tokens it owns, sequence ratios are
+        summed over its group, and each sequence's token count and counting rank are redone."""
+        keep = mb.response_mask.bool() & mb.tool_mask.bool()
+        sequence_sum = sequence_parallel.sequence_sum if self.sp > 1 else None
+        accept = correction_mask(mb.old_logprobs, mb.generator_logprobs, keep, correction, sequence_sum)
+        mb = mb.replace(correction_mask=accept.to(mb.tool_mask.dtype))
+        if self.sp == 1:
+            return mb
+        kept = accept.any(-1).float()  # [B]: whether this rank still holds a loss token of the sequence
+        ranks = torch.zeros(len(mb), self.sp, device=kept.device)
+        ranks[:, self.sp_rank] = kept
+        ranks = sequence_sum(ranks)  # [B, sp]: which ranks hold one; the lowest holds the first token
+        first = torch.where(ranks.any(-1), (ranks > 0).float().argmax(-1), -1)
+        counted = (first == self.sp_rank).long()
+        return mb.replace(sequence_tokens=sequence_sum(accept.sum(-1).float()).long(), counted=counted)
 
 
 class LearnerGroup:

@@ -30,12 +30,13 @@ from typing import Literal
 
 import torch
 
+from rltrain.corrections import LOG_RATIO_BOUND, RolloutCorrection, correction_mask, correction_weights
 from rltrain.logprobs import token_logprobs
 from rltrain.masked_mean import Aggregation, aggregate, loss_token_mask
 
 PolicyLossType = Literal["ppo", "cispo", "gspo"]
 KLEstimator = Literal["k1", "k2", "k3", "k3+", "abs"]
-LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: finite in fp32 and bf16
+# LOG_RATIO_BOUND (rltrain.corrections): exp(20) ~ 4.9e8, finite in fp32 and bf16
 
 
 def ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,8 @@ class PolicyLossSettings:
     dual_clip: float | None = None
     kl_beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    tis_cap: float | None = None
+    tis_cap: float | None = None  # the older spelling of correction=RolloutCorrection("tis", cap=tis_cap)
+    correction: RolloutCorrection | None = None  # rltrain.corrections; takes precedence over tis_cap
     aggregation: Aggregation = "token-mean"  # how per-token losses reduce (rltrain.masked_mean.aggregate)
     aggregation_norm: float = 1.0  # the constant of seq-mean-token-sum-norm
 
@@ -191,19 +193,27 @@ def policy_loss(
     """The policy objective for one micro-batch, reduced with ``aggregate(..., settings.aggregation,
     denominator)`` (a token count for ``token-mean``, a sequence count for the per-sequence modes).
 
-    Loss tokens are ``mask & tool_mask``. ``axis=1`` is the older spelling of
+    Loss tokens are ``mask & tool_mask``, less what a rollout correction rejects (``settings.correction``,
+    or ``tis_cap``; :mod:`rltrain.corrections`). ``axis=1`` is the older spelling of
     ``seq-mean-token-mean``. ``sequence_tokens_B`` and ``sequence_sum`` serve a rank that holds part
     of each sequence (sequence parallelism; see :func:`aggregate` and :func:`gspo_loss`). Returns the
     scalar loss and detached per-token *sums* over the loss tokens (``pg_loss``, ``kl``,
-    ``clipped``, ``ratio``) plus ``tokens``: a caller sums these over micro-batches and ranks and
+    ``clipped``, ``ratio``; ``mismatch_kl`` over every sampled token, ``mismatch_max``, and
+    ``rejected`` tokens with a rejecting correction) plus ``tokens``: a caller sums these over micro-batches and ranks and
     divides by the summed ``tokens`` to log global token means rather than means of micro-batch means.
     """
-    keep = loss_token_mask(mask_BT, tool_mask_BT)
+    s = settings
+    keep = sampled = loss_token_mask(mask_BT, tool_mask_BT)
+    correction = s.correction or (RolloutCorrection("tis", cap=s.tis_cap) if s.tis_cap is not None else None)
+    if generator_logprobs_BT is None:
+        correction = None
+    if correction is not None:
+        # rejected tokens leave the loss (a caller that computes token totals removed them already)
+        keep = correction_mask(old_logprobs_BT, generator_logprobs_BT, keep, correction, sequence_sum)
     # one advantage per sequence (group estimators) or per token (GAE)
     per_sequence = advantages_B.dim() == 1
     advantages_BT = (advantages_B[:, None] if per_sequence else advantages_B).expand_as(logprobs_BT)
     advantages_BT = advantages_BT.to(logprobs_BT.dtype)
-    s = settings
     if s.kind == "ppo":
         pg, clipped = ppo_clip_loss(
             logprobs_BT, old_logprobs_BT, advantages_BT, s.clip_low, s.clip_high, s.dual_clip
@@ -215,8 +225,8 @@ def policy_loss(
                                 sequence_tokens_B, sequence_sum)  # fmt: skip
     else:
         raise ValueError(f"policy loss kind must be ppo, cispo or gspo, got {s.kind!r}")
-    if s.tis_cap is not None and generator_logprobs_BT is not None:
-        pg = pg * truncated_is_weights(old_logprobs_BT, generator_logprobs_BT, s.tis_cap)
+    if correction is not None:
+        pg = pg * correction_weights(old_logprobs_BT, generator_logprobs_BT, keep, correction, sequence_sum)
 
     per_token = pg
     kl = None
@@ -240,7 +250,30 @@ def policy_loss(
     }
     if kl is not None:
         metrics["kl"] = token_sum(kl)
+    if generator_logprobs_BT is not None:  # over every sampled loss token, rejected ones included
+        metrics |= sampling_mismatch(old_logprobs_BT, generator_logprobs_BT, sampled)
+    if correction is not None and correction.rejects:
+        metrics["rejected"] = (sampled & ~keep).sum().float()
     return loss, metrics
+
+
+def sampling_mismatch(
+    learner_logprobs_BT: torch.Tensor, generator_logprobs_BT: torch.Tensor, keep_BT: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the engine's sampling distribution is from the learner's, on the sampled tokens.
+
+    ``mismatch_kl`` is the *sum* over ``keep`` of k3 = ``exp(d) - d - 1`` with ``d = learner -
+    generator`` (an estimate of KL(engine || learner) from the engine's own samples; divide by the
+    token count for the mean); ``mismatch_max`` is the largest ``|d|``. With the learner's log-probs
+    taken under the weights that sampled the tokens, both are ~0 in fp32; a sync that never arrived
+    or a kernel mismatch shows here first.
+    """
+    d = torch.where(keep_BT, learner_logprobs_BT.detach().float() - generator_logprobs_BT.float(), 0.0)
+    d = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return {
+        "mismatch_kl": (torch.expm1(d) - d).sum(),
+        "mismatch_max": d.abs().max() if d.numel() else d.sum(),
+    }
 
 
 def value_loss(

@@ -462,6 +462,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
                                "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
                                "train/sequences": float(len(batch))})  # fmt: skip
+            check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 state = {"data": orchestrator.state(step)}
                 checkpoint.save(learners, run.out, step, state, run.critic, keep)
@@ -489,6 +490,22 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             run.critic.save_hf(run.out / "final_critic")
     run.shutdown()
     return run.out
+
+
+def check_mismatch(config: Config, step: int, metrics: dict[str, float], out: Path) -> None:
+    """``run.max_mismatch_kl``: stop, in one line, a run whose engine is evidently not sampling
+    from the learner's weights, instead of training on what it samples."""
+    limit, value = config.run.max_mismatch_kl, metrics.get("rollout/mismatch_kl")
+    if limit is None or value is None or value <= limit:
+        return
+    tag = checkpoint.latest_tag(out)
+    raise RunFailed(
+        f"step {step}: rollout/mismatch_kl = {value:.3g} > run.max_mismatch_kl = {limit:g} "
+        f"(largest per-token log-prob gap {metrics.get('rollout/mismatch_max', float('nan')):.3g}): the "
+        "engine is not sampling from the learner's weights; likely a weight sync that did not arrive, "
+        "or the engine computing in another precision than the learner; stopped without saving this "
+        f"step; last checkpoint: {checkpoint.checkpoint_root(out) / tag if tag else 'none'}"
+    )
 
 
 def total_optimizer_steps(config: Config, lc) -> int:

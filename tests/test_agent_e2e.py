@@ -111,6 +111,9 @@ def test_agent_config_runs_and_writes_readable_rollouts(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "eval/success" in rows[0] and "eval/success" in rows[-1]
     assert all(0 < r["rollout/turns"] <= 4 for r in rows[1:]) and "rollout/env_token_share" in rows[1]
+    # fp32 on CPU, no staleness: the engine samples from exactly the learner's weights (multi-turn
+    # episodes included), so the sampling log-probs match the learner's to rounding
+    assert all(r["rollout/mismatch_kl"] < 1e-8 and r["rollout/mismatch_max"] < 1e-4 for r in rows[1:])
     samples = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(samples) == 4 * 8  # prompts_per_step x group_size
     for s in samples:

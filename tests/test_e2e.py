@@ -201,6 +201,23 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         assert gap_before > 1e-3  # the check would notice a sync that did nothing
 
 
+def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_weights(ray_local, tmp_path, monkeypatch):
+    from rltrain.config import load_config
+    from rltrain.train import RunFailed, train
+
+    # the sync "succeeds" without reaching the engine: it samples from its first weights for good
+    monkeypatch.setattr(ObjectStoreSync, "push", lambda self, learners, generators: 0.0)
+    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=6", "run.checkpoint_every=0",
+                 "run.max_mismatch_kl=1e-6"]  # fmt: skip
+    with pytest.raises(RunFailed, match=r"step \d: rollout/mismatch_kl = .* > run.max_mismatch_kl = 1e-06"):
+        train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # step 1 samples from the weights both sides start with (fp32: rounding only); from step 2 on the
+    # learner has moved and the engine has not, and the guard stops the run within a few steps
+    assert rows[0]["rollout/mismatch_kl"] < 1e-10
+    assert 2 <= len(rows) <= 3 and rows[-1]["rollout/mismatch_kl"] > 1e-6
+
+
 def test_ray_job_submit_against_a_local_head(tmp_path):
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.envs import CalculatorEnv, tool_schemas
+from rltrain.envs import CalculatorEnv, GuessEnv, tool_schemas
 from rltrain.rollout.chat import ChatRenderer, TemplateError
 from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.episodes import EpisodeLimits, run_episodes
@@ -203,3 +203,20 @@ def test_episode_metrics_sum_error_kinds_and_average_turns():
     assert m["rollout/finish_turns"] == 0.5 and m["rollout/finish_error"] == 0.5
     # one-turn completions without an environment report only their error kinds
     assert episode_metrics([Completion(errors={"x": 1})]) == {"rollout/tool_errors/x": 1.0}
+
+
+def test_guess_answers_higher_or_lower_and_scores_late_finds_less_with_a_guess_cost():
+    env = GuessEnv(low=1, high=15, guess_cost=0.2)
+    opening = env.reset({"answer": "9"})  # secret = low + 9 % 15 = 10
+    talk = [*opening, {"role": "assistant", "content": "8"}]
+    assert env.step(talk).messages == [{"role": "user", "content": "higher"}]
+    talk += [{"role": "user", "content": "higher"}, {"role": "assistant", "content": "12"}]
+    assert env.step(talk).messages == [{"role": "user", "content": "lower"}]
+    talk += [{"role": "user", "content": "lower"}, {"role": "assistant", "content": "10"}]
+    found = env.step(talk)
+    assert found.done and found.reward == pytest.approx(0.6)  # third guess: 1 - 0.2 * (3 - 1)
+    free = GuessEnv()
+    free.reset({"answer": "9"})
+    assert free.step(talk).reward == 1.0  # no cost: every find scores 1
+    with pytest.raises(ValueError, match="guess_cost"):
+        GuessEnv(guess_cost=1.0)

@@ -286,3 +286,55 @@ def test_gspo_under_sequence_parallelism_uses_each_whole_sequence_ratio(ray_loca
     sp = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
     diff = relative_difference(update_after_one_step(sp, tiny_model_path, batch), reference)
     assert diff < 1e-5, diff
+
+
+# rejecting rollout corrections through real learners: a token rule and a sequence rule (whose
+# straddling sequence is judged whole across the two sequence-parallel ranks)
+REJECTING = [
+    {"kind": "mis", "level": "token", "low": 0.5, "high": 2.0},
+    {"kind": "geo_mask", "level": "sequence", "low": 0.8, "high": 1.25},
+]
+
+
+@pytest.mark.parametrize("correction", REJECTING, ids=["mis-token", "geo_mask-sequence"])
+def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
+    correction, ray_local, tiny_model_path
+):
+    from rltrain.corrections import RolloutCorrection, correction_mask
+
+    batch = straddling_rollouts().replace(old_logprobs=None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    learner_logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
+    g = torch.Generator().manual_seed(3)
+    # an engine whose log-probs are off by N(0, 0.8): a token ratio leaves [0.5, 2] with chance ~0.4
+    batch = batch.replace(
+        generator_logprobs=learner_logprobs + 0.8 * torch.randn(learner_logprobs.shape, generator=g)
+    )
+    keep = batch.response_mask.bool() & batch.tool_mask.bool()
+    accept = correction_mask(
+        learner_logprobs, batch.generator_logprobs, keep, RolloutCorrection(**correction)
+    )
+    assert 0 < accept.sum() < keep.sum()  # some tokens are rejected, some kept
+    # reference: no correction at all, the rejected tokens masked out by hand before training, so
+    # that they count in no loss and no token total
+    by_hand = batch.replace(tool_mask=batch.tool_mask * accept)
+    reference = update_after_one_step(
+        layout_config(1, 5, 0, loss={"tis_cap": None}), tiny_model_path, by_hand
+    )
+    loss = {"rollout_correction": correction}
+    layouts = {
+        "one learner": layout_config(1, 5, 0, loss=loss),
+        "padded 2 learners x micro-batch 2": layout_config(2, 2, 2, loss=loss),
+        "packed 2 learners, budget 16": layout_config(2, 1, 2, max_tokens_per_micro_batch=16, loss=loss),
+        "sp2, one row": layout_config(
+            2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss
+        ),
+    }
+    diffs = {name: relative_difference(update_after_one_step(c, tiny_model_path, batch), reference)
+             for name, c in layouts.items()}  # fmt: skip
+    # control: the same batch without the correction trains on the rejected tokens too
+    control = update_after_one_step(layout_config(1, 5, 0, loss={"tis_cap": None}), tiny_model_path, batch)
+    control_diff = relative_difference(control, reference)
+    print(f"{correction['kind']}: {diffs}; without the correction {control_diff:.3e}")
+    assert max(diffs.values()) < 1e-5, diffs
+    assert control_diff > 1e-2, control_diff

@@ -12,6 +12,7 @@ from rltrain.losses import (
     policy_loss,
     ppo_clip_loss,
     ratio,
+    sampling_mismatch,
     sft_cross_entropy,
     truncated_is_weights,
 )
@@ -117,6 +118,26 @@ def test_policy_loss_truncated_is_reweights_tokens():
     )
     # per-token -A * w = -2, -1; mean over 2 tokens = -1.5
     assert loss.item() == pytest.approx(-1.5)
+
+
+def test_sampling_mismatch_hand_computed_over_loss_tokens_only():
+    learner = torch.tensor([[LN(2.0), 0.0, 5.0]])
+    generator = torch.tensor([[0.0, LN(0.5), 0.0]])
+    keep = torch.tensor([[True, True, False]])  # the third token (d = 5) is not a loss token
+    m = sampling_mismatch(learner, generator, keep)
+    # d = learner - generator = ln 2, ln 2 (and 5, masked); k3 = e^d - d - 1 = 2 - ln 2 - 1 each
+    assert m["mismatch_kl"].item() == pytest.approx(2 * (1 - LN(2.0)))
+    assert m["mismatch_max"].item() == pytest.approx(LN(2.0))
+    # the same weights on both sides: nothing to report
+    same = sampling_mismatch(learner, learner, torch.ones(1, 3, dtype=torch.bool))
+    assert same["mismatch_kl"].item() == 0.0 and same["mismatch_max"].item() == 0.0
+
+
+def test_policy_loss_reports_mismatch_against_the_generator():
+    logp, gen = torch.zeros(1, 2), torch.tensor([[LN(0.5), 0.0]])
+    _, m = policy_loss(logp, logp, torch.ones(1), torch.ones(1, 2), None, generator_logprobs_BT=gen)
+    # d = 0 - ln 0.5 = ln 2 on the first token, 0 on the second: k3 = 2 - ln 2 - 1
+    assert m["mismatch_kl"].item() == pytest.approx(1 - LN(2.0))
 
 
 def test_policy_loss_needs_reference_for_kl():

@@ -25,6 +25,7 @@ its group: pass ``sequence_sum`` (one all-reduce in that group) and every rank s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -60,22 +61,22 @@ class RolloutCorrection:
         return self.kind != "tis"
 
 
-def _log_ratio(learner_BT: torch.Tensor, generator_BT: torch.Tensor, keep_BT: torch.Tensor) -> torch.Tensor:
-    d = learner_BT.detach().float() - generator_BT.float()
-    return torch.where(keep_BT, d, 0.0)
-
-
-def _sequence_log_ratio(
-    d_BT: torch.Tensor,
+def _correction_log_ratio(
+    learner_BT: torch.Tensor,
+    generator_BT: torch.Tensor,
     keep_BT: torch.Tensor,
+    correction: RolloutCorrection,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None,
-    mean: bool,
 ) -> torch.Tensor:
-    """Per sequence ``[B, 1]``: the sum (or mean) of its tokens' log-ratios, over every rank holding part of it."""
-    total_B, count_B = d_BT.sum(-1), keep_BT.sum(-1).float()
-    if sequence_sum is not None:
+    """The log-ratio the correction judges by: each token's ``[B, T]``, or its sequence's ``[B, 1]``
+    (the sum; the mean for ``geo_mask``), clamped to ``+-LOG_RATIO_BOUND``."""
+    d = torch.where(keep_BT, learner_BT.detach().float() - generator_BT.float(), 0.0)
+    if correction.level == "token":
+        return d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    total_B, count_B = d.sum(-1), keep_BT.sum(-1).float()
+    if sequence_sum is not None:  # over every rank holding part of the sequence
         total_B, count_B = sequence_sum(total_B), sequence_sum(count_B)
-    value_B = total_B / count_B.clamp(min=1.0) if mean else total_B
+    value_B = total_B / count_B.clamp(min=1.0) if correction.kind == "geo_mask" else total_B
     return value_B.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)[:, None]
 
 
@@ -90,14 +91,8 @@ def correction_mask(
     keep_BT = keep_BT.bool()
     if not correction.rejects:
         return keep_BT
-    d = _log_ratio(learner_BT, generator_BT, keep_BT)
-    if correction.level == "token":
-        log_r = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    else:
-        log_r = _sequence_log_ratio(d, keep_BT, sequence_sum, mean=correction.kind == "geo_mask")
-    inside = (log_r >= torch.log(torch.tensor(correction.low))) & (
-        log_r <= torch.log(torch.tensor(correction.high))
-    )
+    log_r = _correction_log_ratio(learner_BT, generator_BT, keep_BT, correction, sequence_sum)
+    inside = (log_r >= math.log(correction.low)) & (log_r <= math.log(correction.high))
     return keep_BT & inside
 
 
@@ -112,10 +107,5 @@ def correction_weights(
     ``tis`` (the token's or its sequence's ratio), 1 for the rejecting kinds."""
     if correction.rejects:
         return torch.ones_like(learner_BT).detach()
-    keep_BT = keep_BT.bool()
-    d = _log_ratio(learner_BT, generator_BT, keep_BT)
-    if correction.level == "token":
-        log_r = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    else:
-        log_r = _sequence_log_ratio(d, keep_BT, sequence_sum, mean=False).expand_as(d)
-    return torch.exp(log_r).clamp(max=correction.cap).to(learner_BT.dtype).detach()
+    log_r = _correction_log_ratio(learner_BT, generator_BT, keep_BT.bool(), correction, sequence_sum)
+    return torch.exp(log_r).expand_as(learner_BT).clamp(max=correction.cap).to(learner_BT.dtype).detach()

@@ -16,47 +16,28 @@ Needs `trl` (`make bench` installs it).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import model_folder, table
+from common import model_folder, run_trainer, table
 
 from rltrain.data import arithmetic_rows
 from rltrain.rewards import digits_reward
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> dict[str, float]:
-    overrides = [
+    rows = run_trainer(out, [
         f"model.name_or_path={model}",
         f"algorithm.prompts_per_step={args.prompts}",
         f"algorithm.group_size={args.group}",
         f"rollout.max_new_tokens={length}",
-        f"rollout.async_steps={async_steps}",
-        "algorithm.overlong=none",
-        "rollout.tools.enabled=[]",
-        "reward.functions={digits: 1.0}",
-        "sft_warmup.steps=0",
-        "run.eval_every=0",
+        f"rollout.max_staleness={async_steps}",
         f"run.steps={args.steps}",
-        "run.checkpoint_every=0",
-        f"run.output_dir={out}",
-        "learner.num_mini_batches=1",
         f"learner.lr={args.lr}",
-    ]
-    subprocess.run(
-        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *overrides],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    ])[1:]  # fmt: skip
     return {
         "tokens": sum(r["rollout/length_mean"] * r["train/sequences"] for r in rows),
         "seconds": sum(r["time/step_s"] for r in rows),

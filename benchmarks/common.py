@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# the CPU demo's layout (2 DeepSpeed learners + 1 vLLM engine) running plain GRPO: no tools, no warm
+# start, no evaluation or checkpoints, the dense "digits" reward, one optimizer step per step
+PLAIN_GRPO = [
+    "algorithm.overlong=none",
+    "rollout.tools.enabled=[]",
+    "reward.functions={digits: 1.0}",
+    "sft_warmup.steps=0",
+    "run.eval_every=0",
+    "run.checkpoint_every=0",
+    "learner.num_mini_batches=1",
+]
+
+
+def run_trainer(out: Path, overrides: list[str]) -> list[dict]:
+    """``python -m rltrain.train`` on the demo's config with :data:`PLAIN_GRPO` and ``overrides``
+    into ``out``; its metric rows, one per step."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *PLAIN_GRPO,
+         f"run.output_dir={out}", *overrides],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def start_ray(num_cpus: int = 4) -> None:

@@ -18,6 +18,7 @@ class Segment:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
 
 
 @dataclass
@@ -38,10 +39,27 @@ class Completion:
     turns: int = 0  # assistant turns
     env_reward: float | None = None  # the last reward the environment gave
     errors: dict[str, int] = field(default_factory=dict)  # failed tool calls and environment calls, by kind
+    # per token: the policy version (training steps behind the weights) of the engine when the token
+    # was sampled; an inserted token carries the version of the sampled token before it
+    versions: list[int] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def take(self, seg: Segment) -> None:
+        """Append sampled tokens (in the loss)."""
+        self.token_ids += seg.token_ids
+        self.logprobs += seg.logprobs
+        self.tool_mask += [1] * len(seg.token_ids)
+        self.versions += seg.versions or [0] * len(seg.token_ids)
+
+    def insert(self, ids: list[int]) -> None:
+        """Append tokens a tool, the chat template or an environment added (out of the loss)."""
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.tool_mask += [0] * len(ids)
+        self.versions += (self.versions[-1:] or [0]) * len(ids)
 
 
 @dataclass
@@ -68,6 +86,9 @@ class TrainBatch:
     counted: torch.Tensor | None = None  # [N] 1 where this rank counts the sequence in the step total
     # set by a learner with a rejecting rollout correction (rltrain.corrections): 0 on rejected tokens
     correction_mask: torch.Tensor | None = None  # [N, T]
+    # set where a step mixes policy versions (in-flight updates): 1 on tokens sampled by the weights
+    # the learners hold, the tokens the sampling-mismatch metrics are measured on
+    fresh_mask: torch.Tensor | None = None  # [N, T]
 
     def loss_tool_mask(self) -> torch.Tensor:
         """The tool mask less what a rollout correction rejected: with ``response_mask``, the loss
@@ -226,11 +247,13 @@ def collate(
     advantages: torch.Tensor,
     pad_id: int,
     exclude_from_loss: list[bool] | None = None,
+    version: int | None = None,
 ) -> TrainBatch:
     """Prompts left-padded, completions right-padded, into one ``[N, P + C]`` :class:`TrainBatch`.
 
     ``exclude_from_loss[i]`` zeroes sequence i's response mask (overlong filtering): it then counts
-    in no loss and no token total.
+    in no loss and no token total. ``version``: the learners' policy version; where some but not
+    all sampled tokens were sampled by it, ``fresh_mask`` marks them.
     """
     n = len(completions)
     p_len = max(len(p) for p in prompts)
@@ -240,6 +263,7 @@ def collate(
     response = torch.zeros_like(attention)
     tool = torch.ones_like(attention)
     gen_logprobs = torch.zeros(n, p_len + c_len)
+    fresh = torch.zeros_like(attention)
     for i, (prompt, c) in enumerate(zip(prompts, completions)):
         k = len(c.token_ids)
         input_ids[i, p_len - len(prompt) : p_len] = torch.tensor(prompt)
@@ -249,4 +273,9 @@ def collate(
             response[i, p_len : p_len + k] = 1
         tool[i, p_len : p_len + k] = torch.tensor(c.tool_mask, dtype=torch.long)
         gen_logprobs[i, p_len : p_len + k] = torch.tensor(c.logprobs)
-    return TrainBatch(input_ids, attention, response, tool, advantages.float(), gen_logprobs)
+        if version is not None and c.versions:
+            fresh[i, p_len : p_len + k] = torch.tensor(c.versions) == version
+    sampled = (response * tool).bool()
+    mixed = bool((sampled & fresh.bool()).any()) and not bool(fresh.bool()[sampled].all())
+    return TrainBatch(input_ids, attention, response, tool, advantages.float(), gen_logprobs,
+                      fresh_mask=fresh if mixed else None)  # fmt: skip

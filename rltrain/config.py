@@ -272,8 +272,21 @@ class RolloutConfig(Section):
     """Sampling temperature (the learner uses it for log-probs too)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling."""
-    async_steps: int = Field(0, ge=0)
-    """Generate this many steps ahead of training (off-policy; corrected by loss.tis_cap)."""
+    max_staleness: int = Field(0, ge=0)
+    """Generation runs up to this many policy versions ahead of training: the next k steps'
+    prompts are generated while the current step trains (off-policy; see loss.rollout_correction).
+    Every sampled token carries the version of the weights that sampled it (the training steps
+    behind them); a group holding a token more than k versions older than the learners' weights is
+    dropped and counted (`rollout/stale_dropped`), never trained on. `async_steps` is the older name."""
+    inflight_updates: bool = False
+    """New weights reach the engines without waiting for the requests in flight: vLLM takes them
+    between two decode steps and keeps its requests (their seeds and KV caches); the transformers
+    backend between chunks of `inflight_chunk_tokens`, each request going on from its sampled
+    prefix. Each token keeps the log-prob and version it was sampled with (useful with
+    max_staleness >= 1; where updates land then depends on timing, so runs are not bit-reproducible)."""
+    inflight_chunk_tokens: int = Field(16, ge=1)
+    """With inflight_updates and the transformers backend: tokens a request generates between two
+    chances to take new weights."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM CPU KV cache size."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -285,6 +298,20 @@ class RolloutConfig(Section):
     as `tool` messages through the chat template) or `tag` (<tool:NAME>ARGUMENT</tool>, results
     inline as <result>...</result>); null: hermes with an environment, tag without. Without an
     environment only `tag` is available."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_steps_is_max_staleness(cls, raw: Any) -> Any:
+        """`rollout.async_steps` is accepted for `rollout.max_staleness`."""
+        if isinstance(raw, dict) and "async_steps" in raw:
+            raw = dict(raw)
+            steps = raw.pop("async_steps")
+            if raw.setdefault("max_staleness", steps) != steps:
+                raise ValueError(
+                    f"async_steps={steps} and max_staleness={raw['max_staleness']} disagree "
+                    "(async_steps is the older name of max_staleness; set one)"
+                )
+        return raw
 
 
 class DataConfig(Section):
@@ -418,8 +445,10 @@ class RunConfig(Section):
     """Stop the run (one line, exit 1) when a step's `rollout/mismatch_kl` (the engine's sampling
     log-probs against the learner's on the same tokens) exceeds this: the engine is then evidently
     not running the learner's weights (a weight sync that never arrived, a precision or kernel
-    mismatch). In fp32 with no staleness the value is ~1e-12; with `rollout.async_steps` it also
-    holds the policy's change over those steps. null: never stop (the metric is logged anyway)."""
+    mismatch). In fp32 with no staleness the value is ~1e-12. Where versions mix (in-flight updates)
+    it is measured on the tokens the current weights sampled; with `rollout.max_staleness` and no
+    in-flight updates it also holds the policy's change over those steps. null: never stop (the
+    metric is logged anyway)."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)

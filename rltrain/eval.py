@@ -15,6 +15,7 @@ import sys
 
 from rltrain.config import Config, ConfigError, load_config
 from rltrain.data import Prompt
+from rltrain.launch import connect_ray, preflight, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
 
@@ -55,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="the run's config (its data, eval, rollout and tools sections)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.num_prompts=200")
     args = parser.parse_args(argv)
-    from rltrain.train import connect_ray, preflight, quiet_console
-
     quiet_console()
     import tempfile
 

@@ -104,20 +104,42 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     }
 
 
+def drop_stale(scored: ScoredGroups, version: int, max_staleness: int, group_size: int) -> ScoredGroups:
+    """The groups every sampled token of which is at most ``max_staleness`` policy versions older
+    than ``version`` (the learners' weights); logs ``rollout/staleness_mean`` and
+    ``rollout/staleness_max`` over every sampled token collected and ``rollout/stale_dropped``
+    (completions dropped: a group goes whole, its advantages need every member)."""
+    ages, oldest = [], []
+    for c in scored.completions:
+        own = [version - v for v, m in zip(c.versions, c.tool_mask) if m]  # sampled tokens only
+        ages += own
+        oldest.append(max(own, default=0))
+    stale = torch.tensor(oldest, dtype=torch.long).view(-1, group_size).amax(-1) > max_staleness
+    kept = scored.keep(~stale, group_size) if stale.any() else scored
+    kept.metrics = {
+        **scored.metrics,
+        "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+        "rollout/staleness_max": float(max(ages, default=0)),
+        "rollout/stale_dropped": float(len(scored.completions) - len(kept.completions)),
+    }
+    return kept
+
+
 def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
     if alg.advantage == "rloo":
         return rloo_advantages(rewards, alg.group_size)
     return grpo_advantages(rewards, alg.group_size, normalize_std=alg.advantage == "grpo")
 
 
-def build_batch(scored: ScoredGroups, config: Config, pad_id: int) -> TrainBatch:
-    """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`."""
+def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int | None = None) -> TrainBatch:
+    """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`.
+    ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
     prompt_ids = [p.token_ids for p in scored.prompts for _ in range(alg.group_size)]
     prompt_ids = [c.prompt_ids or ids for c, ids in zip(scored.completions, prompt_ids)]  # episodes
     exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
     group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
-    return collate(prompt_ids, scored.completions, group, pad_id, exclude)
+    return collate(prompt_ids, scored.completions, group, pad_id, exclude, version)
 
 
 def with_gae(

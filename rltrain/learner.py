@@ -374,7 +374,8 @@ class PolicyLearner(EngineLearner):
     """A policy rank: per-token log-probs (padded, packed or sequence-parallel), the policy loss,
     a frozen reference model for the KL term."""
 
-    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "mismatch_kl", "rejected", "tokens"]
+    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "mismatch_kl", "mismatch_tokens", "rejected",
+                   "tokens"]  # fmt: skip
     METRIC_MAXES = ["mismatch_max"]
     TEMPERATURE: float | None = None  # of the log-probs; None: rollout.temperature (the sampling one)
 
@@ -432,6 +433,7 @@ class PolicyLearner(EngineLearner):
             sequence_tokens_B=mb.sequence_tokens,
             # GSPO's sequence ratio sums each sequence's log-ratios over the ranks sharing its row
             sequence_sum=sequence_parallel.sequence_sum if self.sp > 1 else None,
+            fresh_BT=mb.fresh_mask,
         )
         keep = mb.response_mask.bool() & mb.loss_tool_mask().bool()
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
@@ -439,8 +441,10 @@ class PolicyLearner(EngineLearner):
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         out["train/clip_fraction"] = out.pop("train/clipped")
-        # the engine's sampling log-probs against the learner's under the same weights: a rollout matter
-        out["rollout/mismatch_kl"] = out.pop("train/mismatch_kl")
+        # the engine's sampling log-probs against the learner's under the same weights: a rollout
+        # matter; a mean over the tokens measured (both sums came divided by the loss tokens)
+        measured = out.pop("train/mismatch_tokens")
+        out["rollout/mismatch_kl"] = out.pop("train/mismatch_kl") / measured if measured > 0 else 0.0
         out["rollout/mismatch_max"] = out.pop("train/mismatch_max")
         rejected = out.pop("train/rejected")  # per kept token: the share of all is r / (1 + r)
         if self.loss_settings.correction is not None and self.loss_settings.correction.rejects:

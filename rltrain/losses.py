@@ -189,6 +189,7 @@ def policy_loss(
     axis: int | None = None,
     sequence_tokens_B: torch.Tensor | None = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fresh_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy objective for one micro-batch, reduced with ``aggregate(..., settings.aggregation,
     denominator)`` (a token count for ``token-mean``, a sequence count for the per-sequence modes).
@@ -198,8 +199,9 @@ def policy_loss(
     ``seq-mean-token-mean``. ``sequence_tokens_B`` and ``sequence_sum`` serve a rank that holds part
     of each sequence (sequence parallelism; see :func:`aggregate` and :func:`gspo_loss`). Returns the
     scalar loss and detached per-token *sums* over the loss tokens (``pg_loss``, ``kl``,
-    ``clipped``, ``ratio``; ``mismatch_kl`` over every sampled token, ``mismatch_max``, and
-    ``rejected`` tokens with a rejecting correction) plus ``tokens``: a caller sums these over micro-batches and ranks and
+    ``clipped``, ``ratio``; ``mismatch_kl`` and ``mismatch_max`` over the sampled tokens (those of
+    ``fresh_BT``, the ones the current weights sampled, where given) with their count
+    ``mismatch_tokens``, and ``rejected`` tokens with a rejecting correction) plus ``tokens``: a caller sums these over micro-batches and ranks and
     divides by the summed ``tokens`` to log global token means rather than means of micro-batch means.
     """
     s = settings
@@ -251,7 +253,9 @@ def policy_loss(
     if kl is not None:
         metrics["kl"] = token_sum(kl)
     if generator_logprobs_BT is not None:  # over every sampled loss token, rejected ones included
-        metrics |= sampling_mismatch(old_logprobs_BT, generator_logprobs_BT, sampled)
+        measured = sampled if fresh_BT is None else sampled & fresh_BT.bool()
+        metrics |= sampling_mismatch(old_logprobs_BT, generator_logprobs_BT, measured)
+        metrics["mismatch_tokens"] = measured.sum().float()
     if correction is not None and correction.rejects:
         metrics["rejected"] = (sampled & ~keep).sum().float()
     return loss, metrics

@@ -1,9 +1,13 @@
 """The generation pipeline: which prompts are in flight for which step, and the data order.
 
 :class:`Orchestrator` draws prompts from the :class:`~rltrain.data.PromptSampler`, keeps
-``rollout.async_steps`` steps of generation in flight ahead of the step being trained, collects a
+``rollout.max_staleness`` steps of generation in flight ahead of the step being trained, collects a
 step's completions, scores them and, with DAPO's dynamic sampling, refills the batch with more
-prompts (:func:`collect_groups`).
+prompts (:func:`collect_groups`). Every sampled token carries the policy version that sampled it
+(the engines stamp it; with ``rollout.inflight_updates`` a completion can span several versions);
+a group with a token more than ``max_staleness`` versions older than the learners' weights is
+dropped and counted (:func:`~rltrain.grpo.drop_stale`): a weight sync that never reached an engine
+shows up there instead of being trained on.
 
 **The data order is part of the checkpoint, whatever draws from the sampler.** Refill rounds and
 steps generated ahead take prompts between two saves, so the sampler's position alone cannot say
@@ -29,7 +33,7 @@ from rltrain.advantages import zero_variance_groups
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt, PromptSampler
-from rltrain.grpo import ScoredGroups, score
+from rltrain.grpo import ScoredGroups, drop_stale, score
 
 
 def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
@@ -109,10 +113,11 @@ class Orchestrator:
         self._after: dict[int, tuple[dict[str, int], list[_Ahead]]] = {0: (sampler.state(), [])}
 
     def next_batch(self, step: int) -> ScoredGroups:
-        """The scored groups of ``step``; keeps ``rollout.async_steps`` steps in flight beyond it."""
+        """The scored groups of ``step``, without stale groups; keeps ``rollout.max_staleness``
+        steps in flight beyond it."""
         cfg = self.config
         last = cfg.run.steps
-        while len(self.ahead) <= cfg.rollout.async_steps and step + len(self.ahead) <= last:
+        while len(self.ahead) <= cfg.rollout.max_staleness and step + len(self.ahead) <= last:
             ahead_step = step + len(self.ahead)
             prompts = self.sampler.take(cfg.algorithm.prompts_per_step)
             self.ahead.append(
@@ -122,6 +127,8 @@ class Orchestrator:
         assert current.step == step, (current.step, step)
         scored = collect_groups(self.generators, current.refs, current.prompts, self.sampler, cfg,
                                 self.scorer, step, current.completions)  # fmt: skip
+        # the learners hold version step - 1 (the weights after step - 1 updates)
+        scored = drop_stale(scored, step - 1, cfg.rollout.max_staleness, cfg.algorithm.group_size)
         self._after = {s: v for s, v in self._after.items() if s >= step - 1}
         self._after[step] = (self.sampler.state(), list(self.ahead))
         return scored

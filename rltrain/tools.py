@@ -150,9 +150,7 @@ def generate_with_tools(
         still_active = []
         for i, seg in zip(active, segments):
             c = done[i]
-            c.token_ids += seg.token_ids
-            c.logprobs += seg.logprobs
-            c.tool_mask += [1] * len(seg.token_ids)
+            c.take(seg)
             c.text += seg.text
             c.finish_reason = seg.finish_reason
             call = TOOL_CALL.search(seg.text) if tools is not None and seg.finish_reason == "stop" else None
@@ -161,9 +159,7 @@ def generate_with_tools(
             output, ok = tools(call.group(1), call.group(2))
             budget = max_new_tokens - len(c.token_ids)
             output_ids = encode(output)[:budget]
-            c.token_ids += output_ids
-            c.logprobs += [0.0] * len(output_ids)
-            c.tool_mask += [0] * len(output_ids)
+            c.insert(output_ids)
             c.text += output
             c.tool_calls += 1
             c.tool_errors += not ok

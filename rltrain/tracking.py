@@ -76,8 +76,8 @@ class Tracker:
 def write_rollouts(path: Path, scored) -> None:
     """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.grpo.ScoredGroups`
     with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
-    token ids, the mask (1 = sampled by the policy), log-probs, rewards per function, finish
-    reason, turns. Written atomically."""
+    token ids, the mask (1 = sampled by the policy), log-probs, the policy version of each token,
+    rewards per function, finish reason, turns. Written atomically."""
     group = len(scored.completions) // max(len(scored.prompts), 1)
     lines = []
     for i, c in enumerate(scored.completions):
@@ -93,6 +93,7 @@ def write_rollouts(path: Path, scored) -> None:
             "completion_ids": c.token_ids,
             "completion_mask": c.tool_mask,
             "completion_logprobs": c.logprobs,
+            "completion_versions": c.versions,
             "rewards": {name: float(scores[i]) for name, scores in scored.per_function.items()},
             "reward": float(scored.rewards[i]),
             "finish_reason": c.finish_reason,

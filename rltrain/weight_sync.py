@@ -17,14 +17,17 @@ from rltrain.rollout import GeneratorPool
 
 
 class WeightSync(Protocol):
-    def push(self, learners: LearnerGroup, generators: GeneratorPool) -> float:
-        """Make the generators hold the learners' current weights; returns seconds taken."""
+    def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
+        """Make the generators hold the learners' current weights, policy ``version`` (the
+        training steps behind them, which the engines stamp on every token they sample); with
+        ``rollout.inflight_updates`` they take them at their next chunk boundary. Returns seconds
+        taken."""
         ...
 
 
 class ObjectStoreSync:
-    def push(self, learners: LearnerGroup, generators: GeneratorPool) -> float:
+    def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()
         # the reference goes to the engines without a round trip through the driver
-        generators.load_weights(learners.gathered_state_ref())
+        generators.load_weights(learners.gathered_state_ref(), version)
         return time.perf_counter() - start

@@ -118,6 +118,7 @@ def test_agent_config_runs_and_writes_readable_rollouts(tmp_path):
     assert len(samples) == 4 * 8  # prompts_per_step x group_size
     for s in samples:
         assert len(s["completion_ids"]) == len(s["completion_mask"]) == len(s["completion_logprobs"])
+        assert s["completion_versions"] == [0] * len(s["completion_ids"])  # step 1: the first weights
         assert s["messages"][0]["role"] == "user" and s["messages"][1]["role"] == "assistant"
         assert sum(m["role"] == "assistant" for m in s["messages"]) == s["turns"]
         assert set(s["rewards"]) == {"env"} and s["finish_reason"] in {"stop", "length", "turns", "error"}

@@ -75,7 +75,9 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
         "run.checkpoint_every=2",
         "loss.kl_beta=0.01",
         "loss.kl_estimator=k3+",
-        "rollout.async_steps=1",
+        "rollout.async_steps=1",  # the older name of rollout.max_staleness
+        "rollout.inflight_updates=true",  # the next step's rollout takes new weights between chunks
+        "rollout.inflight_chunk_tokens=8",
         "rollout.tools.enabled=[calculator,python]",
         # where the machine cannot isolate the python tool, run it with its limits alone
         *(["rollout.tools.sandbox.require_isolation=false"] if isolation_problem() else []),
@@ -86,6 +88,11 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
     for row in rows:
         assert all(math.isfinite(v) for v in row.values()), row
         assert row["train/tokens"] > 0 and row["train/kl"] >= 0
+        assert row["rollout/stale_dropped"] == 0  # nothing is more than one version old
+    # step 1 samples with the first weights; steps 2-3 were submitted a step ahead (one version old)
+    # and may end under newer weights (0 <= mean <= 1)
+    assert rows[0]["rollout/staleness_max"] == 0
+    assert all(r["rollout/staleness_max"] == 1 and 0 <= r["rollout/staleness_mean"] <= 1 for r in rows[1:])
     for folder in ["checkpoints/step_2/hf", "checkpoints/step_3/hf", "final_model"]:
         model = AutoModelForCausalLM.from_pretrained(out / folder)
         assert sum(p.numel() for p in model.parameters()) > 0
@@ -108,7 +115,7 @@ TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}  # the reward module
 RESUME_LAYOUTS = {
     "grpo": [],
     "dynamic sampling": REFILLING,
-    "dynamic sampling, async": [*REFILLING, "rollout.async_steps=1"],
+    "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1"],
     # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
     # normalized over the step's sequences (each split sequence counted once)
     "sequence parallel": ["learner.sequence_parallel_size=2", "loss.masked_mean_axis=1"],
@@ -173,7 +180,7 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
     try:
         learners.train_step(synthetic_rollouts())  # the learners' weights now differ from the engine's
         stale = generators.prompt_logprobs(prompts)
-        ObjectStoreSync().push(learners, generators)
+        ObjectStoreSync().push(learners, generators, 1)
         synced = generators.prompt_logprobs(prompts)
         completions = generators.collect(generators.submit(prompts, seeds=[1, 2]))
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -201,21 +208,50 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         assert gap_before > 1e-3  # the check would notice a sync that did nothing
 
 
-def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_weights(ray_local, tmp_path, monkeypatch):
+def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_synced_weights(
+    ray_local, tmp_path, monkeypatch
+):
     from rltrain.config import load_config
     from rltrain.train import RunFailed, train
 
-    # the sync "succeeds" without reaching the engine: it samples from its first weights for good
-    monkeypatch.setattr(ObjectStoreSync, "push", lambda self, learners, generators: 0.0)
+    # the sync "succeeds" (the engine is told each new version) but always sends the first weights
+    # it sent: the engine samples from step 1's weights for good
+    def stuck_push(self, learners, generators, version):
+        self.first = getattr(self, "first", None) or learners.gathered_state_ref()
+        generators.load_weights(self.first, version)
+        return 0.0
+
+    monkeypatch.setattr(ObjectStoreSync, "push", stuck_push)
     overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=6", "run.checkpoint_every=0",
                  "run.max_mismatch_kl=1e-6"]  # fmt: skip
     with pytest.raises(RunFailed, match=r"step \d: rollout/mismatch_kl = .* > run.max_mismatch_kl = 1e-06"):
         train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    # step 1 samples from the weights both sides start with (fp32: rounding only); from step 2 on the
-    # learner has moved and the engine has not, and the guard stops the run within a few steps
-    assert rows[0]["rollout/mismatch_kl"] < 1e-10
-    assert 2 <= len(rows) <= 3 and rows[-1]["rollout/mismatch_kl"] > 1e-6
+    # steps 1 and 2 sample from the weights the learners hold (fp32: rounding only); from step 3 on
+    # the learner has moved and the engine has not, and the guard stops the run within a few steps
+    assert rows[0]["rollout/mismatch_kl"] < 1e-10 and rows[1]["rollout/mismatch_kl"] < 1e-10
+    assert 3 <= len(rows) <= 4 and rows[-1]["rollout/mismatch_kl"] > 1e-6
+    assert all(row["rollout/staleness_max"] == 0 for row in rows)  # the versions themselves look fine
+
+
+def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_trained_on(
+    ray_local, tmp_path, monkeypatch
+):
+    from rltrain.config import load_config
+    from rltrain.train import train
+
+    # no weights and no version reach the engine: everything it samples after step 1 is from version 0
+    monkeypatch.setattr(ObjectStoreSync, "push", lambda self, learners, generators, version: 0.0)
+    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0",
+                 "rollout.max_staleness=1"]  # fmt: skip
+    train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sequences = 4 * 4  # SMALL: 4 prompts x 4 completions a step
+    # step s trains on the learners' version s-1; the engine stays at version 0, so step 1 and 2's
+    # samples are 0 and 1 versions old (kept, max_staleness=1) and step 3's are 2 old: all dropped
+    assert [row["rollout/staleness_max"] for row in rows[:2]] == [0, 1]
+    assert rows[0]["rollout/stale_dropped"] == rows[1]["rollout/stale_dropped"] == 0
+    assert rows[2]["rollout/stale_dropped"] == sequences and rows[2]["train/skipped"] == 1
 
 
 def test_ray_job_submit_against_a_local_head(tmp_path):

@@ -7,9 +7,13 @@ A backend turns prompts into :class:`~rltrain.batch.Segment` s and takes new wei
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import ray
@@ -19,6 +23,7 @@ from rltrain.batch import Completion, Segment
 from rltrain.config import Config, RolloutConfig
 from rltrain.remote import gather, where
 from rltrain.rollout.episodes import Episodes
+from rltrain.rollout.inflight import generate_in_chunks
 from rltrain.tools import STOP, ToolRunner, generate_with_tools
 
 
@@ -77,6 +82,8 @@ class VLLMBackend:
             ),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._request_ids = itertools.count()
+        self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
 
     def _params(self, greedy: bool = False, **kwargs):
         from vllm import SamplingParams
@@ -114,13 +121,60 @@ class VLLMBackend:
             segments.append(Segment(list(c.token_ids), logprobs, text, finish))
         return segments
 
+    def generate_inflight(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        seeds: list[int],
+        greedy: bool,
+        between_steps: Callable[[], int],
+    ) -> list[Segment]:
+        """:meth:`generate` driving the engine step by step: before every decode step
+        ``between_steps()`` may load new weights and returns the policy version the step runs
+        under, which each token it samples keeps. The requests stay in the engine throughout (their
+        seeds' generators and their KV caches, computed partly under older weights, as PipelineRL
+        keeps them); only their tokens from then on come from the new weights."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, detokenize = self.llm.llm_engine, bool(self.stop)
+        segments: dict[str, Segment] = {}
+        for prompt, m, seed in zip(prompts, max_tokens, seeds):
+            params = self._params(greedy, max_tokens=m, seed=seed, logprobs=0, stop=self.stop or None,
+                                  include_stop_str_in_output=True, detokenize=detokenize)  # fmt: skip
+            params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
+            request_id = f"inflight-{next(self._request_ids)}"  # the outputs' name for it
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            segments[request_id] = Segment([], [], "", "length")
+        try:
+            while engine.has_unfinished_requests():
+                version = between_steps()
+                for out in engine.step():
+                    seg, c = segments[out.request_id], out.outputs[0]
+                    seg.token_ids += c.token_ids
+                    seg.logprobs += [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+                    seg.versions += [version] * len(c.token_ids)
+                    seg.text += c.text
+                    if out.finished:
+                        seg.finish_reason = "length" if c.finish_reason == "length" else "stop"
+        except BaseException:
+            engine.abort_request(list(segments))
+            raise
+        for seg in segments.values():
+            seg.text = seg.text if detokenize else _decode(self.tokenizer, seg.token_ids)
+        return list(segments.values())
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
-        # cached prefixes were computed with the old weights
+        # cached prefixes were computed with the old weights (with requests in flight the reset
+        # waits: GeneratorActor resets again before the next call)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
-        self.llm.reset_prefix_cache()
+        self.stale_prefixes = not self.llm.reset_prefix_cache()
+
+    def reset_stale_prefixes(self) -> None:
+        if self.stale_prefixes:
+            self.stale_prefixes = not self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         params = self._params(max_tokens=1, prompt_logprobs=0)
@@ -191,7 +245,14 @@ class HFBackend:
 
 class GeneratorActor:
     """One generation engine plus the tool loop, or the episodes of an environment
-    (:func:`~rltrain.rollout.episodes.run_episodes`). Created by :class:`GeneratorPool` as a Ray actor."""
+    (:func:`~rltrain.rollout.episodes.run_episodes`). Created by :class:`GeneratorPool` as a Ray actor.
+
+    It knows the policy version of its weights (the training steps behind them, sent with them)
+    and stamps it on every token it samples. Without ``rollout.inflight_updates`` new weights wait
+    for every rollout submitted before them, so which weights sample a step is a function of the
+    run's seed; with it they are taken between two decode steps of the rollout in progress
+    (:meth:`VLLMBackend.generate_inflight`) or two chunks (:mod:`rltrain.rollout.inflight`).
+    """
 
     def __init__(self, config: Config, model_path: str, engine_index: int):
         from transformers import AutoTokenizer
@@ -202,43 +263,109 @@ class GeneratorActor:
             model_path, trust_remote_code=config.model.trust_remote_code
         )
         self.tools = ToolRunner.from_config(rc.tools) if rc.tools.enabled else None
-        stop = [STOP] if self.tools else []
+        self.stop = [STOP] if self.tools else []
         self.episodes = None
         if config.env.name is not None:
             self.episodes = Episodes(config, self.tokenizer, self.encode)
-            stop = self.episodes.parser.stop
+            self.stop = self.episodes.parser.stop
         if rc.backend == "vllm":
-            self.backend: GeneratorBackend = VLLMBackend(model_path, rc, stop, config.run.seed + engine_index)
+            self.backend: GeneratorBackend = VLLMBackend(
+                model_path, rc, self.stop, config.run.seed + engine_index
+            )
         else:
-            self.backend = HFBackend(model_path, rc, stop, config.model.trust_remote_code)
+            self.backend = HFBackend(model_path, rc, self.stop, config.model.trust_remote_code)
+        self.version = 0
+        self._engine = threading.RLock()  # the backend runs one call at a time
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None  # weights not taken yet
+        self._pending_lock = threading.Lock()
+        self._busy_s, self._since = 0.0, None  # seconds in finished rollouts; the one running since
 
     def rollout(self, requests: list, seeds: list[int], greedy: bool = False) -> list[Completion]:
         """A completion per request: a prompt's token ids, or with an environment a data row."""
         rc = self.config.rollout
-        generate = functools.partial(self.backend.generate, greedy=greedy)
-        if self.episodes is not None:
-            return self.episodes.run(generate, requests, seeds)
-        return generate_with_tools(
-            generate,
-            self.encode,
-            requests,
-            rc.max_new_tokens,
-            self.tools,
-            rc.tools.max_calls,
-            seeds,
+        generate = functools.partial(self.generate, greedy=greedy)
+        start = self._since = time.perf_counter()
+        try:
+            with contextlib.nullcontext() if rc.inflight_updates else self._engine:  # else one version
+                if self.episodes is not None:
+                    return self.episodes.run(generate, requests, seeds)
+                return generate_with_tools(
+                    generate, self.encode, requests, rc.max_new_tokens, self.tools, rc.tools.max_calls, seeds
+                )
+        finally:
+            self._busy_s += time.perf_counter() - start
+            self._since = None
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
+    ) -> list[Segment]:
+        """The backend's segments with each token's version; in chunks with in-flight updates."""
+        rc = self.config.rollout
+
+        def stamped(prompts: list[list[int]], max_tokens: list[int], seeds: list[int]) -> list[Segment]:
+            with self._engine:
+                self._take_weights()
+                segments = self.backend.generate(prompts, max_tokens, seeds, greedy)
+                for seg in segments:
+                    seg.versions = [self.version] * len(seg.token_ids)
+            return segments
+
+        if not rc.inflight_updates:
+            return stamped(prompts, max_tokens, seeds)
+        if isinstance(self.backend, VLLMBackend):  # new weights between decode steps
+            with self._engine:
+                self._take_weights()
+                self.backend.reset_stale_prefixes()  # no request of this call reuses older weights' KV
+                return self.backend.generate_inflight(prompts, max_tokens, seeds, greedy, self._between_steps)
+        # otherwise between chunks, each request going on from its sampled prefix
+        decode = functools.partial(_decode, self.tokenizer)
+        return generate_in_chunks(
+            stamped, prompts, max_tokens, seeds, rc.inflight_chunk_tokens, self.stop, decode
         )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.backend.load_weights(state_dict.items())
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
+        """Take the weights of policy ``version``. Sent in order with the rollouts (the default
+        concurrency group), after every rollout submitted before them; with in-flight updates sent
+        beside them (the ``weights`` group) and taken at the next decode step or chunk boundary of
+        the rollout in progress (returns at once)."""
+        with self._pending_lock:
+            self._pending = (state_dict, version)
+        if not self.config.rollout.inflight_updates:
+            with self._engine:  # waits for the rollout in progress
+                self._take_weights()
+        elif self._engine.acquire(blocking=False):  # idle: take them now
+            try:
+                self._take_weights()
+            finally:
+                self._engine.release()
+
+    def _between_steps(self) -> int:
+        self._take_weights()
+        return self.version
+
+    def _take_weights(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self.backend.load_weights(pending[0].items())
+            self.version = pending[1]
+
+    @ray.method(concurrency_group="weights")  # answers beside a rollout in progress
+    def busy_seconds(self) -> float:
+        """Seconds spent generating rollouts since the engine started (the one running included)."""
+        since = self._since
+        return self._busy_s + (time.perf_counter() - since if since is not None else 0.0)
 
     def where(self) -> dict[str, Any]:
         return where()
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.backend.prompt_logprobs(sequences)
+        with self._engine:
+            self._take_weights()
+            return self.backend.prompt_logprobs(sequences)
 
 
 class GeneratorPool:
@@ -246,11 +373,13 @@ class GeneratorPool:
 
     def __init__(self, config: Config, model_path: str):
         rc = config.rollout
-        actor_cls = ray.remote(GeneratorActor).options(
+        # in-flight weights and the busy-time probe answer beside a rollout in progress
+        actor_cls = ray.remote(concurrency_groups={"weights": 1})(GeneratorActor).options(
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )
         self.actors = [actor_cls.remote(config, model_path, i) for i in range(rc.num_engines)]
         self.names = [f"generator {i}" for i in range(rc.num_engines)]
+        self.size, self.inflight = rc.num_engines, rc.inflight_updates
         self.timeout_s = config.run.actor_timeout_s
         self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
 
@@ -271,8 +400,18 @@ class GeneratorPool:
         names = [self._submitted.pop(ref, "generator") for ref in refs]
         return [c for part in gather(refs, names, self.timeout_s) for c in part]
 
-    def load_weights(self, state_ref: ray.ObjectRef) -> None:
-        gather([actor.load_weights.remote(state_ref) for actor in self.actors], self.names, self.timeout_s)
+    def load_weights(self, state_ref: ray.ObjectRef, version: int) -> None:
+        """Every engine takes the weights of policy ``version`` (with in-flight updates, at its
+        next chunk boundary)."""
+        group = "weights" if self.inflight else None  # beside the rollouts in flight, or after them
+        refs = [
+            a.load_weights.options(concurrency_group=group).remote(state_ref, version) for a in self.actors
+        ]
+        gather(refs, self.names, self.timeout_s)
+
+    def busy_seconds(self) -> float:
+        """Seconds the engines have spent generating rollouts since they started, summed."""
+        return sum(gather([a.busy_seconds.remote() for a in self.actors], self.names, self.timeout_s))
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return gather([self.actors[0].prompt_logprobs.remote(sequences)], self.names[:1], self.timeout_s)[0]

@@ -92,10 +92,7 @@ class _Episode:
         return min(limits.max_new_tokens - used, limits.max_model_len - len(self.c.prompt_ids) - used)
 
     def take(self, seg: Segment) -> None:
-        c = self.c
-        c.token_ids += seg.token_ids
-        c.logprobs += seg.logprobs
-        c.tool_mask += [1] * len(seg.token_ids)
+        self.c.take(seg)
         self.turn_text += seg.text
         self.rounds += 1
 
@@ -103,9 +100,7 @@ class _Episode:
         """Tokens the template, a tool or the environment added; cut at the budget (then ended)."""
         room = self.room(limits)
         ids = ids[: max(room, 0)]
-        self.c.token_ids += ids
-        self.c.logprobs += [0.0] * len(ids)
-        self.c.tool_mask += [0] * len(ids)
+        self.c.insert(ids)
         if self.room(limits) <= 0:
             self.end("length")
 

@@ -1,0 +1,349 @@
+"""Run set-up, shared by training and evaluation: checks before anything starts, the Ray
+connection, the actors.
+
+- :func:`preflight` checks every input (config beyond its schema, data rows, model, lengths, reward,
+  tool and environment specs, output folder) and raises a one-line
+  :class:`~rltrain.config.ConfigError` before any actor starts;
+- :func:`connect_ray` joins ``RAY_ADDRESS`` or starts a local instance, and checks the layout fits;
+- :func:`start_run` starts the learners, the critic and the generators, restored from the newest
+  checkpoint when resuming.
+
+:mod:`rltrain.train` (the loop) and :mod:`rltrain.eval` both build on it; neither imports the other's
+set-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain import checkpoint
+from rltrain.config import SFT_FROM_ENV, TINY_MODEL, Config, ConfigError, dump
+from rltrain.data import (
+    Prompt,
+    PromptSampler,
+    episode_prompts,
+    load_rows,
+    sft_examples,
+    split_held_out,
+    tokenize_prompts,
+)
+from rltrain.orchestrator import Orchestrator
+from rltrain.rewards import ENV, RewardScorer, load_reward_fn
+
+
+def quiet_console() -> None:
+    """Settings that keep notices of the stack's auto-detection off a normal run's console."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: said, not guessed (and warned)
+
+
+@dataclass
+class Inputs:
+    """What a run reads, checked by :func:`preflight` before any actor starts."""
+
+    out: Path
+    model_path: str
+    tokenizer: Any
+    prompts: list[Prompt]  # training prompts
+    rows: list[dict]  # their rows (the supervised warm-up's questions)
+    eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
+
+
+def preflight(config: Config) -> Inputs:
+    """Every check that needs more than the schema (reward and tool specs, output folder, model,
+    lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
+    for spec in config.reward.functions:
+        if spec == ENV:
+            continue  # the environment's reward: the environment is checked below
+        try:
+            load_reward_fn(spec)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
+    for key, source in [("data.source", config.data.source), ("eval.source", config.eval.source),
+                        ("sft_warmup.source", config.sft_warmup.source)]:  # fmt: skip
+        looks_local = source is not None and source.startswith(("/", "./", "../", "~"))
+        if looks_local and not Path(source).expanduser().exists():
+            raise ConfigError(f"{key}: {source!r} does not exist")
+    _check_tools(config)
+    _check_backend(config)
+    out = _output_folder(config)
+    model_path = resolve_model(config, out)
+    _check_model(config, model_path)
+    if config.run.resume:
+        config_json = Path(model_path).expanduser() / "config.json"
+        model_config = json.loads(config_json.read_text()) if config_json.is_file() else None
+        problem = checkpoint.resume_problem(out, model_config)
+        if problem:
+            raise ConfigError(f"run.resume: {problem}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    try:
+        rows, held_out = load_rows(config.data), []
+        if config.run.eval_every:
+            rows, held_out = split_held_out(rows, config.data, config.eval)
+        if config.env.name is not None:
+            check_environment(config, rows[0], tokenizer)
+            prompts = episode_prompts(rows, config.data)
+            eval_prompts = episode_prompts(held_out, config.data) if held_out else []
+        else:
+            prompts = tokenize_prompts(rows, tokenizer, config.data)
+            eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+        if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
+            sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def check_environment(config: Config, row: dict, tokenizer) -> None:
+    """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row, and its
+    tools' schemas and the chat template's rendering of the additions work; raises ValueError
+    naming the key."""
+    from rltrain.envs import load_environment, tool_schemas
+    from rltrain.rollout.chat import ChatRenderer, TemplateError
+
+    env = config.env
+    try:
+        instance = load_environment(env.name)(**env.kwargs)
+    except TypeError as e:
+        raise ValueError(f"env.kwargs: {env.name} does not take {env.kwargs} ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"env.name: {e}") from None
+    try:
+        schemas = tool_schemas(instance.tools)
+    except Exception as e:  # transformers: a tool without type hints or an Args: section
+        raise ValueError(f"env.name: {env.name}'s tools have no JSON schema ({e})") from None
+    try:
+        opening = instance.reset(row)
+    except Exception as e:
+        raise ValueError(
+            f"env.name: {env.name}.reset(first row of data.source) raised {type(e).__name__}: {e}"
+        ) from None
+    if (
+        config.sft_warmup.steps
+        and config.sft_warmup.source == SFT_FROM_ENV
+        and not hasattr(instance, "demonstration")
+    ):
+        raise ValueError(f"sft_warmup.source=env: {env.name} has no demonstration(row) method")
+    renderer = ChatRenderer(tokenizer, schemas, env.render)
+    probe = [*opening, {"role": "assistant", "content": "1"}]
+    try:
+        renderer.additions(probe, [{"role": "user", "content": "2"}])
+        if schemas:
+            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+            turn = [*opening, {"role": "assistant", "content": "", "tool_calls": [call]}]
+            renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
+    except TemplateError as e:
+        raise ValueError(f"env.render: {e}") from None
+
+
+def _check_tools(config: Config) -> None:
+    tools = config.rollout.tools
+    if "python" in tools.enabled and tools.sandbox.require_isolation:
+        from rltrain.sandbox import isolation_problem
+
+        problem = isolation_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"rollout.tools.enabled: the python tool cannot be isolated on this machine ({problem}); "
+                "set rollout.tools.sandbox.require_isolation=false to run it with resource limits only"
+            )
+
+
+def _output_folder(config: Config) -> Path:
+    out = Path(config.run.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run.output_dir: {str(out)!r} is a file, expected a folder (or a new path)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write_test").write_text("")
+        (out / ".write_test").unlink()
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({e.strerror})") from None
+    return out
+
+
+def _check_model(config: Config, model_path: str) -> None:
+    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return  # a hub name: transformers loads and checks it
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.name_or_path: {model_path!r} has no config.json (not a transformers model folder)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:
+        raise ConfigError(f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})") from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and config.longest_sequence > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {config.longest_sequence} exceeds the "
+            f"model's context of {context} tokens (max_position_embeddings in {model_path})"
+        )
+    sp = config.learner.sequence_parallel_size
+    if sp > 1 and model_config.num_attention_heads % sp:
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} does not divide the model's "
+            f"{model_config.num_attention_heads} attention heads"
+        )
+
+
+def _check_backend(config: Config) -> None:
+    if config.rollout.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.backend: 'vllm' is not installed (install vllm, or set rollout.backend=hf)"
+            )
+
+
+def connect_ray(config: Config) -> None:
+    """Join the cluster in RAY_ADDRESS, or start a local instance; then check the layout fits."""
+    import ray
+
+    if not os.environ.get("RAY_ADDRESS"):
+        have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
+        _check_fits(have_cpu, _local_gpus(), config)
+        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        # Ray enables token authentication for a local instance by default and says so on every start;
+        # we keep the default and drop the notice
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(
+            num_cpus=have_cpu,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=512 * 2**20,
+            logging_level=logging.WARNING,
+        )
+    else:
+        ray.init(log_to_driver=False)
+        resources = ray.cluster_resources()
+        _check_fits(resources.get("CPU", 0), resources.get("GPU", 0), config)
+
+
+def _local_gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def _check_fits(have_cpu: float, have_gpu: float, config: Config) -> None:
+    lc, rc = config.learner, config.rollout
+    # (what, how many, CPUs each, GPUs each)
+    parts = [
+        ("learners", lc.num_learners, lc.cpus_per_learner, lc.gpus_per_learner),
+        ("engines", rc.num_engines, rc.cpus_per_engine, rc.gpus_per_engine),
+    ]
+    if config.critic is not None:
+        cl = config.critic.learners
+        parts.append(("critic learners", cl.num_learners, cl.cpus_per_learner, cl.gpus_per_learner))
+    need_cpu = sum(n * cpus for _, n, cpus, _ in parts)
+    need_gpu = sum(n * gpus for _, n, _, gpus in parts)
+    if need_cpu > have_cpu:
+        spelled = " + ".join(f"{n} {what} x {cpus} CPU" for what, n, cpus, _ in parts)
+        raise ConfigError(
+            f"learner.num_learners: {spelled} need {need_cpu:g} CPUs, the cluster has {have_cpu:g} "
+            "(lower learner.num_learners, learner.cpus_per_learner or rollout.cpus_per_engine)"
+        )
+    if need_gpu > have_gpu:
+        raise ConfigError(
+            f"learner.gpus_per_learner: the layout needs {need_gpu:g} GPUs, the cluster has {have_gpu:g}"
+        )
+
+
+@dataclass
+class Run:
+    """Everything a training run holds, built by :func:`start_run`."""
+
+    out: Path
+    tokenizer: Any
+    orchestrator: Orchestrator  # the sampler, the steps generated ahead, the data order
+    scorer: RewardScorer
+    learners: Any  # rltrain.learner.LearnerGroup
+    generators: Any  # rltrain.rollout.GeneratorPool
+    weight_sync: Any  # rltrain.weight_sync.WeightSync
+    start_step: int
+    critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
+
+    def shutdown(self) -> None:
+        """Stop every actor and the reward workers (also after a failure: nothing is left running)."""
+        for part in (self.learners, self.generators, self.critic):
+            if part is not None:
+                part.shutdown()
+        self.scorer.close()
+
+
+def start_run(config: Config, inputs: Inputs) -> Run:
+    """Actors, prompts and rewards; restored from the newest checkpoint when resuming."""
+    # ray, deepspeed and vllm load here, not at import: --help stays instant
+    from rltrain.learner import LearnerGroup
+    from rltrain.rollout import GeneratorPool
+    from rltrain.weight_sync import ObjectStoreSync
+
+    out = inputs.out
+    dump(config, out / "config.yaml")
+    random.seed(config.run.seed)
+    torch.manual_seed(config.run.seed)
+    sampler = PromptSampler(inputs.prompts, config.run.seed)
+    scorer = RewardScorer(config.reward.functions, config.reward.timeout_s, config.reward.workers)
+    parts: dict[str, Any] = {}
+    try:  # a failure while starting still stops what did start
+        parts["learners"] = LearnerGroup(
+            config, inputs.model_path, total_optimizer_steps(config, config.learner)
+        )
+        if config.critic is not None:
+            from rltrain.critic import CriticLearner
+
+            steps = total_optimizer_steps(config, config.critic.learners)
+            parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
+        parts["generators"] = GeneratorPool(config, inputs.model_path)
+    except BaseException:
+        for part in parts.values():
+            part.shutdown()
+        scorer.close()
+        raise
+    orchestrator = Orchestrator(config, sampler, parts["generators"], scorer)
+    run = Run(out, inputs.tokenizer, orchestrator, scorer, parts["learners"], parts["generators"],
+              ObjectStoreSync(), start_step=0, critic=parts.get("critic"))  # fmt: skip
+    try:
+        record_placement(run)
+        if config.run.resume and checkpoint.latest_tag(out) is not None:
+            state = checkpoint.load(run.learners, out, run.critic)
+            run.start_step = state["step"]
+            orchestrator.load_state(state["data"], run.start_step)
+            run.weight_sync.push(run.learners, run.generators, run.start_step)
+    except BaseException:
+        run.shutdown()
+        raise
+    return run
+
+
+def record_placement(run: Run) -> None:
+    """``placement.json``: the node, address and pid of every actor of the run."""
+    places = run.learners.where() + run.generators.where() + (run.critic.where() if run.critic else [])
+    (run.out / "placement.json").write_text(json.dumps(places, indent=1))
+
+
+def total_optimizer_steps(config: Config, lc) -> int:
+    """Optimizer steps of the whole run for a learner section (the learning-rate schedule's length)."""
+    return config.run.steps * lc.num_mini_batches * lc.ppo_epochs
+
+
+def resolve_model(config: Config, out: Path) -> str:
+    if config.model.name_or_path == TINY_MODEL:
+        from rltrain.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
+    return config.model.name_or_path

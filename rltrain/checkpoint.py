@@ -25,6 +25,37 @@ if TYPE_CHECKING:  # ray and deepspeed stay out of the input checks that use thi
 
 CRITIC = "critic"  # the critic's DeepSpeed state: step_<k>/critic/
 TRAINER_STATE = "trainer_state.json"  # the step and the data order: step_<k>/trainer_state.json
+LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
+LAYOUT_FREE = (
+    "layout_free.pt"  # beside it too: the same state without the layout (run.layout_free_checkpoints)
+)
+
+
+def layout(lc) -> dict[str, int]:
+    """What a DeepSpeed checkpoint of a learner section depends on (a ``LearnerConfig``): ranks
+    and ZeRO stage. Packing, token budgets and sequence parallelism change how a step is cut, not
+    the state."""
+    return {"num_learners": lc.num_learners, "zero_stage": lc.zero_stage}
+
+
+def layout_problem(folder: Path, lc, section: str) -> str | None:
+    """Why the learner section saved in ``folder`` cannot be resumed on ``lc``'s layout, or None."""
+    try:
+        saved = json.loads((folder / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return None  # written before layouts were recorded: DeepSpeed's own load decides
+    if saved == layout(lc) or (folder / LAYOUT_FREE).is_file():
+        return None
+    return (
+        f"checkpoint {folder.parent if section == 'critic' else folder} was written by {saved['num_learners']} "
+        f"{section} learner(s) with ZeRO-{saved['zero_stage']} and holds no {LAYOUT_FREE} "
+        f"(run.layout_free_checkpoints was off); resume with {section_key(section)}.num_learners="
+        f"{saved['num_learners']} and {section_key(section)}.zero_stage={saved['zero_stage']}"
+    )
+
+
+def section_key(section: str) -> str:
+    return "critic.learners" if section == "critic" else "learner"
 
 
 def checkpoint_root(out_dir: Path) -> Path:
@@ -91,9 +122,10 @@ def latest_marker(out_dir: Path) -> tuple[str, int] | None:
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def resume_problem(out_dir: Path, model_config: dict[str, Any] | None) -> str | None:
+def resume_problem(out_dir: Path, model_config: dict[str, Any] | None, config=None) -> str | None:
     """Why ``run.resume`` cannot continue from the newest checkpoint, or None (also when there is no
-    checkpoint: the run then starts afresh). ``model_config`` is the run's model ``config.json``."""
+    checkpoint: the run then starts afresh). ``model_config`` is the run's model ``config.json``;
+    ``config`` (the run's :class:`~rltrain.config.Config`) adds the learner layouts' check."""
     tag = latest_tag(out_dir)
     if tag is None:
         return None
@@ -114,6 +146,14 @@ def resume_problem(out_dir: Path, model_config: dict[str, Any] | None) -> str | 
         if key in saved and key in model_config and saved[key] != model_config[key]:
             return (f"checkpoint {folder} holds another model ({key} {saved[key]!r}; the run's model has "
                     f"{model_config[key]!r})")  # fmt: skip
+    if config is not None:
+        sections = [(folder, config.learner, "policy")]
+        if config.critic is not None and (folder / CRITIC).is_dir():
+            sections.append((folder / CRITIC, config.critic.learners, "critic"))
+        for where, lc, section in sections:
+            problem = layout_problem(where, lc, section)
+            if problem:
+                return problem
     return None
 
 

@@ -433,6 +433,11 @@ class RunConfig(Section):
     of the run; 0: never."""
     keep_checkpoints: int | None = Field(None, ge=1)
     """Keep the newest N checkpoints and delete older ones after each save; null keeps all."""
+    layout_free_checkpoints: bool = True
+    """Also write each learner section's whole state without its layout (`layout_free.pt`: every
+    parameter's fp32 weights and optimizer moments, the optimizer and schedule steps), so that a
+    resume may change learner.num_learners, zero_stage, packing and sequence parallelism. Costs
+    three times the model's fp32 size per checkpoint; false: resume needs the layout that saved."""
     max_restarts: int = Field(2, ge=0)
     """When an actor dies or stops answering, tear every actor down, start fresh ones and resume
     from the newest checkpoint, up to this many times per run; past it the run stops with the

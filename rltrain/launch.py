@@ -80,7 +80,7 @@ def preflight(config: Config) -> Inputs:
     if config.run.resume:
         config_json = Path(model_path).expanduser() / "config.json"
         model_config = json.loads(config_json.read_text()) if config_json.is_file() else None
-        problem = checkpoint.resume_problem(out, model_config)
+        problem = checkpoint.resume_problem(out, model_config, config)
         if problem:
             raise ConfigError(f"run.resume: {problem}")
     from transformers import AutoTokenizer

@@ -25,6 +25,7 @@ another deadlocks under ZeRO-3.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -37,7 +38,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain import attention, sequence_parallel
+from rltrain import attention, checkpoint, sequence_parallel
 from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_packed_micro_batches
 from rltrain.config import Config, LearnerConfig
 from rltrain.corrections import correction_mask
@@ -352,12 +353,33 @@ class EngineLearner:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
 
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        """DeepSpeed's checkpoint of this layout, the layout itself, and with
+        ``run.layout_free_checkpoints`` the whole state without it (rank 0 writes both files)."""
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
         # no DeepSpeed `latest` file: rltrain.checkpoint moves its own pointer once a save is complete
         self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
+        free = self._layout_free_state() if self.config.run.layout_free_checkpoints else None  # all ranks
+        if self.rank == 0:
+            folder = Path(ckpt_dir) / tag
+            if free is not None:
+                torch.save({**free, "client": client_state, "optimizer_steps": self.optimizer_steps},
+                           folder / checkpoint.LAYOUT_FREE)  # fmt: skip
+            (folder / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout(self.lc)))
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
+        """Restore from DeepSpeed's checkpoint when it was written by this layout, otherwise from
+        its layout-free state (:meth:`_load_layout_free`)."""
+        folder = Path(ckpt_dir) / tag
+        saved = (
+            json.loads((folder / checkpoint.LAYOUT).read_text())
+            if (folder / checkpoint.LAYOUT).is_file()
+            else None
+        )
+        if saved is not None and saved != checkpoint.layout(self.lc):
+            state = torch.load(folder / checkpoint.LAYOUT_FREE, map_location="cpu", weights_only=True)
+            self._load_layout_free(state)
+            return state["client"]
         path, state = self.engine.load_checkpoint(
             ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
@@ -368,6 +390,81 @@ class EngineLearner:
         random.setstate(ours["rng"]["python"])
         self.optimizer_steps = ours["optimizer_steps"]
         return ours["client"]
+
+    # ------------------------------------------------------------------ layout-free state
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer: DeepSpeed's ZeRO optimizers wrap it, without ZeRO it is the engine's."""
+        return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+
+    def _moment_keys(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"] if self.lc.optimizer == "adamw" else []  # plain SGD keeps none
+
+    def _layout_free_state(self) -> dict[str, Any] | None:
+        """Every parameter's fp32 weights and optimizer moments, whole and by name, the optimizer's
+        step count and the schedule, on rank 0 (None elsewhere). Every rank takes part: gathering a
+        partitioned parameter (ZeRO 1-3) is a collective."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        inner = self._torch_optimizer()
+        keys = self._moment_keys() if any(inner.state.values()) else []  # none before a first step
+        weights, moments = {}, {k: {} for k in keys}
+        for name, p in self.engine.module.named_parameters():
+            whole = safe_get_full_fp32_param(p)  # None without ZeRO: the parameter is whole
+            weights[name] = (p.detach() if whole is None else whole).float().cpu().clone()
+            for k in keys:
+                whole = safe_get_full_optimizer_state(p, k)
+                moments[k][name] = (inner.state[p][k] if whole is None else whole).float().cpu().clone()
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+        if self.rank != 0:
+            return None
+        return {"weights": weights, "moments": moments, "optimizer_step": steps[0] if steps else 0.0,
+                "scheduler": self.engine.lr_scheduler.state_dict()}  # fmt: skip
+
+    def _load_layout_free(self, state: dict[str, Any]) -> None:
+        """Set this layout's engine to a :meth:`_layout_free_state`: each rank's share of the
+        weights (the model's and the optimizer's fp32 copy), of the moments, the step counts and the
+        schedule, and the learning rate the schedule had reached."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        inner = self._torch_optimizer()
+        if state["moments"]:
+            self._create_optimizer_state()
+        zero3 = self.lc.zero_stage == 3
+        for name, p in self.engine.module.named_parameters():
+            whole = state["weights"][name]
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=zero3), torch.no_grad():
+                p.copy_(whole.to(p.dtype).view_as(p))  # the model's copy
+            safe_set_full_fp32_param(p, whole)  # ZeRO's fp32 partition (nothing without ZeRO)
+            for k, table in state["moments"].items():
+                if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+                    safe_set_full_optimizer_state(p, table[name], k)
+                else:
+                    inner.state[p][k].copy_(table[name].view_as(p))
+        for s in inner.state.values():
+            if "step" in s:
+                s["step"] = torch.tensor(state["optimizer_step"], dtype=s["step"].dtype)
+        self.engine.lr_scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(inner.param_groups, self.engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr  # a scheduler's state sets the rate at its next step only
+        self.optimizer_steps = state["optimizer_steps"]
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW's state as its first step would create it (zero moments) for every tensor the
+        torch optimizer updates (whole parameters, or ZeRO's flat partitions), linked to the
+        parameters' fragments under ZeRO 1-2."""
+        inner = self._torch_optimizer()
+        # ZeRO-3 hands its flat partitions to the torch optimizer only for the length of a step
+        flats = getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", None)
+        for t in flats or [t for group in inner.param_groups for t in group["params"]]:
+            state = inner.state[t]
+            state.setdefault("step", torch.tensor(0.0))
+            for k in self._moment_keys():
+                state.setdefault(k, torch.zeros_like(t))
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # ZeRO 1-2 link each parameter's fragment to the state after a first step
+            link()
 
 
 class PolicyLearner(EngineLearner):

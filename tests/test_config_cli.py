@@ -151,9 +151,11 @@ INPUTS = {
 }
 
 
-def _checkpoint(t, tag: str, hf_config: dict | None = None, pointer: str | None = None) -> list[str]:
+def _checkpoint(
+    t, tag: str, hf_config: dict | None = None, pointer: str | None = None, layout: dict | None = None
+) -> list[str]:
     """A run folder whose ``checkpoints/latest`` names ``pointer`` (default ``tag``); ``tag`` holds a
-    trainer state and, when given, an ``hf/config.json``."""
+    trainer state and, when given, an ``hf/config.json`` and the learner layout that wrote it."""
     import json
 
     root = t / "run" / "checkpoints"
@@ -161,6 +163,8 @@ def _checkpoint(t, tag: str, hf_config: dict | None = None, pointer: str | None 
     (root / tag / "trainer_state.json").write_text('{"step": 2}')
     if hf_config is not None:
         (root / tag / "hf" / "config.json").write_text(json.dumps(hf_config))
+    if layout is not None:
+        (root / tag / "layout.json").write_text(json.dumps(layout))
     (root / "latest").write_text(pointer or tag)
     return ["run.resume=true"]
 
@@ -177,6 +181,13 @@ RESUMES = {
     "checkpoint of another model": (
         lambda t: _checkpoint(t, "step_2", {"model_type": "qwen2", "hidden_size": 999}),
         "holds another model (hidden_size 999; the run's model has 64)",
+    ),
+    "checkpoint of another layout without its layout-free state": (
+        lambda t: _checkpoint(t, "step_2", {}, layout={"num_learners": 4, "zero_stage": 3}),
+        (
+            "was written by 4 policy learner(s) with ZeRO-3 and holds no layout_free.pt",
+            "resume with learner.num_learners=4 and learner.zero_stage=3",
+        ),
     ),
 }
 INPUTS.update(RESUMES)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,8 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout)
     run_trainer(tmp_path / "straight", *common, env=TESTS_ON_PATH)
     run_trainer(tmp_path / "split", *common, "run.stop_after=2", env=TESTS_ON_PATH)
     assert not (tmp_path / "split" / "final_model").exists()
+    if layout == "grpo":  # the same checkpoint, resumed below on 1 learner with ZeRO-3 (elastic)
+        shutil.copytree(tmp_path / "split", tmp_path / "elastic")
     run_trainer(tmp_path / "split", *common, "run.resume=true", env=TESTS_ON_PATH)
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     for name in straight:
@@ -150,18 +153,28 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout)
     assert_same_rows(rows["split"][2:], rows["straight"][2:])  # the step after the checkpoint
     if "dynamic" in layout:  # the batch was refilled (the case a sampler position alone gets wrong)
         assert max(r["rollout/sampling_rounds"] for r in rows["straight"]) > 1
+    if layout == "grpo":  # written by 2 learners with ZeRO-2, read from its layout-free state
+        run_trainer(tmp_path / "elastic", *common, "run.resume=true", "learner.num_learners=1",
+                    "learner.zero_stage=3", env=TESTS_ON_PATH)  # fmt: skip
+        elastic = final_weights(tmp_path / "elastic")
+        worst = max((elastic[name] - straight[name]).abs().max().item() for name in straight)
+        assert worst < 1e-5, worst
+        # every row but how each rank cut its share
+        assert_same_rows(
+            logged_rows(tmp_path / "elastic")[2:], rows["straight"][2:], ("train/micro_batches",)
+        )
 
 
 def logged_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_rows(rows: list[dict], expected: list[dict]) -> None:
-    """Equal metric rows but for wall-clock figures (time/, perf/)."""
+def assert_same_rows(rows: list[dict], expected: list[dict], layout_keys: tuple[str, ...] = ()) -> None:
+    """Equal metric rows but for wall-clock figures (time/, perf/) and ``layout_keys``."""
     assert len(rows) == len(expected)
     for row, want in zip(rows, expected):
-        keys = {k for k in want if not k.startswith(("time/", "perf/"))}
-        assert keys == {k for k in row if not k.startswith(("time/", "perf/"))}
+        keys = {k for k in want if not k.startswith(("time/", "perf/", *layout_keys))}
+        assert keys == {k for k in row if not k.startswith(("time/", "perf/", *layout_keys))}
         for k in sorted(keys):
             assert row[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (row["step"], k)
 

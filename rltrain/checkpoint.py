@@ -38,13 +38,23 @@ def layout(lc) -> dict[str, int]:
     return {"num_learners": lc.num_learners, "zero_stage": lc.zero_stage}
 
 
+def write_layout(folder: Path, lc) -> None:
+    (folder / LAYOUT).write_text(json.dumps(layout(lc)))
+
+
+def saved_layout(folder: Path) -> dict[str, int] | None:
+    """The layout that wrote the learner section in ``folder``; None for a checkpoint written before
+    layouts were recorded (or without its file): DeepSpeed's own load decides then."""
+    try:
+        return json.loads((folder / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def layout_problem(folder: Path, lc, section: str) -> str | None:
     """Why the learner section saved in ``folder`` cannot be resumed on ``lc``'s layout, or None."""
-    try:
-        saved = json.loads((folder / LAYOUT).read_text())
-    except (OSError, ValueError):
-        return None  # written before layouts were recorded: DeepSpeed's own load decides
-    if saved == layout(lc) or (folder / LAYOUT_FREE).is_file():
+    saved = saved_layout(folder)
+    if saved is None or saved == layout(lc) or (folder / LAYOUT_FREE).is_file():
         return None
     return (
         f"checkpoint {folder.parent if section == 'critic' else folder} was written by {saved['num_learners']} "

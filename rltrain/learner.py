@@ -25,7 +25,6 @@ another deadlocks under ZeRO-3.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -365,17 +364,13 @@ class EngineLearner:
             if free is not None:
                 torch.save({**free, "client": client_state, "optimizer_steps": self.optimizer_steps},
                            folder / checkpoint.LAYOUT_FREE)  # fmt: skip
-            (folder / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout(self.lc)))
+            checkpoint.write_layout(folder, self.lc)
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
         """Restore from DeepSpeed's checkpoint when it was written by this layout, otherwise from
         its layout-free state (:meth:`_load_layout_free`)."""
         folder = Path(ckpt_dir) / tag
-        saved = (
-            json.loads((folder / checkpoint.LAYOUT).read_text())
-            if (folder / checkpoint.LAYOUT).is_file()
-            else None
-        )
+        saved = checkpoint.saved_layout(folder)
         if saved is not None and saved != checkpoint.layout(self.lc):
             state = torch.load(folder / checkpoint.LAYOUT_FREE, map_location="cpu", weights_only=True)
             self._load_layout_free(state)
@@ -409,15 +404,18 @@ class EngineLearner:
         inner = self._torch_optimizer()
         keys = self._moment_keys() if any(inner.state.values()) else []  # none before a first step
         weights, moments = {}, {k: {} for k in keys}
+        keep = self.rank == 0  # every rank gathers; rank 0 alone keeps a copy
         for name, p in self.engine.module.named_parameters():
             whole = safe_get_full_fp32_param(p)  # None without ZeRO: the parameter is whole
-            weights[name] = (p.detach() if whole is None else whole).float().cpu().clone()
+            if keep:
+                weights[name] = (p.detach() if whole is None else whole).float().cpu().clone()
             for k in keys:
                 whole = safe_get_full_optimizer_state(p, k)
-                moments[k][name] = (inner.state[p][k] if whole is None else whole).float().cpu().clone()
-        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
-        if self.rank != 0:
+                if keep:
+                    moments[k][name] = (inner.state[p][k] if whole is None else whole).float().cpu().clone()
+        if not keep:
             return None
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
         return {"weights": weights, "moments": moments, "optimizer_step": steps[0] if steps else 0.0,
                 "scheduler": self.engine.lr_scheduler.state_dict()}  # fmt: skip
 

@@ -56,6 +56,15 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
+def _sampled_logprobs(c) -> list[float]:
+    """The log-prob of each token a vLLM completion output sampled."""
+    return [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+
+
+def _finish(c) -> str:
+    return "length" if c.finish_reason == "length" else "stop"
+
+
 class VLLMBackend:
     def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int):
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
@@ -83,6 +92,10 @@ class VLLMBackend:
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._request_ids = itertools.count()
+        # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
+        # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
+        # which costs a third of the generation time of a small model on CPU.
+        self._detokenize = bool(stop)
         self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
 
     def _params(self, greedy: bool = False, **kwargs):
@@ -95,31 +108,19 @@ class VLLMBackend:
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
     ) -> list[Segment]:
-        # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
-        # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
-        # which costs a third of the generation time of a small model on CPU.
-        detokenize = bool(self.stop)
-        params = [
-            self._params(
-                greedy,
-                max_tokens=m,
-                seed=s,
-                logprobs=0,
-                stop=self.stop or None,
-                include_stop_str_in_output=True,
-                detokenize=detokenize,
-            )
-            for m, s in zip(max_tokens, seeds)
-        ]
+        params = [self._request_params(greedy, m, s) for m, s in zip(max_tokens, seeds)]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         segments = []
         for out in outputs:
             c = out.outputs[0]
-            logprobs = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
-            text = c.text if detokenize else _decode(self.tokenizer, c.token_ids)
-            finish = "length" if c.finish_reason == "length" else "stop"
-            segments.append(Segment(list(c.token_ids), logprobs, text, finish))
+            text = c.text if self._detokenize else _decode(self.tokenizer, c.token_ids)
+            segments.append(Segment(list(c.token_ids), _sampled_logprobs(c), text, _finish(c)))
         return segments
+
+    def _request_params(self, greedy: bool, max_tokens: int, seed: int):
+        """A request's sampling: its seed, sampled tokens' log-probs, stop strings kept in the output."""
+        return self._params(greedy, max_tokens=max_tokens, seed=seed, logprobs=0, stop=self.stop or None,
+                            include_stop_str_in_output=True, detokenize=self._detokenize)  # fmt: skip
 
     def generate_inflight(
         self,
@@ -136,11 +137,10 @@ class VLLMBackend:
         keeps them); only their tokens from then on come from the new weights."""
         from vllm.sampling_params import RequestOutputKind
 
-        engine, detokenize = self.llm.llm_engine, bool(self.stop)
+        engine = self.llm.llm_engine
         segments: dict[str, Segment] = {}
         for prompt, m, seed in zip(prompts, max_tokens, seeds):
-            params = self._params(greedy, max_tokens=m, seed=seed, logprobs=0, stop=self.stop or None,
-                                  include_stop_str_in_output=True, detokenize=detokenize)  # fmt: skip
+            params = self._request_params(greedy, m, seed)
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
             request_id = f"inflight-{next(self._request_ids)}"  # the outputs' name for it
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
@@ -151,16 +151,16 @@ class VLLMBackend:
                 for out in engine.step():
                     seg, c = segments[out.request_id], out.outputs[0]
                     seg.token_ids += c.token_ids
-                    seg.logprobs += [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+                    seg.logprobs += _sampled_logprobs(c)
                     seg.versions += [version] * len(c.token_ids)
                     seg.text += c.text
                     if out.finished:
-                        seg.finish_reason = "length" if c.finish_reason == "length" else "stop"
+                        seg.finish_reason = _finish(c)
         except BaseException:
             engine.abort_request(list(segments))
             raise
         for seg in segments.values():
-            seg.text = seg.text if detokenize else _decode(self.tokenizer, seg.token_ids)
+            seg.text = seg.text if self._detokenize else _decode(self.tokenizer, seg.token_ids)
         return list(segments.values())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

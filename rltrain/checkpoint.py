@@ -9,6 +9,11 @@ Saves are atomic: everything is written to ``step_<k>.partial/``, which is renam
 ``step_<k>/`` once complete; then ``checkpoints/latest`` (the newest complete one) is replaced by
 an atomic rename, and only then are old checkpoints beyond ``keep`` deleted. A run killed at any
 point of a save resumes from the previous checkpoint.
+
+A save that fails (a full disk, a folder that is not writable) raises :class:`SaveFailed` with one
+line, after removing what it wrote: ``latest`` still names the previous checkpoint, which stays
+loadable. Learner ranks record their write errors instead of raising them, finish DeepSpeed's
+collectives, and agree on the outcome, so a failing rank never leaves its peers in a barrier.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +79,10 @@ def checkpoint_root(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint or export could not be written; the message names it, why, and what is left."""
+
+
 def save(
     learners: LearnerGroup,
     out_dir: Path,
@@ -80,26 +91,111 @@ def save(
     critic: LearnerGroup | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Write checkpoint ``step_<step>`` atomically, point ``latest`` at it, keep the newest ``keep``."""
+    """Write checkpoint ``step_<step>`` atomically, point ``latest`` at it, keep the newest ``keep``.
+    Raises :class:`SaveFailed` when any part cannot be written, leaving ``latest`` as it was."""
     root, tag = checkpoint_root(out_dir), f"step_{step}"
-    partial = root / f"{tag}{PARTIAL}"
-    shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-save
-    learners.save_checkpoint(root, partial.name, {"step": step})
-    (partial / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}))
-    learners.save_hf(partial / "hf")
-    if critic is not None:
-        critic.save_checkpoint(partial, CRITIC, {"step": step})
-        critic.save_hf(partial / "critic_hf")
-    final = root / tag
-    if final.exists():  # a stale copy (a resumed run saving a step again); `latest` never names it
-        shutil.rmtree(final)
-    os.rename(partial, final)
-    tmp = root / "latest.tmp"
-    tmp.write_text(tag)
-    os.replace(tmp, root / "latest")
+    partial, final = root / f"{tag}{PARTIAL}", root / tag
+    try:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-save
+        _check(learners.save_checkpoint(root, partial.name, {"step": step}))
+        _write(
+            partial / TRAINER_STATE, lambda path: path.write_text(json.dumps({"step": step, **trainer_state}))
+        )
+        _check(learners.save_hf(partial / "hf"))
+        if critic is not None:
+            _check(critic.save_checkpoint(partial, CRITIC, {"step": step}))
+            _check(critic.save_hf(partial / "critic_hf"))
+        if final.exists():  # a stale copy (a resumed run saving a step again); `latest` never names it
+            shutil.rmtree(final)
+        _write(final, lambda path: os.rename(partial, path))
+        _write(root / "latest.tmp", lambda path: (path.write_text(tag), os.replace(path, root / "latest")))
+    except SaveFailed as e:
+        for path in (partial, final):  # the space it took; `latest` names neither
+            if latest_tag(out_dir) != path.name:
+                shutil.rmtree(path, ignore_errors=True)
+        before = latest_tag(out_dir)
+        left = (
+            f"checkpoint {root / before} is still the latest" if before else "no checkpoint was saved before"
+        )
+        raise SaveFailed(f"checkpoint {tag} was not saved: {e}; {left}") from None
     if keep is not None:
         prune(root, keep)
     return final
+
+
+def export_hf(learners: LearnerGroup, folder: Path) -> None:
+    """The policy (or critic) in Hugging Face format; :class:`SaveFailed` when it cannot be written."""
+    try:
+        _check(learners.save_hf(folder))
+    except SaveFailed as e:
+        raise SaveFailed(f"{folder} was not written: {e}") from None
+
+
+def _check(error: str | None) -> None:
+    if error is not None:
+        raise SaveFailed(error)
+
+
+def _write(path: Path, write: Callable[[Path], Any]) -> None:
+    try:
+        write(path)
+    except OSError as e:
+        raise SaveFailed(write_failure(e, path)) from None
+
+
+def write_failure(error: BaseException, path: str | Path) -> str:
+    """One line for a write that failed: the OS's reason and the free space where it went. torch's
+    zip writer hides the reason (``unexpected pos 576 vs 534`` for a full disk); no free space
+    then names it."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    elif free is not None and free < 2**20:
+        reason = "No space left on device"
+    else:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    space = f"{free / 2**20:.1f} MiB free there" if free is not None else "free space unknown"
+    return f"writing {path} failed ({reason}; {space})"
+
+
+@contextmanager
+def recorded_write_errors(engine: Any, names: tuple[str, ...] = ("makedirs", "save")) -> Iterator[list[str]]:
+    """Within the block, a failing ``engine.<name>(...)`` call (DeepSpeed's checkpoint engine:
+    ``makedirs``, ``save``) is recorded in the yielded list instead of raised, and later calls write
+    nothing: the rank goes on through the save's collectives with its peers."""
+    errors: list[str] = []
+    originals = {name: getattr(engine, name) for name in names}
+    own = {name: vars(engine)[name] for name in names if name in vars(engine)}
+
+    def guarded(write: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if errors:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except Exception as e:  # torch's writer raises RuntimeError for what the OS refused
+                path = kwargs.get("path") or next((a for a in args if isinstance(a, (str, Path))), "?")
+                errors.append(write_failure(e, path))
+                return None
+
+        return call
+
+    for name, write in originals.items():
+        setattr(engine, name, guarded(write))
+    try:
+        yield errors
+    finally:
+        for name in originals:
+            if name in own:
+                setattr(engine, name, own[name])
+            else:
+                delattr(engine, name)  # the class's method again
 
 
 PARTIAL = ".partial"

@@ -8,6 +8,7 @@ deepspeed or vllm.
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -433,6 +434,11 @@ class RunConfig(Section):
     of the run; 0: never."""
     keep_checkpoints: int | None = Field(None, ge=1)
     """Keep the newest N checkpoints and delete older ones after each save; null keeps all."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint or model export that cannot be written (a full disk, a folder that is not
+    writable): `stop` ends the run with one line (exit 1) and the resume command; `continue` says
+    so in one line and trains on, trying again at the next save. Either way what the failed save
+    wrote is removed and the previous checkpoint stays the latest, loadable."""
     layout_free_checkpoints: bool = True
     """Also write each learner section's whole state without its layout (`layout_free.pt`: every
     parameter's fp32 weights and optimizer moments, the optimizer and schedule steps), so that a
@@ -666,7 +672,8 @@ def describe() -> str:
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 walk(annotation, f"{prefix}{name}.", default if isinstance(default, BaseModel) else None)
                 continue
-            lines.append(f"{prefix}{name} = {default!r}\n    {(field.description or '').strip()}")
+            doc = textwrap.indent((field.description or "").strip(), "    ")
+            lines.append(f"{prefix}{name} = {default!r}\n{doc}")
 
     walk(Config, "", None)
     return "\n".join(lines)

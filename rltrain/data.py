@@ -162,7 +162,7 @@ def _read_local(files: list[Path], key: str) -> list[tuple[str, dict]]:
             LOCAL_FORMATS[files[0].suffix], data_files=[str(f) for f in files], split="train"
         )
     except Exception as e:
-        raise ValueError(f"{key}: cannot read {str(files[0].parent)!r}: {_first_line(e)}") from None
+        raise ValueError(f"{key}: cannot read {str(files[0].parent)!r}: {first_line(e)}") from None
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
 
 
@@ -173,12 +173,12 @@ def _read_hub(config: DataConfig, key: str) -> list[tuple[str, dict]]:
         dataset = datasets.load_dataset(config.source, config.subset, split=config.split)
     except Exception as e:
         raise ValueError(
-            f"{key}: {config.source!r} is no local file and cannot be loaded from the hub: {_first_line(e)}"
+            f"{key}: {config.source!r} is no local file and cannot be loaded from the hub: {first_line(e)}"
         ) from None
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 

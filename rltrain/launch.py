@@ -30,6 +30,7 @@ from rltrain.data import (
     Prompt,
     PromptSampler,
     episode_prompts,
+    first_line,
     load_rows,
     sft_examples,
     split_held_out,
@@ -85,7 +86,14 @@ def preflight(config: Config) -> Inputs:
             raise ConfigError(f"run.resume: {problem}")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=config.model.trust_remote_code
+        )
+    except Exception as e:  # a model folder without tokenizer files, say
+        raise ConfigError(
+            f"model.name_or_path: cannot load the tokenizer of {model_path!r} ({first_line(e)})"
+        ) from None
     try:
         rows, held_out = load_rows(config.data), []
         if config.run.eval_every:
@@ -175,18 +183,25 @@ def _output_folder(config: Config) -> Path:
 def _check_model(config: Config, model_path: str) -> None:
     """A local model folder must be a transformers model whose context holds the longest sequence."""
     folder = Path(model_path).expanduser()
-    if not folder.is_dir():
-        return  # a hub name: transformers loads and checks it
-    if not (folder / "config.json").is_file():
+    if folder.is_dir() and not (folder / "config.json").is_file():
         raise ConfigError(
             f"model.name_or_path: {model_path!r} has no config.json (not a transformers model folder)"
         )
     from transformers import AutoConfig
 
-    try:
-        model_config = AutoConfig.from_pretrained(folder, trust_remote_code=config.model.trust_remote_code)
+    try:  # a hub name: its config.json alone is fetched (and cached) now
+        model_config = AutoConfig.from_pretrained(
+            folder if folder.is_dir() else model_path, trust_remote_code=config.model.trust_remote_code
+        )
     except Exception as e:
-        raise ConfigError(f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})") from None
+        if folder.is_dir():
+            raise ConfigError(
+                f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})"
+            ) from None
+        raise ConfigError(
+            f"model.name_or_path: {model_path!r} is no local model folder and cannot be loaded from the "
+            f"hub ({first_line(e)})"
+        ) from None
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and config.longest_sequence > context:
         raise ConfigError(

@@ -343,28 +343,47 @@ class EngineLearner:
                     state[name] = param.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
 
-    def save_hf(self, out_dir: str) -> None:
+    def save_hf(self, out_dir: str) -> str | None:
+        """The model in Hugging Face format, written by rank 0; why it could not be, or None."""
         from transformers import AutoTokenizer
 
         state = self.gathered_state_dict()
         if self.rank == 0:
-            self.engine.module.save_pretrained(out_dir, state_dict=state)
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+            try:
+                self.engine.module.save_pretrained(out_dir, state_dict=state)
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+            except (OSError, RuntimeError) as e:
+                return checkpoint.write_failure(e, out_dir)
+        return None
 
-    def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict[str, Any]) -> str | None:
         """DeepSpeed's checkpoint of this layout, the layout itself, and with
-        ``run.layout_free_checkpoints`` the whole state without it (rank 0 writes both files)."""
+        ``run.layout_free_checkpoints`` the whole state without it (rank 0 writes both files).
+        A rank whose write fails goes on through the save's collectives, writing nothing more; then
+        every rank learns whether any failed. Returns why this rank's write failed, "" when only
+        another rank's did, None when the save is complete."""
+        import torch.distributed as dist
+
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
-        # no DeepSpeed `latest` file: rltrain.checkpoint moves its own pointer once a save is complete
-        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
+        with checkpoint.recorded_write_errors(self.engine.checkpoint_engine) as errors:
+            # no DeepSpeed `latest` file: rltrain.checkpoint moves its own pointer once a save is complete
+            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
         free = self._layout_free_state() if self.config.run.layout_free_checkpoints else None  # all ranks
-        if self.rank == 0:
-            folder = Path(ckpt_dir) / tag
-            if free is not None:
-                torch.save({**free, "client": client_state, "optimizer_steps": self.optimizer_steps},
-                           folder / checkpoint.LAYOUT_FREE)  # fmt: skip
-            checkpoint.write_layout(folder, self.lc)
+        folder = Path(ckpt_dir) / tag
+        if self.rank == 0 and not errors:
+            try:
+                if free is not None:
+                    torch.save({**free, "client": client_state, "optimizer_steps": self.optimizer_steps},
+                               folder / checkpoint.LAYOUT_FREE)  # fmt: skip
+                checkpoint.write_layout(folder, self.lc)
+            except (OSError, RuntimeError) as e:
+                errors.append(checkpoint.write_failure(e, folder))
+        failed = torch.tensor([float(len(errors))])
+        dist.all_reduce(failed)
+        if failed.item() == 0:
+            return None
+        return errors[0] if errors else ""
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict[str, Any]:
         """Restore from DeepSpeed's checkpoint when it was written by this layout, otherwise from
@@ -680,11 +699,13 @@ class LearnerGroup:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return gather([self.gathered_state_ref()], self.names[:1], self.timeout_s)[0]
 
-    def save_hf(self, out_dir: str | Path) -> None:
-        self._all("save_hf", str(out_dir))
+    def save_hf(self, out_dir: str | Path) -> str | None:
+        """Rank 0 writes the Hugging Face model; why it could not, or None."""
+        return next((e for e in self._all("save_hf", str(out_dir)) if e), None)
 
-    def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> None:
-        self._all("save_checkpoint", str(ckpt_dir), tag, client_state)
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> str | None:
+        """Every rank's share of the checkpoint; why a rank could not write it, or None."""
+        return next((e for e in self._all("save_checkpoint", str(ckpt_dir), tag, client_state) if e), None)
 
     def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
         return self._all("load_checkpoint", str(ckpt_dir), tag)[0]

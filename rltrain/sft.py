@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rltrain import checkpoint
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import SFT_FROM_ENV, Config, LearnerConfig
 from rltrain.data import chat_prompt, sft_examples, tokenize_completion
@@ -97,7 +98,7 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
                 bar.update(1)
                 if bar.disable and step % max(1, sft.steps // 5) == 0 and step < sft.steps:
                     tqdm.write(f"sft warm-up: step {step}/{sft.steps}, loss {losses[-1]:.3f}")
-        learners.save_hf(folder)
+        checkpoint.export_hf(learners, folder)
     finally:
         learners.shutdown()
     elapsed = time.perf_counter() - start

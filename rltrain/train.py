@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(config, inputs)
-    except RunFailed as e:
+    except (RunFailed, checkpoint.SaveFailed) as e:  # the latter: the warm start's model
         print(f"rltrain: {e}", file=sys.stderr)
         return 1
     return 0
@@ -101,8 +101,7 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
             if restart == config.run.max_restarts:
                 raise RunFailed(
                     f"{failure}{stacks}; stopping after {restart} restart(s) (run.max_restarts={config.run.max_restarts}); "
-                    f"last checkpoint: {inputs.out / 'checkpoints' / tag if tag else 'none'}; resume with: "
-                    f"python -m rltrain.train --config {inputs.out / 'config.yaml'} run.resume=true"
+                    f"last checkpoint: {inputs.out / 'checkpoints' / tag if tag else 'none'}; {resume_hint(inputs.out)}"
                 ) from failure
             print(f"rltrain: {failure}{stacks}; restarting every actor from {where} "
                   f"(restart {restart + 1} of {config.run.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
@@ -122,7 +121,6 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
     step = trained = saved = run.start_step  # trained: the last step whose update was issued
     busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
-    keep = config.run.keep_checkpoints
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
@@ -160,18 +158,20 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "train/sequences": float(len(batch))})  # fmt: skip
             check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                state = {"data": orchestrator.state(step)}
-                checkpoint.save(learners, run.out, step, state, run.critic, keep)
-                saved = step
+                if save(run, config, step, {"data": orchestrator.state(step)}):
+                    saved = step
             if step == config.run.stop_after:
                 break
+        if step == config.run.steps:
+            for group, folder in ((learners, "final_model"), (run.critic, "final_critic")):
+                if group is not None:
+                    save(run, config, step, export=(group, run.out / folder))
     except KeyboardInterrupt:
         # an update already issued completes on the learners before the save queued behind it
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            state = {"data": orchestrator.state(trained)}
-            checkpoint.save(learners, run.out, trained, state, run.critic, keep)
+            save(run, config, trained, {"data": orchestrator.state(trained)}, on_error="continue")
         raise
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
@@ -180,12 +180,35 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         raise
     finally:
         tracker.close()
-    if step == config.run.steps:
-        learners.save_hf(run.out / "final_model")
-        if run.critic is not None:
-            run.critic.save_hf(run.out / "final_critic")
     run.shutdown()
     return run.out
+
+
+def save(run: Run, config: Config, step: int, state: dict | None = None, *, export: tuple | None = None,
+         on_error: str | None = None) -> bool:  # fmt: skip
+    """Checkpoint ``step`` (or ``export`` a learner group's model to a folder). A save that fails
+    leaves the previous checkpoint as the latest and, as ``on_error`` (by default
+    ``run.on_save_error``) says, stops the run with one line or says so in one line and goes on;
+    returns whether it was written."""
+    try:
+        if export is not None:
+            checkpoint.export_hf(*export)
+        else:
+            checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+        return True
+    except checkpoint.SaveFailed as e:
+        if (on_error or config.run.on_save_error) == "stop":
+            raise RunFailed(
+                f"step {step}: {e}; stopping (run.on_save_error=stop); {resume_hint(run.out)}"
+            ) from None
+        print(
+            f"rltrain: step {step}: {e}; going on (run.on_save_error=continue)", file=sys.stderr, flush=True
+        )
+        return False
+
+
+def resume_hint(out: Path) -> str:
+    return f"resume with: python -m rltrain.train --config {out / 'config.yaml'} run.resume=true"
 
 
 def check_mismatch(config: Config, step: int, metrics: dict[str, float], out: Path) -> None:

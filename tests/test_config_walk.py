@@ -30,3 +30,36 @@ def test_every_key_takes_boundary_values_or_refuses_them_in_one_line_naming_it(k
             leaf = key.split(".")[-1]
             # the key itself, or the cross-section check's own naming of it
             assert leaf in message or key.split(".")[0] in message, (key, value, message)
+
+
+def test_every_key_is_documented_for_help_config():
+    lines = describe().splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith(" "):  # a key; its documentation follows, indented
+            assert i + 1 < len(lines) and lines[i + 1].startswith("    ") and lines[i + 1].strip(), line
+
+
+@pytest.mark.slow
+def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in_one_line(
+    tmp_path, monkeypatch
+):
+    from rltrain.launch import preflight
+
+    monkeypatch.chdir(tmp_path)  # relative paths among the values land here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub name fails at once rather than after retries
+    tried = 0
+    for i, key in enumerate(KEYS):
+        base = ["algorithm.advantage=gae"] if key.startswith("critic.") else []
+        for j, value in enumerate(BOUNDARY):
+            overrides = [*base, f"run.output_dir={tmp_path / f'run_{i}_{j}'}", f"{key}={value}"]
+            try:
+                config = load_config(None, overrides)
+            except ConfigError:
+                continue  # the schema walk above covers these
+            tried += 1
+            try:
+                preflight(config)
+            except ConfigError as e:
+                assert "\n" not in str(e), (key, value, str(e))
+                assert key.split(".")[-1] in str(e) or key.split(".")[0] in str(e), (key, value, str(e))
+    assert tried > 50  # the values the schema takes (about a hundred)

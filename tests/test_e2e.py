@@ -137,8 +137,9 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout)
     run_trainer(tmp_path / "straight", *common, env=TESTS_ON_PATH)
     run_trainer(tmp_path / "split", *common, "run.stop_after=2", env=TESTS_ON_PATH)
     assert not (tmp_path / "split" / "final_model").exists()
-    if layout == "grpo":  # the same checkpoint, resumed below on 1 learner with ZeRO-3 (elastic)
-        shutil.copytree(tmp_path / "split", tmp_path / "elastic")
+    if layout == "grpo":  # the same checkpoint, resumed below on other layouts (elastic)
+        for other in ELASTIC:
+            shutil.copytree(tmp_path / "split", tmp_path / other)
     run_trainer(tmp_path / "split", *common, "run.resume=true", env=TESTS_ON_PATH)
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     for name in straight:
@@ -153,16 +154,24 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout)
     assert_same_rows(rows["split"][2:], rows["straight"][2:])  # the step after the checkpoint
     if "dynamic" in layout:  # the batch was refilled (the case a sampler position alone gets wrong)
         assert max(r["rollout/sampling_rounds"] for r in rows["straight"]) > 1
-    if layout == "grpo":  # written by 2 learners with ZeRO-2, read from its layout-free state
-        run_trainer(tmp_path / "elastic", *common, "run.resume=true", "learner.num_learners=1",
-                    "learner.zero_stage=3", env=TESTS_ON_PATH)  # fmt: skip
-        elastic = final_weights(tmp_path / "elastic")
-        worst = max((elastic[name] - straight[name]).abs().max().item() for name in straight)
-        assert worst < 1e-5, worst
-        # every row but how each rank cut its share
-        assert_same_rows(
-            logged_rows(tmp_path / "elastic")[2:], rows["straight"][2:], ("train/micro_batches",)
-        )
+    if layout == "grpo":  # written by 2 learners with ZeRO-2
+        for other, overrides in ELASTIC.items():
+            run_trainer(tmp_path / other, *common, "run.resume=true", *overrides, env=TESTS_ON_PATH)
+            elastic = final_weights(tmp_path / other)
+            worst = max((elastic[name] - straight[name]).abs().max().item() for name in straight)
+            assert worst < 1e-5, (other, worst)
+            # every row but how each rank cut its share
+            assert_same_rows(
+                logged_rows(tmp_path / other)[2:], rows["straight"][2:], ("train/micro_batches",)
+            )
+
+
+# layouts a checkpoint of 2 learners with ZeRO-2 resumes on: from its layout-free state (1 learner,
+# ZeRO-3), and from DeepSpeed's own with each sequence split over both ranks
+ELASTIC = {
+    "1 learner zero-3": ["learner.num_learners=1", "learner.zero_stage=3"],
+    "2 learners sp=2": ["learner.sequence_parallel_size=2"],
+}
 
 
 def logged_rows(out: Path) -> list[dict]:

@@ -171,3 +171,44 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     assert "=== generator 0 " in report and "=== policy learner 0 " in report
     assert logged_steps(out) == [1, 2, 3, 4]
     assert not hang.exists()
+
+
+def test_saves_that_fail_keep_the_previous_checkpoint_and_stop_or_go_on_as_configured(tmp_path):
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    root.mkdir(parents=True)
+    # a checkpoint of this run takes ~3.4 MB: 5 MB holds step_1, not step_2 beside it (a full disk)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(root)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        done = run_trainer(out, "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=1",
+                           "run.on_save_error=continue", "rollout.backend=hf")  # fmt: skip
+        said = [line for line in done.stderr.splitlines() if "was not saved" in line]
+        assert [line.split(":")[0] for line in said] == ["rltrain", "rltrain"], done.stderr[-3000:]
+        for step, line in zip((2, 3), said):
+            assert line.startswith(f"rltrain: step {step}: checkpoint step_{step} was not saved: writing ")
+            assert "No space left on device" in line, line
+            assert line.endswith(f"checkpoint {root / 'step_1'} is still the latest; going on "
+                                 "(run.on_save_error=continue)")  # fmt: skip
+        assert logged_steps(out) == [1, 2, 3] and (out / "final_model").exists()  # trained to the end
+        assert (root / "latest").read_text() == "step_1"
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]  # nothing partial left
+
+        # the previous checkpoint resumes; with run.on_save_error=stop a failed save ends the run
+        stopped = subprocess.run(
+            [sys.executable, "-m", "rltrain.train", "--config", str(out / "config.yaml"), "run.resume=true",
+             "run.on_save_error=stop"],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert stopped.returncode == 1, stopped.stderr[-3000:]
+        assert "Traceback" not in stopped.stderr
+        last = stopped.stderr.strip().splitlines()[-1]
+        assert last.startswith("rltrain: step 2: checkpoint step_2 was not saved: writing "), last
+        assert last.endswith(f"stopping (run.on_save_error=stop); resume with: python -m rltrain.train "
+                             f"--config {out / 'config.yaml'} run.resume=true")  # fmt: skip
+        assert logged_steps(out) == [1, 2]  # resumed after step 1, stopped at step 2's save
+        assert (root / "latest").read_text() == "step_1"
+        AutoModelForCausalLM.from_pretrained(root / "step_1" / "hf")
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)

@@ -130,6 +130,28 @@ def test_checkpoint_round_trip_continues_exactly_on_its_own_layout_and_others(
         assert worst < 1e-5, (changes, worst)
 
 
+def test_a_save_one_rank_cannot_write_fails_on_every_rank_and_the_group_trains_on(
+    ray_local, tiny_model_path, tmp_path
+):
+    # 2 ranks under ZeRO-2: rank 1 alone writes its optimizer shard; a folder where that file
+    # goes makes its write fail while rank 0's succeed. DeepSpeed's save ends in a barrier that a
+    # rank raising out of it would leave its peer waiting in.
+    config = layout_config(2, 2, 2, optimizer="adamw")
+    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=3)
+    try:
+        group.train_step(synthetic_rollouts(seed=1))
+        shard = tmp_path / "blocked" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        shard.mkdir(parents=True)
+        error = group.save_checkpoint(tmp_path, "blocked", {"step": 1})
+        assert error is not None and str(shard) in error and "Is a directory" in error, error
+        # the ranks left the save together: the next update and a save elsewhere go through
+        group.train_step(synthetic_rollouts(seed=2))
+        assert group.save_checkpoint(tmp_path, "written", {"step": 2}) is None
+        assert (tmp_path / "written" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    finally:
+        group.shutdown()
+
+
 def test_logged_metrics_are_global_token_means(ray_local, tiny_model_path):
     batch = synthetic_rollouts(n=9, seed=4)
     group = LearnerGroup(layout_config(2, 2, 2), tiny_model_path, total_optimizer_steps=1)

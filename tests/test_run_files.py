@@ -1,7 +1,11 @@
-"""Run-folder bookkeeping without actors: checkpoint pruning and metrics truncation on resume."""
+"""Run-folder bookkeeping without actors: checkpoint pruning, a failed save, metrics truncation on
+resume."""
 
 import json
 
+import pytest
+
+from rltrain import checkpoint
 from rltrain.checkpoint import prune
 from rltrain.tracking import read_metrics, truncate_metrics
 
@@ -31,3 +35,67 @@ def test_resume_truncates_metrics_to_the_checkpoint_step(tmp_path):
     truncate_metrics(path, 0)  # a fresh run in the same folder starts an empty log
     assert path.read_text() == ""
     truncate_metrics(tmp_path / "missing.jsonl", 3)  # nothing to do
+
+
+class Writer:
+    """Stands in for a learner group's file writing (the learner side is tested on real actors in
+    test_learner): writes a file per call, or returns the error a rank reported."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.fail_on = fail_on
+
+    def save_checkpoint(self, root, tag, client_state):
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        (root / tag / "model.pt").write_text("weights")
+        return "writing model.pt failed (No space left on device)" if self.fail_on == "checkpoint" else None
+
+    def save_hf(self, folder):
+        folder.mkdir(parents=True)
+        return "writing hf failed (Read-only file system)" if self.fail_on == "hf" else None
+
+
+@pytest.mark.parametrize("fail_on", ["checkpoint", "hf"])
+def test_a_failed_save_removes_what_it_wrote_and_leaves_the_latest_pointer(tmp_path, fail_on):
+    checkpoint.save(Writer(), tmp_path, 1, {"data": {}})
+    with pytest.raises(checkpoint.SaveFailed) as failed:
+        checkpoint.save(Writer(fail_on), tmp_path, 2, {"data": {}}, keep=1)
+    root = tmp_path / "checkpoints"
+    message = str(failed.value)
+    assert message.startswith("checkpoint step_2 was not saved: writing ") and "\n" not in message
+    assert message.endswith(f"checkpoint {root / 'step_1'} is still the latest")
+    assert (root / "latest").read_text() == "step_1"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]  # no step_2.partial; step_1 kept
+    with pytest.raises(checkpoint.SaveFailed, match="no checkpoint was saved before"):
+        checkpoint.save(Writer(fail_on), tmp_path / "fresh", 1, {"data": {}})
+
+
+def test_a_write_error_names_the_path_the_reason_and_the_free_space(tmp_path):
+    # torch's zip writer reports a full disk as "unexpected pos"; an OSError carries its reason
+    text = checkpoint.write_failure(OSError(30, "Read-only file system"), tmp_path / "a" / "b.pt")
+    assert text.startswith(f"writing {tmp_path / 'a' / 'b.pt'} failed (Read-only file system; ")
+    assert text.endswith(" MiB free there)")
+
+
+def test_recorded_write_errors_keep_a_rank_going_and_restore_the_engine():
+    class Engine:  # DeepSpeed's checkpoint engine's two writing methods
+        def __init__(self):
+            self.written = []
+
+        def makedirs(self, path, exist_ok=False):
+            self.written.append(path)
+
+        def save(self, state_dict, path):
+            if path.endswith("optim.pt"):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+            self.written.append(path)
+
+    engine = Engine()
+    with checkpoint.recorded_write_errors(engine) as errors:
+        engine.makedirs("/no/such/dir", exist_ok=True)
+        engine.save({}, "/no/such/dir/optim.pt")  # recorded, not raised
+        engine.save({}, "/no/such/dir/model.pt")  # after a failure nothing more is written
+    assert engine.written == ["/no/such/dir"]
+    assert len(errors) == 1 and errors[0].startswith("writing /no/such/dir/optim.pt failed (")
+    assert "save" not in vars(engine) and "makedirs" not in vars(engine)  # the class's methods again
+    with pytest.raises(RuntimeError):
+        engine.save({}, "/x/optim.pt")

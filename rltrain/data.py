@@ -49,7 +49,7 @@ def guess_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
     return [{"prompt": "guess", "answer": str(rng.randrange(10**6))} for _ in range(n)]
 
 
-BUILTIN_SOURCES = {BUILTIN_TASK: arithmetic_rows, "builtin:guess": guess_rows}
+BUILTIN_SOURCES = {BUILTIN_TASK: arithmetic_rows, "builtin:guess": guess_rows, "builtin:chain": guess_rows}
 ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
 

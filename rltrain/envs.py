@@ -31,6 +31,7 @@ the row, which ``sft_warmup.source: env`` trains on before RL.
 from __future__ import annotations
 
 import inspect
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -167,4 +168,73 @@ class GuessEnv(Environment):
             low, high = (guess + 1, high) if guess < self.secret else (low, guess - 1)
 
 
-BUILTIN: dict[str, type[Environment]] = {"calculator": CalculatorEnv, "guess": GuessEnv}
+class ChainEnv(Environment):
+    """``builtin:chain``: a chain of arithmetic over several turns, the calculator a native tool.
+    The episode opens with "What is a + b?"; each right answer is followed by the next link,
+    "Now add c." or "Now subtract c.", which applies to the previous answer, so the policy must
+    use both what it answered and what the environment said. A wrong answer ends the episode.
+    Reward 1 when every one of the ``links`` answers is right, else 0. Rows come from
+    ``data.source: builtin:chain``; a row's answer (a whole number) seeds the numbers.
+
+    ``demonstration`` (the warm start's examples) answers each link with a calculator call with
+    probability ``tool_fraction`` and from memory otherwise, as the single-turn demo's warm start
+    does: RL then has to find that the calculator pays on every link."""
+
+    tools = [calculator]  # noqa: RUF012
+
+    def __init__(self, links: int = 2, high: int = 50, tool_fraction: float = 0.3):
+        if links < 1:
+            raise ValueError(f"links={links} must be at least 1")
+        if high < 1:
+            raise ValueError(f"high={high} must be at least 1")
+        if not 0.0 <= tool_fraction <= 1.0:
+            raise ValueError(f"tool_fraction={tool_fraction} must be in [0, 1]")
+        self.links, self.high, self.tool_fraction = links, high, tool_fraction
+
+    def reset(self, row: dict[str, Any]) -> Messages:
+        rng = random.Random(int(row["answer"]))
+        a, b = rng.randint(0, self.high), rng.randint(0, self.high)
+        # each link: (operator, operand); the first joins a and b
+        self.chain = [("+", b)] + [
+            (rng.choice("+-"), rng.randint(0, self.high)) for _ in range(self.links - 1)
+        ]
+        self.start, self.done_links, self.value = a, 0, a
+        self._tool_draws = rng  # the same draws give the demonstration's choices
+        return [{"role": "user", "content": f"What is {a} + {b}?"}]
+
+    def _expected(self) -> int:
+        op, operand = self.chain[self.done_links]
+        return self.value + operand if op == "+" else self.value - operand
+
+    def step(self, messages: Messages) -> Step:
+        expected = self._expected()
+        if last_number(messages[-1]["content"] or "") != expected:
+            return Step(reward=0.0, done=True)
+        self.value, self.done_links = expected, self.done_links + 1
+        if self.done_links == self.links:
+            return Step(reward=1.0, done=True)
+        op, operand = self.chain[self.done_links]
+        verb = "add" if op == "+" else "subtract"
+        return Step([{"role": "user", "content": f"Now {verb} {operand}."}], reward=0.0)
+
+    def demonstration(self, row: dict[str, Any]) -> Messages:
+        messages = self.reset(row)
+        while True:
+            op, operand = self.chain[self.done_links]
+            answer = str(self._expected())
+            if self._tool_draws.random() < self.tool_fraction:
+                expression = f"{self.value} {op} {operand}"
+                call = {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": expression}},
+                }
+                messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "name": "calculator", "content": calculator(expression)}]  # fmt: skip
+            messages.append({"role": "assistant", "content": answer})
+            step = self.step(messages)
+            if step.done:
+                return messages
+            messages += step.messages
+
+
+BUILTIN: dict[str, type[Environment]] = {"calculator": CalculatorEnv, "guess": GuessEnv, "chain": ChainEnv}

@@ -143,6 +143,16 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
     ):
         raise ValueError(f"sft_warmup.source=env: {env.name} has no demonstration(row) method")
     renderer = ChatRenderer(tokenizer, schemas, env.render)
+    try:
+        prompt = renderer.opening(opening)
+    except TemplateError as e:
+        raise ValueError(f"env.render: {e}") from None
+    if len(prompt) > config.data.max_prompt_tokens:
+        raise ValueError(
+            f"data.max_prompt_tokens={config.data.max_prompt_tokens} is shorter than {env.name}'s opening "
+            f"prompt for the first row ({len(prompt)} tokens, tool schemas and chat template included); "
+            "every episode would end before its first turn"
+        )
     probe = [*opening, {"role": "assistant", "content": "1"}]
     try:
         renderer.additions(probe, [{"role": "user", "content": "2"}])

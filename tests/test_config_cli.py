@@ -218,7 +218,7 @@ ENVIRONMENTS = {
     ),
     "unknown built-in environment": (
         lambda t: [*GUESS, "env.name=builtin:chess"],
-        "env.name: unknown built-in 'builtin:chess' (built-ins: builtin:calculator, builtin:guess)",
+        "env.name: unknown built-in 'builtin:chess' (built-ins: builtin:calculator, builtin:guess, builtin:chain)",
     ),
     "environment arguments it does not take": (
         lambda t: [*GUESS, "env.kwargs={top: 9}"],
@@ -227,6 +227,10 @@ ENVIRONMENTS = {
     "environment module that is not there": (
         lambda t: [*GUESS, "env.name=no_such_module:Env"],
         "env.name: cannot load 'no_such_module:Env': No module named 'no_such_module'",
+    ),
+    "an opening prompt longer than data.max_prompt_tokens": (
+        lambda t: [*GUESS, "data.max_prompt_tokens=8"],
+        "data.max_prompt_tokens=8 is shorter than builtin:guess's opening prompt for the first row (",
     ),
     "native calls without an environment": (
         lambda t: ["rollout.tool_parser=hermes"],

@@ -2,12 +2,13 @@
 tokens for what the environment and tools add, the mask is 1 exactly on sampled ids, and nothing
 is re-tokenized. A scripted engine plays the policy; environments run in their real processes."""
 
+import re
 import time
 
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.envs import CalculatorEnv, GuessEnv, tool_schemas
+from rltrain.envs import CalculatorEnv, ChainEnv, GuessEnv, tool_schemas
 from rltrain.rollout.chat import ChatRenderer, TemplateError
 from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.episodes import EpisodeLimits, run_episodes
@@ -220,3 +221,66 @@ def test_guess_answers_higher_or_lower_and_scores_late_finds_less_with_a_guess_c
     assert free.step(talk).reward == 1.0  # no cost: every find scores 1
     with pytest.raises(ValueError, match="guess_cost"):
         GuessEnv(guess_cost=1.0)
+
+
+def numbers(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", text)]
+
+
+def test_chain_links_apply_to_the_previous_answer_and_a_wrong_answer_ends_the_episode():
+    env = ChainEnv(links=3)
+    (opening,) = env.reset({"answer": "7"})
+    a, b = numbers(opening["content"])
+    assert opening["content"] == f"What is {a} + {b}?"
+    talk = [opening, {"role": "assistant", "content": str(a + b)}]
+    value = a + b
+    for _ in range(2):  # links 2 and 3: "Now add c." / "Now subtract c." on what was answered
+        step = env.step(talk)
+        assert not step.done and step.reward == 0.0
+        (follow_up,) = step.messages
+        verb, c = follow_up["content"].split()[1], numbers(follow_up["content"])[0]
+        value = value + c if verb == "add" else value - c
+        talk += [follow_up, {"role": "assistant", "content": f"It is {value}"}]
+    last = env.step(talk)
+    assert last.done and last.reward == 1.0 and last.messages == []
+    env.reset({"answer": "7"})
+    wrong = env.step([opening, {"role": "assistant", "content": str(a + b + 1)}])
+    assert wrong.done and wrong.reward == 0.0
+    with pytest.raises(ValueError, match="links"):
+        ChainEnv(links=0)
+
+
+@pytest.mark.parametrize("tool_fraction", [0.0, 1.0])
+def test_chain_demonstrations_call_the_calculator_as_often_as_asked_and_score_1(tool_fraction):
+    for seed in range(5):
+        env = ChainEnv(links=2, tool_fraction=tool_fraction)
+        talk = env.demonstration({"answer": str(seed)})
+        calls = [m for m in talk if m.get("tool_calls")]
+        assert len(calls) == (2 if tool_fraction else 0)  # one per link, or none
+        replay = ChainEnv(links=2)  # a fresh environment accepts the conversation's answers
+        replay.reset({"answer": str(seed)})
+        answers = [i for i, m in enumerate(talk) if m["role"] == "assistant" and not m.get("tool_calls")]
+        assert [replay.step(talk[: i + 1]).reward for i in answers] == [0.0, 1.0]
+
+
+def test_a_chain_episode_uses_the_environments_answers_through_native_calls():
+    env = ChainEnv(links=2)
+    (opening,) = env.reset({"answer": "3"})
+    a, b = numbers(opening["content"])
+    follow = env.step([opening, {"role": "assistant", "content": str(a + b)}]).messages[0]["content"]
+    c = numbers(follow)[0]
+    second = f"{a + b} + {c}" if "add" in follow else f"{a + b} - {c}"
+
+    def call(expression: str) -> list[int]:
+        return ids(
+            f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+        ) + [EOS]
+
+    final = a + b + c if "add" in follow else a + b - c
+    sampled = [call(f"{a} + {b}"), ids(str(a + b)) + [EOS], call(second), ids(str(final)) + [EOS]]
+    (ep,) = play("builtin:chain", {0: sampled}, [{"prompt": "chain", "answer": "3"}])
+    assert (ep.env_reward, ep.turns, ep.tool_calls, ep.finish_reason) == (1.0, 4, 2, "stop")
+    roles = [m["role"] for m in ep.messages]
+    assert roles == ["user", "assistant", "tool", "assistant", "user", "assistant", "tool", "assistant"]
+    assert ep.messages[2]["content"] == str(a + b) and ep.messages[4]["content"] == follow
+    assert sum(ep.tool_mask) == sum(len(t) for t in sampled)  # the mask is 1 on sampled ids only

@@ -1,0 +1,122 @@
+"""How much of a PPO run's return variance a critic could explain, from its saved rollouts.
+
+    python benchmarks/critic_variance.py RUN_FOLDER [RUN_FOLDER ...] [--last 10] [--first]
+
+A run saved with ``run.save_rollouts_every=1`` (``rollouts/step_<N>.jsonl``) and GAE with
+``gamma = lam = 1``: every sampled token's return is its completion's reward. Over the last steps
+it prints, token-weighted like ``critic/explained_variance``:
+
+- the return variance;
+- the share of it that lies between prompts: what a critic that knew each question's success rate
+  exactly would explain at every token (per sample; the within-prompt part estimated without bias
+  from the group's own samples: sum (R - group mean)^2 / (k - 1));
+- the share that lies between the samples that call the calculator and those that do not: what a
+  critic that knew from the first token whether the completion will call it would explain;
+- the critic's own explained variance (``metrics.jsonl``);
+- how the completions that called the calculator and those that did not fared.
+
+Whatever the prompt does not explain is decided by the sampled tokens themselves: a critic can only
+see it after the token that decides it, by reading what was sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from common import table
+
+
+def step_figures(path: Path) -> dict[str, float]:
+    """Sums over one step's samples, each weighted by its loss tokens (sampled by the policy)."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    weights = [sum(r["completion_mask"]) for r in records]
+    rewards = [r["reward"] for r in records]
+    total = sum(weights)
+    mean = sum(w * x for w, x in zip(weights, rewards)) / total
+    sums = {"tokens": total, "squares": sum(w * (x - mean) ** 2 for w, x in zip(weights, rewards))}
+    groups = defaultdict(list)
+    for i, r in enumerate(records):
+        groups[r["prompt_index"]].append(i)
+    # the prompt's part per sample, not per token: a group's samples differ in length, and
+    # weighting its unbiased spread by their tokens makes the estimate too noisy to read
+    plain = sum(rewards) / len(rewards)
+    sums["sample squares"] = sum((x - plain) ** 2 for x in rewards)
+    sums["within prompt"] = 0.0  # unbiased: k * sum (R - group mean)^2 / (k - 1) per group
+    for members in groups.values():
+        k = len(members)
+        group_mean = sum(rewards[i] for i in members) / k
+        sums["within prompt"] += (
+            k * sum((rewards[i] - group_mean) ** 2 for i in members) / (k - 1) if k > 1 else 0.0
+        )
+    sums["within call"] = 0.0  # around the mean reward of the samples that (did not) call the tool
+    for called in (True, False):
+        members = [i for i, r in enumerate(records) if bool(r["tool_calls"]) == called]
+        if members:
+            w = sum(weights[i] for i in members)
+            side = sum(weights[i] * rewards[i] for i in members) / w
+            sums["within call"] += sum(weights[i] * (rewards[i] - side) ** 2 for i in members)
+    called = [r for r in records if r["tool_calls"]]
+    alone = [r for r in records if not r["tool_calls"]]
+    sums |= {"samples": len(records), "called": len(called), "reward called": sum(r["reward"] for r in called),
+             "reward alone": sum(r["reward"] for r in alone)}  # fmt: skip
+    return sums
+
+
+def run_figures(run: Path, last: int, first: bool = False) -> dict[str, float]:
+    """Pooled over the last steps: a ratio of sums, not a mean of per-step ratios (a step where
+    nearly every sample succeeds has almost no variance to divide by)."""
+    paths = sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    paths = paths[:last] if first else paths[-last:]
+    if not paths:
+        raise SystemExit(f"{run}: no rollouts/step_*.jsonl (run with run.save_rollouts_every=1)")
+    steps = [int(p.stem.split("_")[1]) for p in paths]
+    s = defaultdict(float)
+    for path in paths:
+        for k, v in step_figures(path).items():
+            s[k] += v
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    explained = [
+        r["critic/explained_variance"]
+        for r in rows
+        if r["step"] in steps and "critic/explained_variance" in r
+    ]
+    alone = s["samples"] - s["called"]
+    return {
+        "variance": s["squares"] / s["tokens"],
+        "prompt oracle EV": 1.0 - s["within prompt"] / s["sample squares"],
+        "call oracle EV": 1.0 - s["within call"] / s["squares"],
+        "critic EV": mean_of(explained),
+        "tool-call share": s["called"] / s["samples"],
+        "reward with a call": s["reward called"] / s["called"] if s["called"] else float("nan"),
+        "reward without": s["reward alone"] / alone if alone else float("nan"),
+    }
+
+
+def mean_of(values: list[float]) -> float:
+    values = [v for v in values if v == v]  # NaN: a step without such completions
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--last", type=int, default=10, help="steps to pool (the newest)")
+    parser.add_argument("--first", action="store_true", help="pool the oldest --last steps instead")
+    args = parser.parse_args()
+    header = ["run", "return variance", "prompt oracle EV", "call oracle EV", "critic EV (mean of steps)",
+              "tool-call share", "reward with a call", "reward without"]  # fmt: skip
+    rows = []
+    for run in args.runs:
+        f = run_figures(run, args.last, args.first)
+        rows.append([run.name, f"{f['variance']:.3f}", f"{f['prompt oracle EV']:.2f}", f"{f['call oracle EV']:.2f}",
+                     f"{f['critic EV']:.3f}",
+                     f"{f['tool-call share']:.1%}", f"{f['reward with a call']:.2f}", f"{f['reward without']:.2f}"])  # fmt: skip
+    print(f"{'first' if args.first else 'last'} {args.last} steps with rollouts, pooled, token-weighted")
+    print(table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,7 @@ import torch
 from common import model_folder, run_trainer, table
 
 from rltrain.data import arithmetic_rows
-from rltrain.rewards import digits_reward
+from rltrain.rollout.rewards import digits_reward
 
 
 def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> dict[str, float]:

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rltrain.rewards import import_attribute
-from rltrain.tools import calculator
+from rltrain.rollout.rewards import import_attribute
+from rltrain.rollout.tools import calculator
 
 Messages = list[dict[str, Any]]
 

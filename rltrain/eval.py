@@ -81,8 +81,8 @@ def _one_engine(config: Config) -> Config:
 
 
 def score_model(config: Config, inputs) -> dict[str, float]:
-    from rltrain.rewards import RewardScorer
     from rltrain.rollout import GeneratorPool
+    from rltrain.rollout.rewards import RewardScorer
 
     generators = GeneratorPool(config, inputs.model_path)
     try:

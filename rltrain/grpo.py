@@ -12,7 +12,7 @@ from rltrain.advantages import gae_advantages, grpo_advantages, rloo_advantages,
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import AlgorithmConfig, Config
 from rltrain.data import Prompt
-from rltrain.rewards import RewardScorer, soft_overlong_penalty
+from rltrain.rollout.rewards import RewardScorer, soft_overlong_penalty
 
 
 @dataclass

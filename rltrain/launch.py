@@ -37,7 +37,7 @@ from rltrain.data import (
     tokenize_prompts,
 )
 from rltrain.orchestrator import Orchestrator
-from rltrain.rewards import ENV, RewardScorer, load_reward_fn
+from rltrain.rollout.rewards import ENV, RewardScorer, load_reward_fn
 
 
 def quiet_console() -> None:
@@ -167,7 +167,7 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
 def _check_tools(config: Config) -> None:
     tools = config.rollout.tools
     if "python" in tools.enabled and tools.sandbox.require_isolation:
-        from rltrain.sandbox import isolation_problem
+        from rltrain.rollout.sandbox import isolation_problem
 
         problem = isolation_problem()
         if problem is not None:

@@ -283,9 +283,9 @@ def test_config_file_must_hold_a_mapping(tmp_path, capsys):
 
 
 def test_python_tool_that_cannot_be_isolated_stops_the_run(tmp_path, capsys, monkeypatch):
-    import rltrain.sandbox
+    import rltrain.rollout.sandbox
 
-    monkeypatch.setattr(rltrain.sandbox, "isolation_problem", lambda: "no user namespaces")
+    monkeypatch.setattr(rltrain.rollout.sandbox, "isolation_problem", lambda: "no user namespaces")
     argv = [
         "--config",
         "configs/cpu_demo.yaml",

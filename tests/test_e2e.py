@@ -22,7 +22,7 @@ from rltrain.diagnostics import synthetic_rollouts
 from rltrain.learner import LearnerGroup
 from rltrain.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
-from rltrain.sandbox import isolation_problem
+from rltrain.rollout.sandbox import isolation_problem
 from rltrain.weight_sync import ObjectStoreSync
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from rltrain.rollout.chat import ChatRenderer, TemplateError
 from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.episodes import EpisodeLimits, run_episodes
 from rltrain.rollout.parsers import HermesParser, TagParser
+from rltrain.rollout.tools import SEED_STRIDE
 from rltrain.tiny_model import CHAT_TEMPLATE, build_tokenizer
-from rltrain.tools import SEED_STRIDE
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

@@ -50,3 +50,17 @@ def test_no_module_imports_one_that_imports_it_back():
     for module in sorted(graph):
         visit(module, [module])
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_old_paths_of_the_rollout_modules_are_the_moved_modules():
+    import importlib
+
+    for name in ("tools", "rewards", "sandbox"):
+        old, moved = (
+            importlib.import_module(f"rltrain.{name}"),
+            importlib.import_module(f"rltrain.rollout.{name}"),
+        )
+        assert old is moved, name  # one module under two names: no copy, no second state
+    from rltrain.tools import calculator  # the README's example environment imported it this way
+
+    assert calculator("2 + 3") == "5"

@@ -9,7 +9,7 @@ import torch
 from rltrain.batch import Completion, collate, plan_micro_batches
 from rltrain.config import DataConfig
 from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_prompts
-from rltrain.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
+from rltrain.rollout.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
 from rltrain.tiny_model import build_tokenizer
 
 FNS = "reward_fns"

@@ -7,8 +7,8 @@ from rltrain.config import Config
 from rltrain.data import Prompt
 from rltrain.logprobs import sequence_logprobs
 from rltrain.orchestrator import collect_groups
-from rltrain.rewards import RewardScorer
 from rltrain.rollout import GeneratorActor
+from rltrain.rollout.rewards import RewardScorer
 
 
 def test_hf_backend_rollout_with_tools_and_generator_logprobs(tiny_model_path):

@@ -14,7 +14,7 @@ from rltrain.config import DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
 from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
 from rltrain.eval import evaluate
-from rltrain.rewards import RewardScorer
+from rltrain.rollout.rewards import RewardScorer
 from rltrain.tracking import PANELS, plot_curves
 
 

@@ -7,8 +7,8 @@
 - :mod:`~rltrain.rollout.parsers`: tool calls in the model's own format (``hermes``, ``tag``);
 - :mod:`~rltrain.rollout.env_host`: environments and their tools, run in worker processes with
   deadlines; the protocol itself is :mod:`rltrain.envs`;
-- then :mod:`rltrain.tools` (the calculator and the sandboxed python tool) and
-  :mod:`rltrain.rewards`.
+- then :mod:`rltrain.rollout.tools` (the calculator and the sandboxed python tool) and
+  :mod:`rltrain.rollout.rewards`.
 
 Only :mod:`~rltrain.rollout.engines` imports ray and vllm; the names it exports are reachable from
 here (``from rltrain.rollout import GeneratorPool``) without importing them for the pure modules.

@@ -1,7 +1,7 @@
 """Generator actors: vLLM engines (or transformers ``generate``) behind one small interface.
 
 A backend turns prompts into :class:`~rltrain.batch.Segment` s and takes new weights in place;
-:class:`GeneratorActor` adds tool calls on top (:func:`rltrain.tools.generate_with_tools`);
+:class:`GeneratorActor` adds tool calls on top (:func:`rltrain.rollout.tools.generate_with_tools`);
 :class:`GeneratorPool` spreads requests over the engines.
 """
 
@@ -24,7 +24,7 @@ from rltrain.config import Config, RolloutConfig
 from rltrain.remote import gather, where
 from rltrain.rollout.episodes import Episodes
 from rltrain.rollout.inflight import generate_in_chunks
-from rltrain.tools import STOP, ToolRunner, generate_with_tools
+from rltrain.rollout.tools import STOP, ToolRunner, generate_with_tools
 
 
 class GeneratorBackend(Protocol):

@@ -23,8 +23,8 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rltrain import tools as builtin_tools
 from rltrain.envs import Step, load_environment
+from rltrain.rollout import tools as builtin_tools
 from rltrain.rollout.parsers import ToolCall
 
 Call = tuple[int, str, Any, float]  # (episode, method: reset | step | tool, argument, timeout_s)

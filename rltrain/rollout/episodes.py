@@ -26,7 +26,7 @@ from rltrain.batch import Completion, Segment
 from rltrain.rollout.chat import ChatRenderer
 from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.parsers import ParsedTurn, ToolCall, ToolParser
-from rltrain.tools import SEED_STRIDE, GenerateFn
+from rltrain.rollout.tools import SEED_STRIDE, GenerateFn
 
 TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
 
@@ -48,7 +48,7 @@ class Episodes:
     def __init__(self, config, tokenizer, encode: Callable[[str], list[int]]):
         from rltrain.envs import tool_schemas
         from rltrain.rollout.parsers import get_parser
-        from rltrain.tools import ToolRunner
+        from rltrain.rollout.tools import ToolRunner
 
         rc, env = config.rollout, config.env
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))

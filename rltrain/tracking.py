@@ -28,9 +28,12 @@ class Tracker:
 
         self.out_dir, self.total = out_dir, config.run.steps
         # a resumed run re-runs the steps after its checkpoint: their old rows go, in every log
-        truncate_metrics(out_dir / "metrics.jsonl", start_step)
+        # (a fresh run logs its own step 0, the evaluation before training: an earlier run's goes too)
+        truncate_metrics(out_dir / "metrics.jsonl", start_step if start_step else -1)
         self.jsonl = (out_dir / "metrics.jsonl").open("a")
-        self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1)
+        self.tensorboard = SummaryWriter(
+            str(out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0
+        )
         self.wandb = None
         if config.run.wandb_project:
             import wandb

@@ -32,9 +32,20 @@ def test_resume_truncates_metrics_to_the_checkpoint_step(tmp_path):
     truncate_metrics(path, 3)  # resumed from step 3: steps 4 and 5 will be logged again
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     assert len(path.read_text().splitlines()) == 3
-    truncate_metrics(path, 0)  # a fresh run in the same folder starts an empty log
-    assert path.read_text() == ""
     truncate_metrics(tmp_path / "missing.jsonl", 3)  # nothing to do
+
+
+def test_a_fresh_run_in_a_used_folder_drops_the_earlier_runs_rows_step_0_included(tmp_path):
+    from rltrain.config import Config
+    from rltrain.tracking import Tracker
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in [0, 1, 2]))  # 0: the evaluation
+    Tracker(tmp_path, Config(), start_step=0).close()  # the fresh run logs its own step 0
+    assert path.read_text() == ""
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in [0, 1, 2]))
+    Tracker(tmp_path, Config(), start_step=1).close()  # resumed after step 1
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
 
 
 class Writer:

@@ -127,8 +127,18 @@ def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) ->
 
 
 def _settings(config: Config, model_path: str) -> str:
-    """What the warmed-up model depends on: the warm-up section, the start model, data, seed."""
-    parts = [config.sft_warmup.model_dump(), model_path, config.data.model_dump(), config.run.seed]
+    """What the warmed-up model depends on: the warm-up section, the start model, data, seed, and
+    how the loss is aggregated (the warm-up's loss follows `loss.aggregation`)."""
+    loss = config.loss
+    norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
+    aggregation = [loss.aggregation, loss.masked_mean_axis, norm]
+    parts = [
+        config.sft_warmup.model_dump(),
+        model_path,
+        config.data.model_dump(),
+        config.run.seed,
+        aggregation,
+    ]
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

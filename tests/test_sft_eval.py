@@ -142,3 +142,14 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
     for key in ["eval/accuracy", "eval/tool_call_rate", "eval/response_length"]:
         assert result[key] == pytest.approx(last[key]), key
     assert torch.isfinite(torch.tensor(result["eval/accuracy"]))
+
+
+def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
+    from rltrain.config import Config
+    from rltrain.sft import _settings
+
+    plain = Config()
+    per_sequence = Config.model_validate({"loss": {"aggregation": "seq-mean-token-mean"}})
+    # the warm-up's loss follows loss.aggregation: another aggregation trains another model
+    assert _settings(plain, "m") != _settings(per_sequence, "m")
+    assert _settings(plain, "m") == _settings(Config(), "m")

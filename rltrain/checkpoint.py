@@ -110,10 +110,10 @@ def save(
         _write(final, lambda path: os.rename(partial, path))
         _write(root / "latest.tmp", lambda path: (path.write_text(tag), os.replace(path, root / "latest")))
     except SaveFailed as e:
-        for path in (partial, final):  # the space it took; `latest` names neither
-            if latest_tag(out_dir) != path.name:
-                shutil.rmtree(path, ignore_errors=True)
         before = latest_tag(out_dir)
+        for path in (partial, final):  # the space it took; `latest` names neither
+            if before != path.name:
+                shutil.rmtree(path, ignore_errors=True)
         left = (
             f"checkpoint {root / before} is still the latest" if before else "no checkpoint was saved before"
         )

@@ -43,13 +43,18 @@ def arithmetic_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
     return rows
 
 
-def guess_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
-    """Episodes of ``builtin:guess``: the answer picks the secret (see rltrain.envs.GuessEnv)."""
+def episode_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
+    """Episodes of ``builtin:guess`` and ``builtin:chain``: each row's answer seeds its episode (the
+    secret of rltrain.envs.GuessEnv, the numbers of rltrain.envs.ChainEnv)."""
     rng = random.Random(seed)
     return [{"prompt": "guess", "answer": str(rng.randrange(10**6))} for _ in range(n)]
 
 
-BUILTIN_SOURCES = {BUILTIN_TASK: arithmetic_rows, "builtin:guess": guess_rows, "builtin:chain": guess_rows}
+BUILTIN_SOURCES = {
+    BUILTIN_TASK: arithmetic_rows,
+    "builtin:guess": episode_rows,
+    "builtin:chain": episode_rows,
+}
 ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
 

@@ -198,7 +198,7 @@ class ChainEnv(Environment):
         self.chain = [("+", b)] + [
             (rng.choice("+-"), rng.randint(0, self.high)) for _ in range(self.links - 1)
         ]
-        self.start, self.done_links, self.value = a, 0, a
+        self.done_links, self.value = 0, a
         self._tool_draws = rng  # the same draws give the demonstration's choices
         return [{"role": "user", "content": f"What is {a} + {b}?"}]
 

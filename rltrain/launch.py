@@ -193,7 +193,8 @@ def _output_folder(config: Config) -> Path:
 def _check_model(config: Config, model_path: str) -> None:
     """A local model folder must be a transformers model whose context holds the longest sequence."""
     folder = Path(model_path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():
+    local = folder.is_dir()
+    if local and not (folder / "config.json").is_file():
         raise ConfigError(
             f"model.name_or_path: {model_path!r} has no config.json (not a transformers model folder)"
         )
@@ -201,10 +202,10 @@ def _check_model(config: Config, model_path: str) -> None:
 
     try:  # a hub name: its config.json alone is fetched (and cached) now
         model_config = AutoConfig.from_pretrained(
-            folder if folder.is_dir() else model_path, trust_remote_code=config.model.trust_remote_code
+            folder if local else model_path, trust_remote_code=config.model.trust_remote_code
         )
     except Exception as e:
-        if folder.is_dir():
+        if local:
             raise ConfigError(
                 f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})"
             ) from None

@@ -21,6 +21,8 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from rltrain import checkpoint
@@ -119,7 +121,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     env = config.env.name is not None  # episodes of an environment
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
-    step = trained = saved = run.start_step  # trained: the last step whose update was issued
+    step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
     busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
@@ -158,20 +160,22 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                                "train/sequences": float(len(batch))})  # fmt: skip
             check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                if save(run, config, step, {"data": orchestrator.state(step)}):
-                    saved = step
+                if saved(config, run.out, step, partial(save_checkpoint, run, config, step)):
+                    last_saved = step
             if step == config.run.stop_after:
                 break
         if step == config.run.steps:
             for group, folder in ((learners, "final_model"), (run.critic, "final_critic")):
                 if group is not None:
-                    save(run, config, step, export=(group, run.out / folder))
+                    saved(config, run.out, step, partial(checkpoint.export_hf, group, run.out / folder))
     except KeyboardInterrupt:
         # an update already issued completes on the learners before the save queued behind it
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
-        if trained > saved:
+        if trained > last_saved:
             tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            save(run, config, trained, {"data": orchestrator.state(trained)}, on_error="continue")
+            saved(
+                config, run.out, trained, partial(save_checkpoint, run, config, trained), on_error="continue"
+            )
         raise
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
@@ -184,27 +188,29 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     return run.out
 
 
-def save(run: Run, config: Config, step: int, state: dict | None = None, *, export: tuple | None = None,
-         on_error: str | None = None) -> bool:  # fmt: skip
-    """Checkpoint ``step`` (or ``export`` a learner group's model to a folder). A save that fails
-    leaves the previous checkpoint as the latest and, as ``on_error`` (by default
-    ``run.on_save_error``) says, stops the run with one line or says so in one line and goes on;
-    returns whether it was written."""
+def saved(
+    config: Config, out: Path, step: int, write: Callable[[], object], on_error: str | None = None
+) -> bool:
+    """Run ``write`` (a checkpoint or a model export). One that fails leaves the previous
+    checkpoint as the latest and, as ``on_error`` (by default ``run.on_save_error``) says, stops the
+    run with one line or says so in one line and goes on; returns whether it was written."""
     try:
-        if export is not None:
-            checkpoint.export_hf(*export)
-        else:
-            checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+        write()
         return True
     except checkpoint.SaveFailed as e:
         if (on_error or config.run.on_save_error) == "stop":
             raise RunFailed(
-                f"step {step}: {e}; stopping (run.on_save_error=stop); {resume_hint(run.out)}"
+                f"step {step}: {e}; stopping (run.on_save_error=stop); {resume_hint(out)}"
             ) from None
         print(
             f"rltrain: step {step}: {e}; going on (run.on_save_error=continue)", file=sys.stderr, flush=True
         )
         return False
+
+
+def save_checkpoint(run: Run, config: Config, step: int) -> None:
+    state = {"data": run.orchestrator.state(step)}
+    checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
 
 
 def resume_hint(out: Path) -> str:

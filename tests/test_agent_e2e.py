@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
-from rltrain.data import Prompt, guess_rows
+from rltrain.data import Prompt, episode_rows
 from rltrain.diagnostics import layout_config, relative_difference, update_after_one_step
 from rltrain.envs import GuessEnv
 from rltrain.grpo import ScoredGroups, build_batch
@@ -57,7 +57,7 @@ def guessing_model(tiny_model_path, tmp_path_factory):
 def episodes(guessing_model):
     config = Config.model_validate({**ENV, "algorithm": {"group_size": 4}})
     actor = GeneratorActor(config, guessing_model, engine_index=0)
-    rows = guess_rows(4, seed=3)
+    rows = episode_rows(4, seed=3)
     completions = actor.rollout([r for r in rows for _ in range(4)], seeds=list(range(16)))
     del actor  # the engine's KV cache
     prompts = [Prompt(i, [], r["answer"], r) for i, r in enumerate(rows)]

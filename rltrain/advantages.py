@@ -108,3 +108,37 @@ def whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) ->
     if selected.numel() < 2:
         return torch.zeros_like(values_BT, dtype=torch.float32)
     return torch.where(keep, (values_BT - selected.mean()) / (selected.std() + eps), 0.0)
+
+
+def distill_advantages(
+    teacher_logprobs_BT: torch.Tensor,
+    student_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    coef: float = 1.0,
+    task_advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantages, ``[B, T]``:
+    ``coef * (log p_teacher - log p_student) + (1 - coef) * task_advantage`` on the tokens the
+    student sampled (``mask_BT``), 0 elsewhere.
+
+    ``log p_student - log p_teacher`` of a token the student sampled is the one-sample estimate of
+    the reverse KL(student || teacher) at that position; its negative as the advantage makes the
+    policy-gradient step descend the reverse KL, token by token (no sequence-level credit
+    assignment is needed: every token has its own signal). ``task_advantages`` (``[B]``, one per
+    sequence, such as GRPO's) mixes in a task reward; without it ``coef`` must be 1.
+    """
+    if not 0.0 <= coef <= 1.0:
+        raise ValueError(f"coef={coef} must be in [0, 1]")
+    keep = mask_BT.bool()
+    distill = teacher_logprobs_BT.float() - student_logprobs_BT.float()
+    if task_advantages is None:
+        if coef != 1.0:
+            raise ValueError("a coef below 1 mixes in task advantages; none were given")
+        task = torch.zeros_like(distill)
+    else:
+        task = (
+            task_advantages.float()[:, None].expand_as(distill)
+            if task_advantages.dim() == 1
+            else task_advantages.float()
+        )
+    return torch.where(keep, coef * distill + (1.0 - coef) * task, 0.0)

@@ -102,6 +102,35 @@ class LearnerConfig(Section):
     """`auto`: bf16 on GPU, fp32 on CPU."""
 
 
+class FrozenLearnerConfig(Section):
+    """The actors of a model that scores and never trains (a teacher, a reward model): the same
+    engine path as the learners, without optimizer or gradients."""
+
+    num_learners: int = Field(1, ge=1)
+    """Data-parallel actors; each scores its share of every batch."""
+    cpus_per_learner: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each actor."""
+    gpus_per_learner: float = Field(0, ge=0)
+    """GPUs Ray reserves for each actor (0 on CPU machines)."""
+    zero_stage: Literal[0, 3] = 0
+    """0: each actor holds the whole model; 3: its weights are sharded over the actors (DeepSpeed
+    ZeRO-3), for a model larger than one device."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward (without packing)."""
+    packing: bool = True
+    """Padding-free forwards, bounded by max_tokens_per_micro_batch (as `learner.packing`)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one packed forward; null: micro_batch_size x the longest sequence."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Ray placement of the actors (as `learner.placement`)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU."""
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return 1  # scoring runs without sequence parallelism
+
+
 class RolloutCorrectionConfig(Section):
     """How tokens the engine sampled from a slightly different policy are corrected (rltrain.corrections)."""
 
@@ -182,9 +211,20 @@ class LossConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
-    """Advantage estimator: group-relative (`grpo`, `dr_grpo`, `rloo`: no critic), or `gae`
-    (classic PPO: per-token advantages from a learned critic, configured in the `critic` section)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "distill"] = "grpo"
+    """Advantage estimator: group-relative (`grpo`, `dr_grpo`, `rloo`: no critic), `gae` (classic
+    PPO: per-token advantages from a learned critic, configured in the `critic` section), or
+    `distill` (on-policy distillation: each sampled token's advantage is `teacher log-prob -
+    student log-prob` under algorithm.teacher, mixed with GRPO's by algorithm.distill_coef)."""
+    teacher: str | None = None
+    """advantage=distill: the teacher, a local model folder or hub name with the policy's
+    tokenizer, scored on its own actors (algorithm.teacher_learners)."""
+    teacher_learners: FrozenLearnerConfig = FrozenLearnerConfig()
+    """The teacher's actors: count, CPUs/GPUs, micro-batches or token budget, ZeRO stage."""
+    distill_coef: float = Field(1.0, ge=0, le=1)
+    """advantage=distill: per-token advantage `distill_coef * (teacher - student log-prob) +
+    (1 - distill_coef) * GRPO's advantage of the rewards`; 1: distillation alone (the rewards are
+    still computed and logged)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """GAE discount per policy token (1: no discount, usual for language models)."""
     lam: float = Field(0.95, ge=0, le=1)
@@ -348,10 +388,57 @@ class DataConfig(Section):
         return value
 
 
+class JudgeConfig(Section):
+    """An LLM judge: each completion is put to a model in a prompt, and its greedy verdict is the score."""
+
+    prompt: str = (
+        "Question: {question}\nReference answer: {answer}\nStudent answer: {completion}\n"
+        "Is the student answer correct? Reply with `Verdict: correct` or `Verdict: incorrect`."
+    )
+    """The judge's user message; {question}, {answer} (the reference) and {completion} are filled in."""
+    pattern: str = r"Verdict:\s*(\w+)"
+    """A regular expression over the judge's reply; its first group is the verdict (the last match counts)."""
+    values: dict[str, float] = {"correct": 1.0, "incorrect": 0.0}
+    """The score of each verdict (case-insensitive); empty: the verdict is a number, the score itself.
+    A reply without a verdict, or with one not listed, scores 0 and is counted (`reward/judge_unparsed`)."""
+    model: str | None = None
+    """The judge model, on engines of its own (rollout's engine settings, never synced); null: the
+    generator engines judge with the policy's current weights."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Tokens of one verdict (greedy)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """A batch of verdicts that takes longer scores 0 for each and is counted (`reward/judge_timeouts`)."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, value: str) -> str:
+        import re
+
+        try:
+            compiled = re.compile(value)
+        except re.error as e:
+            raise ValueError(f"not a regular expression ({e})") from None
+        if compiled.groups < 1:
+            raise ValueError("needs a group, (...), around the verdict")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _placeholders(cls, value: str) -> str:
+        try:
+            value.format(question="", answer="", completion="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"takes {{question}}, {{answer}} and {{completion}} only (double other braces): {e!r}"
+            ) from None
+        return value
+
+
 class RewardConfig(Section):
     functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
     """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`, `env`
-    (the environment's own reward, see env.name), or a user function `module:function` taking
+    (the environment's own reward, see env.name), `model` (reward.model's score), `judge`
+    (reward.judge's verdict), or a user function `module:function` taking
     (completion, answer) and returning a float. With an environment, the completion is the last
     assistant turn's text."""
     timeout_s: float = Field(5.0, gt=0)
@@ -359,6 +446,15 @@ class RewardConfig(Section):
     process is killed and replaced)."""
     workers: int = Field(2, ge=1)
     """Worker processes that run reward functions."""
+    model: str | None = None
+    """A reward model: a sequence-classification model folder (or hub name) with one label and the
+    policy's tokenizer; it scores each whole sequence (the prompt's chat rendering and the
+    completion, as sampled) on its own actors (reward.model_learners), and its score joins
+    reward.functions as `model`."""
+    model_learners: FrozenLearnerConfig = FrozenLearnerConfig()
+    """The reward model's actors: count, CPUs/GPUs, micro-batches or token budget, ZeRO stage."""
+    judge: JudgeConfig | None = None
+    """An LLM judge whose verdict joins reward.functions as `judge`; null: none."""
 
 
 class SFTWarmupConfig(Section):
@@ -526,7 +622,28 @@ class Config(Section):
         self._check_sequence_parallel()
         self._check_critic()
         self._check_env()
+        self._check_scorers()
         return self
+
+    def _check_scorers(self) -> None:
+        alg, reward = self.algorithm, self.reward
+        if alg.advantage == "distill" and alg.teacher is None:
+            raise ValueError(
+                "algorithm.advantage=distill needs algorithm.teacher (the teacher model's folder)"
+            )
+        if alg.teacher is not None and alg.advantage != "distill":
+            raise ValueError(
+                f"algorithm.teacher: set, but algorithm.advantage={alg.advantage} ignores it "
+                "(use algorithm.advantage=distill, or remove the teacher)"
+            )
+        for name, what, value in [("judge", "verdict", reward.judge), ("model", "score", reward.model)]:
+            if (name in reward.functions) == (value is not None):
+                continue
+            if value is None:
+                raise ValueError(f"reward.functions: `{name}` is reward.{name}'s {what}; set both or neither")
+            raise ValueError(
+                f"reward.{name}: set, but reward.functions ({', '.join(reward.functions)}) has no `{name}` weight"
+            )
 
     def _check_env(self) -> None:
         if self.sft_warmup.source == SFT_FROM_ENV and self.env.name is None:

@@ -41,17 +41,8 @@ class CriticLearner(EngineLearner):
         return config.critic.learners
 
     def _build_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForTokenClassification
-
-        model, info = self._load_model(
-            AutoModelForTokenClassification, self.config.critic.model, num_labels=1, output_loading_info=True
-        )
         # a new value head starts at 0: every state's value is 0 until the critic has learned
-        new = set(info["missing_keys"])
-        for name, param in model.named_parameters():
-            if name in new:
-                torch.nn.init.zeros_(param)
-        return model
+        return self._load_scalar_head(self.config.critic.model)[0]
 
     def values(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         """``[B, T]``: position ``t`` holds the value of the state before token ``t``."""

@@ -221,7 +221,11 @@ def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, st
 def chat_prompt(text: str, tokenizer, config: DataConfig) -> list[int]:
     """A question as the model sees it: the chat template with the generation prompt."""
     messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-    messages.append({"role": "user", "content": text})
+    return chat_ids([*messages, {"role": "user", "content": text}], tokenizer)
+
+
+def chat_ids(messages: list[dict], tokenizer) -> list[int]:
+    """The chat template's token ids of ``messages`` with the generation prompt."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]

@@ -4,15 +4,23 @@ with a critic's values, DAPO's dynamic-sampling filter (no ray, no deepspeed).""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.advantages import gae_advantages, grpo_advantages, rloo_advantages, whiten, zero_variance_groups
+from rltrain.advantages import (
+    distill_advantages,
+    gae_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    whiten,
+    zero_variance_groups,
+)
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import AlgorithmConfig, Config
 from rltrain.data import Prompt
-from rltrain.rollout.rewards import RewardScorer, soft_overlong_penalty
+from rltrain.rollout.rewards import ENV, RewardScorer, soft_overlong_penalty
 
 
 @dataclass
@@ -48,12 +56,29 @@ class ScoredGroups:
         )
 
 
+# a score computed by actors, not by the reward workers (reward.model's, reward.judge's): each
+# completion's prompt and the completions -> a score each (None: not scored) and metrics
+ModelScorer = Callable[[list[Prompt], list[Completion]], tuple[list[float | None], dict[str, float]]]
+
+
 def score(
-    prompts: list[Prompt], completions: list[Completion], config: Config, scorer: RewardScorer
+    prompts: list[Prompt],
+    completions: list[Completion],
+    config: Config,
+    scorer: RewardScorer,
+    model_scorers: dict[str, ModelScorer] | None = None,
 ) -> ScoredGroups:
+    """Every reward function's score of every completion, the environment's and those of
+    ``model_scorers`` (by reward.functions name: `model`, `judge`) included; the shaped rewards
+    and the metrics."""
     n = config.algorithm.group_size
     answers = [p.answer for p in prompts for _ in range(n)]
-    scores = scorer([c.text for c in completions], answers, [c.env_reward for c in completions])
+    given: dict[str, list[float | None]] = {ENV: [c.env_reward for c in completions]}
+    model_metrics: dict[str, float] = {}
+    for name, model_scorer in (model_scorers or {}).items():
+        given[name], more = model_scorer([p for p in prompts for _ in range(n)], completions)
+        model_metrics |= more
+    scores = scorer([c.text for c in completions], answers, given)
     rewards = torch.tensor(scores.rewards)
     alg, max_new = config.algorithm, config.rollout.max_new_tokens
     shaping = {}
@@ -70,6 +95,7 @@ def score(
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "reward/failures": float(scores.failures),
         **{f"reward/{name}": value for name, value in scores.per_function.items()},
+        **model_metrics,
         **shaping,
         "rollout/length_mean": sum(lengths) / len(lengths),
         "rollout/truncated_fraction": sum(c.truncated for c in completions) / len(completions),
@@ -128,11 +154,21 @@ def drop_stale(scored: ScoredGroups, version: int, max_staleness: int, group_siz
 def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
     if alg.advantage == "rloo":
         return rloo_advantages(rewards, alg.group_size)
-    return grpo_advantages(rewards, alg.group_size, normalize_std=alg.advantage == "grpo")
+    # distillation mixes in GRPO's advantages (algorithm.distill_coef)
+    return grpo_advantages(rewards, alg.group_size, normalize_std=alg.advantage in ("grpo", "distill"))
+
+
+def sequence_prompts(
+    prompts: list[Prompt], completions: list[Completion], group_size: int
+) -> list[list[int]]:
+    """The prompt ids each completion continues: its prompt's, or an episode's own opening."""
+    ids = [p.token_ids for p in prompts for _ in range(group_size)]
+    return [c.prompt_ids or prompt for c, prompt in zip(completions, ids)]
 
 
 def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int | None = None) -> TrainBatch:
-    """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`.
+    """The padded batch with group advantages; with GAE its advantages wait for :func:`with_gae`,
+    with distillation for :func:`with_distillation`.
     ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
     prompt_ids = [p.token_ids for p in scored.prompts for _ in range(alg.group_size)]
@@ -164,3 +200,23 @@ def with_gae(
         rewards_BT -= alg.kl_in_reward * (batch.generator_logprobs - ref_logprobs_BT)
     advantages_BT, returns_BT = gae_advantages(rewards_BT, values_BT, keep_BT, alg.gamma, alg.lam)
     return batch.replace(advantages=whiten(advantages_BT, keep_BT), returns=returns_BT, old_values=values_BT)
+
+
+def with_distillation(
+    batch: TrainBatch, teacher_logprobs_BT: torch.Tensor, alg: AlgorithmConfig
+) -> tuple[TrainBatch, dict[str, float]]:
+    """On-policy distillation: every sampled token's advantage is ``teacher - student`` log-prob
+    (the student's: the engine's, at sampling time), mixed with the batch's GRPO advantages by
+    ``alg.distill_coef``. Also returns ``distill/reverse_kl``: the mean over sampled tokens of
+    ``student - teacher`` log-prob, the estimate of KL(student || teacher) that distillation drives
+    to 0."""
+    keep_BT = batch.response_mask.bool() & batch.tool_mask.bool()
+    student_BT = batch.generator_logprobs
+    if student_BT is None:
+        raise ValueError("distillation needs the engine's log-probs of the sampled tokens")
+    gap = (student_BT - teacher_logprobs_BT)[keep_BT]
+    advantages_BT = distill_advantages(
+        teacher_logprobs_BT, student_BT, keep_BT, alg.distill_coef, batch.advantages
+    )
+    metrics = {"distill/reverse_kl": gap.mean().item() if gap.numel() else 0.0}
+    return batch.replace(advantages=advantages_BT), metrics

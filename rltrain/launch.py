@@ -19,6 +19,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from rltrain.data import (
     tokenize_prompts,
 )
 from rltrain.orchestrator import Orchestrator
-from rltrain.rollout.rewards import ENV, RewardScorer, load_reward_fn
+from rltrain.rollout.rewards import GIVEN, JUDGE, MODEL, RewardScorer, load_reward_fn
 
 
 def quiet_console() -> None:
@@ -62,8 +63,8 @@ def preflight(config: Config) -> Inputs:
     """Every check that needs more than the schema (reward and tool specs, output folder, model,
     lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
     for spec in config.reward.functions:
-        if spec == ENV:
-            continue  # the environment's reward: the environment is checked below
+        if spec in GIVEN:
+            continue  # the environment's reward or the reward model's: both are checked below
         try:
             load_reward_fn(spec)
         except ValueError as e:
@@ -84,16 +85,8 @@ def preflight(config: Config) -> Inputs:
         problem = checkpoint.resume_problem(out, model_config, config)
         if problem:
             raise ConfigError(f"run.resume: {problem}")
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_path, trust_remote_code=config.model.trust_remote_code
-        )
-    except Exception as e:  # a model folder without tokenizer files, say
-        raise ConfigError(
-            f"model.name_or_path: cannot load the tokenizer of {model_path!r} ({first_line(e)})"
-        ) from None
+    tokenizer = _load_tokenizer(config, "model.name_or_path", model_path)
+    _check_scoring_models(config, tokenizer)
     try:
         rows, held_out = load_rows(config.data), []
         if config.run.eval_every:
@@ -190,14 +183,13 @@ def _output_folder(config: Config) -> Path:
     return out
 
 
-def _check_model(config: Config, model_path: str) -> None:
-    """A local model folder must be a transformers model whose context holds the longest sequence."""
+def _model_config(config: Config, key: str, model_path: str):
+    """The transformers config of a local model folder or hub name (``key`` names it in errors),
+    whose context must hold the longest sequence."""
     folder = Path(model_path).expanduser()
     local = folder.is_dir()
     if local and not (folder / "config.json").is_file():
-        raise ConfigError(
-            f"model.name_or_path: {model_path!r} has no config.json (not a transformers model folder)"
-        )
+        raise ConfigError(f"{key}: {model_path!r} has no config.json (not a transformers model folder)")
     from transformers import AutoConfig
 
     try:  # a hub name: its config.json alone is fetched (and cached) now
@@ -206,19 +198,72 @@ def _check_model(config: Config, model_path: str) -> None:
         )
     except Exception as e:
         if local:
-            raise ConfigError(
-                f"model.name_or_path: cannot read {str(folder / 'config.json')!r} ({e})"
-            ) from None
+            raise ConfigError(f"{key}: cannot read {str(folder / 'config.json')!r} ({e})") from None
         raise ConfigError(
-            f"model.name_or_path: {model_path!r} is no local model folder and cannot be loaded from the "
-            f"hub ({first_line(e)})"
+            f"{key}: {model_path!r} is no local model folder and cannot be loaded from the hub ({first_line(e)})"
         ) from None
     context = getattr(model_config, "max_position_embeddings", None)
     if context is not None and config.longest_sequence > context:
         raise ConfigError(
             f"data.max_prompt_tokens + rollout.max_new_tokens = {config.longest_sequence} exceeds the "
-            f"model's context of {context} tokens (max_position_embeddings in {model_path})"
+            f"context of {context} tokens of {key} (max_position_embeddings in {model_path})"
         )
+    return model_config
+
+
+def _load_tokenizer(config: Config, key: str, model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:  # a model folder without tokenizer files, say
+        raise ConfigError(f"{key}: cannot load the tokenizer of {model_path!r} ({first_line(e)})") from None
+
+
+def _check_scoring_models(config: Config, tokenizer) -> None:
+    """The teacher and the reward model score the policy's token ids as sampled: each must share
+    its tokenizer; the reward model must be a one-label sequence classifier with a chat template."""
+    judge = config.reward.judge
+    if (
+        judge is not None and judge.model is not None
+    ):  # a judge reads text: any tokenizer with a chat template
+        _model_config(config, "reward.judge.model", judge.model)
+        if _load_tokenizer(config, "reward.judge.model", judge.model).chat_template is None:
+            raise ConfigError(
+                f"reward.judge.model: {judge.model!r} has no chat template to put the question in"
+            )
+    models = {"algorithm.teacher": config.algorithm.teacher, "reward.model": config.reward.model}
+    for key, path in models.items():
+        if path is None:
+            continue
+        model_config = _model_config(config, key, path)
+        theirs = _load_tokenizer(config, key, path)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"{key}: the tokenizer of {path!r} differs from the policy's ({len(theirs)} vs "
+                f"{len(tokenizer)} tokens, or other ids); it must score the policy's token ids as sampled"
+            )
+        if key != "reward.model":
+            continue
+        architectures = getattr(model_config, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(
+                f"reward.model: {path!r} is {', '.join(architectures) or 'no known architecture'}, "
+                "expected a sequence-classification model (one score per sequence)"
+            )
+        if model_config.num_labels != 1:
+            raise ConfigError(
+                f"reward.model: {path!r} has {model_config.num_labels} labels, expected 1 (a score)"
+            )
+        if theirs.chat_template is None:
+            raise ConfigError(
+                f"reward.model: {path!r} has no chat template (it scores the prompt's chat rendering)"
+            )
+
+
+def _check_model(config: Config, model_path: str) -> None:
+    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    model_config = _model_config(config, "model.name_or_path", model_path)
     sp = config.learner.sequence_parallel_size
     if sp > 1 and model_config.num_attention_heads % sp:
         raise ConfigError(
@@ -272,9 +317,14 @@ def _check_fits(have_cpu: float, have_gpu: float, config: Config) -> None:
         ("learners", lc.num_learners, lc.cpus_per_learner, lc.gpus_per_learner),
         ("engines", rc.num_engines, rc.cpus_per_engine, rc.gpus_per_engine),
     ]
-    if config.critic is not None:
-        cl = config.critic.learners
-        parts.append(("critic learners", cl.num_learners, cl.cpus_per_learner, cl.gpus_per_learner))
+    extra = {"critic learners": config.critic.learners if config.critic is not None else None,
+             "teacher actors": config.algorithm.teacher_learners if config.algorithm.teacher else None,
+             "reward model actors": config.reward.model_learners if config.reward.model else None}  # fmt: skip
+    for what, section in extra.items():
+        if section is not None:
+            parts.append((what, section.num_learners, section.cpus_per_learner, section.gpus_per_learner))
+    if config.reward.judge is not None and config.reward.judge.model is not None:
+        parts.append(("judge engines", rc.num_engines, rc.cpus_per_engine, rc.gpus_per_engine))
     need_cpu = sum(n * cpus for _, n, cpus, _ in parts)
     need_gpu = sum(n * gpus for _, n, _, gpus in parts)
     if need_cpu > have_cpu:
@@ -302,12 +352,27 @@ class Run:
     weight_sync: Any  # rltrain.weight_sync.WeightSync
     start_step: int
     critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
+    teacher: Any = None  # a LearnerGroup of rltrain.scorers.TeacherLearner (distillation), or None
+    reward_model: Any = None  # a LearnerGroup of rltrain.scorers.RewardModelLearner, or None
+    judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
+
+    @property
+    def groups(self) -> list[Any]:
+        """Every group of actors the run holds."""
+        parts = (
+            self.learners,
+            self.generators,
+            self.critic,
+            self.teacher,
+            self.reward_model,
+            self.judge_engines,
+        )
+        return [part for part in parts if part is not None]
 
     def shutdown(self) -> None:
         """Stop every actor and the reward workers (also after a failure: nothing is left running)."""
-        for part in (self.learners, self.generators, self.critic):
-            if part is not None:
-                part.shutdown()
+        for part in self.groups:
+            part.shutdown()
         self.scorer.close()
 
 
@@ -334,15 +399,29 @@ def start_run(config: Config, inputs: Inputs) -> Run:
 
             steps = total_optimizer_steps(config, config.critic.learners)
             parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
+        if config.algorithm.teacher is not None:
+            from rltrain.scorers import TeacherLearner
+
+            parts["teacher"] = LearnerGroup(config, inputs.model_path, 0, TeacherLearner)
+        if config.reward.model is not None:
+            from rltrain.scorers import RewardModelLearner
+
+            parts["reward_model"] = LearnerGroup(config, inputs.model_path, 0, RewardModelLearner)
         parts["generators"] = GeneratorPool(config, inputs.model_path)
+        judge = config.reward.judge
+        if judge is not None and judge.model is not None:
+            parts["judge_engines"] = GeneratorPool(config, judge.model)
     except BaseException:
         for part in parts.values():
             part.shutdown()
         scorer.close()
         raise
-    orchestrator = Orchestrator(config, sampler, parts["generators"], scorer)
+    orchestrator = Orchestrator(
+        config, sampler, parts["generators"], scorer, model_scorers(config, inputs, parts)
+    )
     run = Run(out, inputs.tokenizer, orchestrator, scorer, parts["learners"], parts["generators"],
-              ObjectStoreSync(), start_step=0, critic=parts.get("critic"))  # fmt: skip
+              ObjectStoreSync(), start_step=0, critic=parts.get("critic"), teacher=parts.get("teacher"),
+              reward_model=parts.get("reward_model"), judge_engines=parts.get("judge_engines"))  # fmt: skip
     try:
         record_placement(run)
         if config.run.resume and checkpoint.latest_tag(out) is not None:
@@ -356,9 +435,28 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     return run
 
 
+def model_scorers(config: Config, inputs: Inputs, parts: dict[str, Any]) -> dict[str, Any]:
+    """The rewards that actors compute, by reward.functions name: the reward model's, the judge's."""
+    scorers = {}
+    if "reward_model" in parts:
+        from rltrain.scorers import score_sequences
+
+        scorers[MODEL] = partial(score_sequences, parts["reward_model"])
+    judge = config.reward.judge
+    if judge is not None:
+        from rltrain.rollout.judge import Judge
+
+        tokenizer = inputs.tokenizer
+        if judge.model is not None:
+            tokenizer = _load_tokenizer(config, "reward.judge.model", judge.model)
+        engines = parts.get("judge_engines", parts["generators"])
+        scorers[JUDGE] = Judge(judge, tokenizer, engines, config.rollout.max_model_len - judge.max_new_tokens)
+    return scorers
+
+
 def record_placement(run: Run) -> None:
     """``placement.json``: the node, address and pid of every actor of the run."""
-    places = run.learners.where() + run.generators.where() + (run.critic.where() if run.critic else [])
+    places = [place for group in run.groups for place in group.where()]
     (run.out / "placement.json").write_text(json.dumps(places, indent=1))
 
 

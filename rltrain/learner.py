@@ -119,21 +119,7 @@ class EngineLearner:
         from transformers import get_scheduler
 
         lc = self.lc
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 there
-            LOCAL_RANK="0" if self.use_cuda else str(self.rank),
-        )
-        deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
-        if self.sp > 1:
-            self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
-        elif lc.packing:
-            # document by document: no [L, L] mask, attention work grows with each sequence, not the row
-            self.attn_implementation = attention.register()
-        self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
+        self._join_group(master_addr, master_port)
         model = self._build_model()
         if self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -165,6 +151,28 @@ class EngineLearner:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
 
+    def _join_group(self, master_addr: str, master_port: int) -> None:
+        """Join the group's torch.distributed group; set up packed or sequence-parallel attention
+        and the precision."""
+        import deepspeed
+
+        lc = self.lc
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 there
+            LOCAL_RANK="0" if self.use_cuda else str(self.rank),
+        )
+        deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        if self.sp > 1:
+            self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
+        elif lc.packing:
+            # document by document: no [L, L] mask, attention work grows with each sequence, not the row
+            self.attn_implementation = attention.register()
+        self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
+
     def _build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
@@ -182,6 +190,20 @@ class EngineLearner:
             path or self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code,
             **extra, **kwargs,
         )  # fmt: skip
+
+    def _load_scalar_head(self, path: str | None) -> tuple[torch.nn.Module, set[str]]:
+        """A model with one output per position (token classification) from ``path``; the
+        weights the folder lacks (a new head) start at 0. Returns the model and their names."""
+        from transformers import AutoModelForTokenClassification
+
+        model, info = self._load_model(
+            AutoModelForTokenClassification, path, num_labels=1, output_loading_info=True
+        )
+        missing = set(info["missing_keys"])
+        for name, param in model.named_parameters():
+            if name in missing:
+                torch.nn.init.zeros_(param)
+        return model, missing
 
     # ------------------------------------------------------------------ training
 

@@ -33,7 +33,7 @@ from rltrain.advantages import zero_variance_groups
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt, PromptSampler
-from rltrain.grpo import ScoredGroups, drop_stale, score
+from rltrain.grpo import ModelScorer, ScoredGroups, drop_stale, score
 
 
 def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
@@ -55,13 +55,18 @@ def request(prompt: Prompt, config: Config) -> list[int] | dict:
 
 
 def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int,
-                   completions: list[Completion] | None = None) -> ScoredGroups:  # fmt: skip
-    """Completions of this step (``completions`` when already fetched, else ``refs``), scored; with
-    dynamic sampling, zero-variance groups are dropped and more prompts are generated (up to
-    ``max_sampling_rounds``) to refill the batch."""
+                   completions: list[Completion] | None = None,
+                   model_scorers: dict[str, ModelScorer] | None = None) -> ScoredGroups:  # fmt: skip
+    """Completions of this step (``completions`` when already fetched, else ``refs``), scored (by
+    ``model_scorers`` too: reward.model, reward.judge); with dynamic sampling, zero-variance groups are
+    dropped and more prompts are generated (up to ``max_sampling_rounds``) to refill the batch."""
     alg = config.algorithm
     scored = score(
-        prompts, completions if completions is not None else generators.collect(refs), config, scorer
+        prompts,
+        completions if completions is not None else generators.collect(refs),
+        config,
+        scorer,
+        model_scorers,
     )
     if not alg.dynamic_sampling:
         return scored
@@ -73,9 +78,8 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         if found >= alg.prompts_per_step or rounds >= alg.max_sampling_rounds:
             break
         more = sampler.take(alg.prompts_per_step)
-        scored = score(
-            more, generators.collect(submit(generators, more, config, step, rounds)), config, scorer
-        )
+        more_completions = generators.collect(submit(generators, more, config, step, rounds))
+        scored = score(more, more_completions, config, scorer, model_scorers)
         rounds += 1
     merged = ScoredGroups.concat(parts)
     merged = merged.keep(torch.arange(len(merged.prompts)) < alg.prompts_per_step, alg.group_size)
@@ -105,8 +109,10 @@ class _Ahead:
 class Orchestrator:
     """The sampler, the steps in flight and the data order; see the module docstring."""
 
-    def __init__(self, config: Config, sampler: PromptSampler, generators, scorer):
+    def __init__(self, config: Config, sampler: PromptSampler, generators, scorer,
+                 model_scorers: dict[str, ModelScorer] | None = None):  # fmt: skip
         self.config, self.sampler, self.generators, self.scorer = config, sampler, generators, scorer
+        self.model_scorers = model_scorers or {}
         self.ahead: deque[_Ahead] = deque()  # oldest first
         # per completed step: (sampler state, the steps ahead then); the last two are kept, for a save
         # after the step and for Ctrl-C while the next one is collected
@@ -126,7 +132,7 @@ class Orchestrator:
         current = self.ahead.popleft()
         assert current.step == step, (current.step, step)
         scored = collect_groups(self.generators, current.refs, current.prompts, self.sampler, cfg,
-                                self.scorer, step, current.completions)  # fmt: skip
+                                self.scorer, step, current.completions, self.model_scorers)  # fmt: skip
         # the learners hold version step - 1 (the weights after step - 1 updates)
         scored = drop_stale(scored, step - 1, cfg.rollout.max_staleness, cfg.algorithm.group_size)
         self._after = {s: v for s, v in self._after.items() if s >= step - 1}

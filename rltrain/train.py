@@ -28,7 +28,7 @@ from pathlib import Path
 from rltrain import checkpoint
 from rltrain.config import Config, ConfigError, describe, load_config
 from rltrain.eval import evaluate
-from rltrain.grpo import build_batch, with_gae
+from rltrain.grpo import build_batch, with_distillation, with_gae
 from rltrain.launch import Inputs, Run, connect_ray, preflight, quiet_console, start_run
 from rltrain.orchestrator import collect_groups  # noqa: F401  (a public path)
 
@@ -136,6 +136,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
             trained = step
             metrics = {}
+            if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+                batch, metrics = with_distillation(batch, run.teacher.per_token(batch), config.algorithm)
             if run.critic is not None:  # PPO: GAE from the critic's values, then the critic's update
                 ref_logprobs = learners.per_token(batch) if config.algorithm.kl_in_reward else None
                 batch = with_gae(

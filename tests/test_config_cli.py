@@ -65,6 +65,18 @@ CASES = {
         "reward.functions: got {}; Dictionary should have at least 1 item",
     ),
     "negative eval interval": (["run.eval_every=-1"], "run.eval_every: got -1; Input should be greater than"),
+    "distillation without a teacher": (
+        ["algorithm.advantage=distill"],
+        "algorithm.advantage=distill needs algorithm.teacher",
+    ),
+    "a reward model without its weight": (
+        ["reward.model=some/rm"],
+        "reward.model: set, but reward.functions (math) has no `model` weight",
+    ),
+    "the model's weight without a reward model": (
+        ["reward.functions={model: 1.0}"],
+        "reward.functions: `model` is reward.model's score; set both or neither",
+    ),
     "token budget": (
         ["learner.max_tokens_per_micro_batch=64"],
         "learner.max_tokens_per_micro_batch=64 cannot hold one sequence of up to 208 tokens",  # 128 + 80
@@ -124,7 +136,7 @@ INPUTS = {
     ),
     "lengths over the model's context": (
         lambda t: ["data.max_prompt_tokens=1100", "rollout.max_model_len=2048"],
-        "= 1180 exceeds the model's context of 1024 tokens",
+        "= 1180 exceeds the context of 1024 tokens of model.name_or_path",
     ),
     "prompt over its limit": (
         lambda t: ["data.max_prompt_tokens=5"],
@@ -252,6 +264,71 @@ ENVIRONMENTS = {
 INPUTS.update(ENVIRONMENTS)
 
 
+def _tiny(t, name: str, edit=None) -> str:
+    """A tiny model folder; ``edit(model_folder)`` changes it after it is written."""
+    from rltrain.tiny_model import build_tiny_model
+
+    folder = build_tiny_model(t / name)
+    if edit is not None:
+        edit(folder)
+    return str(folder)
+
+
+def _another_tokenizer(folder) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(folder)
+
+
+def _two_labels(folder) -> None:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(folder, num_labels=2)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+
+
+DISTILL = ["algorithm.advantage=distill"]
+SCORING_MODELS = {
+    "a teacher with another tokenizer": (
+        lambda t: [*DISTILL, f"algorithm.teacher={_tiny(t, 'teacher', _another_tokenizer)}"],
+        ("algorithm.teacher: the tokenizer of ", "differs from the policy's (260 vs 259 tokens"),
+    ),
+    "a teacher that is no model": (
+        lambda t: [*DISTILL, f"algorithm.teacher={t}"],
+        "algorithm.teacher: ",  # the folder exists but holds no config.json
+    ),
+    "a reward model that is a language model": (
+        lambda t: [f"reward.model={_tiny(t, 'rm')}", "reward.functions={model: 1.0}"],
+        ("reward.model: ", "is Qwen2ForCausalLM, expected a sequence-classification model"),
+    ),
+    "a reward model with two labels": (
+        lambda t: [f"reward.model={_tiny(t, 'rm', _two_labels)}", "reward.functions={model: 1.0}"],
+        "has 2 labels, expected 1 (a score)",
+    ),
+}
+INPUTS.update(SCORING_MODELS)
+
+
+def test_the_teacher_and_reward_model_actors_count_in_the_layout_check():
+    from rltrain.launch import _check_fits
+
+    config = load_config(
+        "configs/cpu_demo.yaml",
+        [
+            "algorithm.advantage=distill",
+            "algorithm.teacher=t",
+            "reward.model=r",
+            "reward.functions={model: 1.0}",
+        ],
+    )
+    with pytest.raises(ConfigError) as error:
+        _check_fits(2, 0, config)
+    # 2 learners x 0.5 + 1 engine x 0.5 + 1 teacher actor x 0.5 + 1 reward model actor x 0.5 = 2.5 CPUs
+    assert "+ 1 teacher actors x 0.5 CPU + 1 reward model actors x 0.5 CPU need 2.5 CPUs" in str(error.value)
+
+
 def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path, monkeypatch):
     import rltrain.train
 
@@ -273,6 +350,7 @@ def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, 
     monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
     build, expected = INPUTS[case]
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *build(tmp_path)]
+    capsys.readouterr()  # what building the inputs printed (transformers' progress bars)
     fails_with_one_line(argv, expected, capsys)
 
 

@@ -326,6 +326,14 @@ class GeneratorActor:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        """Greedy replies to plain prompts (a judge's: no tools, no episodes), with the weights
+        the engine holds now."""
+        with self._engine:
+            self._take_weights()
+            segments = self.backend.generate(prompts, [max_tokens] * len(prompts), [0] * len(prompts), True)
+        return [seg.text for seg in segments]
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int = 0) -> None:
         """Take the weights of policy ``version``. Sent in order with the rollouts (the default
         concurrency group), after every rollout submitted before them; with in-flight updates sent
@@ -393,6 +401,21 @@ class GeneratorPool:
                 refs.append(actor.rollout.remote([requests[i] for i in idx], [seeds[i] for i in idx], greedy))
                 self._submitted[refs[-1]] = name
         return refs
+
+    def complete(self, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[str | None]:
+        """Greedy replies to plain prompts, spread over the engines; None for the replies of an
+        engine that has not answered within ``timeout_s`` (it finishes them, bounded by
+        ``max_tokens``, and nothing waits for them); an engine that died raises ActorFailure."""
+        chunks = _split(list(range(len(prompts))), len(self.actors))
+        calls = [(idx, name, actor.complete.remote([prompts[i] for i in idx], max_tokens))
+                 for actor, name, idx in zip(self.actors, self.names, chunks) if idx]  # fmt: skip
+        ready, _ = ray.wait([ref for *_, ref in calls], num_returns=len(calls), timeout=timeout_s)
+        replies: list[str | None] = [None] * len(prompts)
+        for idx, name, ref in calls:
+            if ref in ready:
+                for i, text in zip(idx, gather([ref], [name], self.timeout_s)[0]):
+                    replies[i] = text
+        return replies
 
     def collect(self, refs: list[ray.ObjectRef]) -> list[Completion]:
         """The completions, in submission order; a generator that dies or passes

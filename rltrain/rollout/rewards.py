@@ -65,6 +65,9 @@ BUILTIN: dict[str, RewardFn] = {
 
 
 ENV = "env"  # the environment's reward: computed by its episodes, not by a function
+MODEL = "model"  # reward.model's score: computed by its actors
+JUDGE = "judge"  # reward.judge's verdict: computed by generator engines
+GIVEN = (ENV, MODEL, JUDGE)  # scores computed outside the reward workers, handed to RewardScorer
 
 
 def import_attribute(spec: str, not_a_spec: str):
@@ -87,6 +90,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name or ``module:function``; raises ValueError with what was wrong."""
     if spec == ENV:
         raise ValueError("`env` is the environment's reward, not a function")
+    if spec in (MODEL, JUDGE):
+        raise ValueError(f"`{spec}` is reward.{spec}'s score, not a function")
     if spec in BUILTIN:
         return BUILTIN[spec]
     fn = import_attribute(spec, f"neither a built-in ({', '.join(BUILTIN)}) nor module:function")
@@ -131,7 +136,7 @@ class RewardScorer:
     inherits the trainer's threads or actors). Close it (or use ``with``) to stop the workers."""
 
     def __init__(self, functions: dict[str, float], timeout_s: float, workers: int = 2):
-        called = [spec for spec in functions if spec != ENV]
+        called = [spec for spec in functions if spec not in GIVEN]
         for spec in called:
             load_reward_fn(spec)  # a bad spec fails here, in the trainer, with what was wrong
         self.functions, self.timeout_s = dict(functions), timeout_s
@@ -151,27 +156,35 @@ class RewardScorer:
         return [_result(f) for f in futures]
 
     def __call__(
-        self, completions: list[str], answers: list[str], env_rewards: list[float | None] | None = None
+        self,
+        completions: list[str],
+        answers: list[str],
+        given: dict[str, list[float | None]] | None = None,
     ) -> Scores:
-        """Every function's score of every completion; ``env_rewards`` are the episodes' own
-        rewards (None, an episode that gave none, scores 0) for the ``env`` entry."""
+        """Every function's score of every completion. ``given`` holds the scores computed
+        elsewhere: ``env``, the episodes' own rewards (None, an episode that gave none, scores 0),
+        ``model`` and ``judge``, a reward model's and a judge's (None, a sequence they did not
+        score: 0, a failure)."""
+        given = given or {}
         futures = {
             spec: [
                 self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
                 for c, a in zip(completions, answers)
             ]
             for spec in self.functions
-            if spec != ENV
+            if spec not in GIVEN
         }
         totals = [0.0] * len(completions)
         per_function, per_sample, failures = {}, {}, 0
         for spec, weight in self.functions.items():
-            if spec == ENV:
-                scores = [v or 0.0 for v in (env_rewards or [None] * len(completions))]
-            else:
-                values = [_result(f) for f in futures[spec]]
+            values = (
+                given.get(spec, [None] * len(completions))
+                if spec in GIVEN
+                else [_result(f) for f in futures[spec]]
+            )
+            if spec != ENV:
                 failures += sum(v is None for v in values)
-                scores = [v or 0.0 for v in values]
+            scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
             per_function[spec] = sum(scores) / max(len(scores), 1)
             per_sample[spec] = scores

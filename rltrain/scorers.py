@@ -1,0 +1,106 @@
+"""Models that score and never train, on the learners' engine path: the teacher of on-policy
+distillation (per-token log-probs, computed exactly as the reference model's) and a reward model
+(one score per sequence). Each runs as a :class:`rltrain.learner.LearnerGroup` of its own actors
+(``algorithm.teacher_learners``, ``reward.model_learners``): batches are planned over them like a
+critic's, padded or packed, and every actor scores its share at the same time.
+
+A frozen actor has no optimizer and no gradients. At ZeRO stage 0 it holds the whole model; at
+stage 3 DeepSpeed shards its weights over the group (a model larger than one device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.batch import TrainBatch
+from rltrain.config import Config, FrozenLearnerConfig
+from rltrain.learner import EngineLearner, PolicyLearner
+from rltrain.logprobs import token_outputs
+
+
+class FrozenLearner(EngineLearner):
+    """An :class:`EngineLearner` that only runs :meth:`per_token`."""
+
+    def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
+        import deepspeed
+
+        self._join_group(master_addr, master_port)
+        model = self._build_model().eval().requires_grad_(False)
+        if self.lc.zero_stage == 3:  # weights sharded over the group, gathered layer by layer
+            ds_config = {
+                "train_micro_batch_size_per_gpu": self.lc.micro_batch_size,
+                "zero_optimization": {"stage": 3},
+                "bf16": {"enabled": self.bf16},
+                "steps_per_print": 10**9,
+            }
+            self.engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+            self.engine.eval()
+        else:
+            self.engine = model.to("cuda" if self.use_cuda else "cpu")
+
+    def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
+        raise RuntimeError(f"a {self.ROLE} scores and never trains")
+
+
+class TeacherLearner(FrozenLearner, PolicyLearner):
+    """``algorithm.teacher``: its log-prob of every token given the prefix, at the sampling
+    temperature, through the policy's own log-prob path (padded or packed)."""
+
+    ROLE = "teacher"
+
+    @staticmethod
+    def section(config: Config) -> FrozenLearnerConfig:
+        return config.algorithm.teacher_learners
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return self._load_model(AutoModelForCausalLM, self.config.algorithm.teacher)
+
+    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+        return self._logprobs(self.engine, mb)[0]
+
+
+class RewardModelLearner(FrozenLearner):
+    """``reward.model``: a sequence-classification model with one label. Its score head is run on
+    every position (loaded as token classification: Llama, Qwen and Mistral name the head ``score``
+    in both), so packed rows work; a sequence's score is the output at its last token, which is
+    what sequence classification pools."""
+
+    ROLE = "reward model"
+
+    @staticmethod
+    def section(config: Config) -> FrozenLearnerConfig:
+        return config.reward.model_learners
+
+    def _build_model(self) -> torch.nn.Module:
+        model, missing = self._load_scalar_head(self.config.reward.model)
+        # the token classifier's head has a bias where the sequence classifier's has none: it is 0
+        untrained = {n for n in missing if not (n.endswith(".bias") and n[:-5] + ".weight" not in missing)}
+        if untrained:
+            raise ValueError(
+                f"reward.model: {self.config.reward.model} has no trained score head "
+                f"(missing: {', '.join(sorted(untrained)[:3])})"
+            )
+        return model
+
+    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+        """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
+        return token_outputs(self.engine, mb.input_ids, mb.attention_mask, self.lc.packing)[..., 0].float()
+
+
+def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's output at its last attended token (right-padded rows)."""
+    last_B = attention_mask_BT.shape[1] - 1 - attention_mask_BT.flip(-1).int().argmax(-1)
+    return outputs_BT.gather(-1, last_B[:, None]).squeeze(-1)
+
+
+def score_sequences(group, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
+    """A reward model's score of each sequence (its prompt's ids + the completion's ids as
+    sampled), by the actors of ``group`` (a :class:`LearnerGroup` of :class:`RewardModelLearner`)."""
+    from rltrain.batch import collate
+
+    prompt_ids = [c.prompt_ids or p.token_ids for p, c in zip(prompts, completions)]  # episodes: their own
+    # padding ids are never attended (padded forwards mask them, packed rows leave them out)
+    batch = collate(prompt_ids, completions, torch.zeros(len(completions)), pad_id=0)
+    return last_token_scores(group.per_token(batch), batch.attention_mask).tolist(), {}

@@ -1,0 +1,309 @@
+"""Model-based training signals: on-policy distillation from a teacher and a reward model, from
+the pure advantage math to real Ray actors and DeepSpeed learners."""
+
+import pytest
+import torch
+
+from rltrain.advantages import distill_advantages
+from rltrain.batch import TrainBatch
+from rltrain.config import Config
+from rltrain.grpo import with_distillation
+from rltrain.rollout.rewards import RewardScorer
+
+
+def test_distillation_advantages_by_hand():
+    teacher = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    student = torch.tensor([[0.0, -1.5, -1.0, -0.3]])
+    mask = torch.tensor([[0, 1, 1, 0]])  # position 0: prompt; position 3: a tool's token
+    # coef 1: teacher - student on sampled tokens: -1.0 - -1.5 = 0.5; -2.0 - -1.0 = -1.0
+    torch.testing.assert_close(
+        distill_advantages(teacher, student, mask), torch.tensor([[0.0, 0.5, -1.0, 0.0]])
+    )
+    # coef 0.5 with a task advantage of 2: 0.5 * 0.5 + 0.5 * 2 = 1.25; 0.5 * -1.0 + 0.5 * 2 = 0.5
+    mixed = distill_advantages(teacher, student, mask, 0.5, torch.tensor([2.0]))
+    torch.testing.assert_close(mixed, torch.tensor([[0.0, 1.25, 0.5, 0.0]]))
+    with pytest.raises(ValueError, match="mixes in task advantages"):
+        distill_advantages(teacher, student, mask, 0.5)
+
+
+def test_with_distillation_uses_the_engines_log_probs_and_reports_the_reverse_kl():
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    batch = TrainBatch(
+        ids,
+        torch.ones_like(ids),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1, 1, 1, 0]]),  # the last token a tool's
+        torch.tensor([3.0]),  # GRPO's advantage, ignored at distill_coef 1
+        generator_logprobs=torch.tensor([[0.0, -1.5, -1.0, 0.0]]),
+    )
+    alg = Config.model_validate({"algorithm": {"advantage": "distill", "teacher": "t"}}).algorithm
+    out, metrics = with_distillation(batch, torch.tensor([[-9.0, -1.0, -2.0, -9.0]]), alg)
+    torch.testing.assert_close(out.advantages, torch.tensor([[0.0, 0.5, -1.0, 0.0]]))
+    # student - teacher on the two sampled tokens: (-1.5 + 1.0 + -1.0 + 2.0) / 2 = 0.25
+    assert metrics["distill/reverse_kl"] == pytest.approx(0.25)
+
+
+def test_policy_gradient_on_distillation_advantages_descends_the_reverse_kl():
+    # one categorical position: the student samples, the advantage of each sample is its
+    # teacher - student log-prob; plain policy-gradient steps bring KL(student || teacher) down
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.log_softmax(torch.randn(8, generator=g) * 2, -1)
+    logits = torch.zeros(8, requires_grad=True)
+    optimizer = torch.optim.SGD([logits], lr=0.5)
+
+    def reverse_kl() -> float:
+        student = torch.log_softmax(logits, -1)
+        return float((student.exp() * (student - teacher)).sum())
+
+    start = reverse_kl()
+    for _ in range(50):
+        student = torch.log_softmax(logits, -1)
+        samples = torch.multinomial(student.exp().detach(), 256, replacement=True, generator=g)
+        chosen = student[samples]
+        advantages = distill_advantages(teacher[samples][None], chosen.detach()[None], torch.ones(1, 256))[0]
+        optimizer.zero_grad()
+        (-(advantages * chosen).mean()).backward()
+        optimizer.step()
+    assert reverse_kl() < 0.2 * start, (start, reverse_kl())
+
+
+def test_reward_model_scores_join_the_weighted_sum_and_failures_are_counted():
+    with RewardScorer({"model": 1.0, "exact_match": 0.5}, timeout_s=5.0, workers=1) as scorer:
+        scores = scorer(["12", "7"], ["12", "12"], {"model": [0.25, None]})
+    # 1.0 * 0.25 + 0.5 * 1 (exact) = 0.75; None (not scored) is 0 and a failure: 0 + 0.5 * 0 = 0
+    assert scores.rewards == [0.75, 0.0]
+    assert scores.failures == 1
+    assert scores.per_sample["model"] == [0.25, 0.0]
+
+
+def test_verdicts_are_parsed_by_pattern_and_values():
+    from rltrain.rollout.judge import parse_verdict
+
+    pattern, values = r"Verdict:\s*(\w+)", {"correct": 1.0, "incorrect": 0.0}
+    assert parse_verdict("Verdict: CORRECT", pattern, values) == 1.0  # case-insensitive
+    assert (
+        parse_verdict("Verdict: correct... no wait. Verdict: incorrect", pattern, values) == 0.0
+    )  # the last
+    assert parse_verdict("I think it is right", pattern, values) is None  # no verdict
+    assert parse_verdict("Verdict: maybe", pattern, values) is None  # not listed
+    assert parse_verdict("Score: 7.5/10", r"Score:\s*([\d.]+)", {}) == 7.5  # a number
+    assert parse_verdict("Score: 1e999", r"Score:\s*(\S+)", {}) is None  # not finite
+
+
+class ScriptedEngines:
+    """Replies by the judge prompt's order; None: an engine that did not answer in time."""
+
+    def __init__(self, replies):
+        self.replies, self.asked = replies, []
+
+    def complete(self, prompts, max_tokens, timeout_s):
+        self.asked.append(prompts)
+        return self.replies[: len(prompts)]
+
+
+def test_the_judge_scores_verdicts_and_counts_what_it_could_not_score(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from rltrain.batch import Completion
+    from rltrain.config import JudgeConfig
+    from rltrain.data import Prompt
+    from rltrain.rollout.judge import Judge
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompts = [Prompt(0, [1, 2], "12", {"prompt": "What is 5 + 7?"})] * 3 + [
+        Prompt(1, [3], "9", {"prompt": "x" * 500})
+    ]
+    completions = [Completion(token_ids=[5], text=t) for t in ("12", "13", "twelve", "9")]
+    engines = ScriptedEngines(["Verdict: correct", "Verdict: incorrect", None])
+    judge = Judge(JudgeConfig(), tokenizer, engines, max_prompt_tokens=400)
+    scores, metrics = judge(prompts, completions)
+    # the 4th prompt (a 500-character question) is over 400 tokens: not asked; the 3rd timed out
+    assert scores == [1.0, 0.0, None, None]
+    assert metrics == {
+        "reward/judge_unparsed": 0.0,
+        "reward/judge_timeouts": 1.0,
+        "reward/judge_too_long": 1.0,
+    }
+    asked = tokenizer.decode(engines.asked[0][1])
+    assert "What is 5 + 7?" in asked and "Reference answer: 12" in asked and "Student answer: 13" in asked
+    engines.replies = ["Verdict: ?", "no idea", "Verdict: correct"]
+    scores, metrics = judge(prompts[:3], completions[:3])
+    assert scores == [None, None, 1.0] and metrics["reward/judge_unparsed"] == 2.0
+
+
+# ---------------------------------------------------------------------------- real actors
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory) -> str:
+    """A teacher: the tiny model's architecture and tokenizer, other weights."""
+    from rltrain.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1))
+
+
+@pytest.fixture(scope="module")
+def reward_model_path(tmp_path_factory, tiny_model_path) -> str:
+    """A one-label sequence classifier on the tiny model, its score head drawn at random."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(2)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("rm") / "model"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(out)
+    return str(out)
+
+
+def scorer_config(section: str, path: str, **layout) -> Config:
+    """A layout of a teacher's (``algorithm``) or reward model's (``reward``) actors, for
+    :func:`rltrain.diagnostics.synthetic_rollouts` (t=14) at temperature 0.7."""
+    from rltrain.diagnostics import layout_config
+
+    raw = layout_config(1, 2, 0).model_dump()
+    raw["rollout"]["temperature"] = 0.7
+    if section == "algorithm":
+        raw["algorithm"] |= {"advantage": "distill", "teacher": path, "teacher_learners": layout}
+    else:
+        raw["reward"] |= {"model": path, "functions": {"model": 1.0}, "model_learners": layout}
+    return Config.model_validate(raw)
+
+
+def scored_by(config: Config, learner_cls, batch: TrainBatch) -> torch.Tensor:
+    from rltrain.learner import LearnerGroup
+
+    group = LearnerGroup(config, "unused: the scorers load their own model", 0, learner_cls)
+    try:
+        return group.per_token(batch)
+    finally:
+        group.shutdown()
+
+
+SCORER_LAYOUTS = {
+    "1 actor, padded micro-batches of 3": {"num_learners": 1, "packing": False, "micro_batch_size": 3},
+    "2 actors, packed under 20 tokens": {"num_learners": 2, "max_tokens_per_micro_batch": 20},
+    "2 actors, ZeRO-3 sharded, packed": {"num_learners": 2, "zero_stage": 3},
+}
+
+
+@pytest.mark.slow
+def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teacher_path):
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.diagnostics import synthetic_rollouts
+    from rltrain.logprobs import sequence_logprobs
+    from rltrain.scorers import TeacherLearner
+
+    batch = synthetic_rollouts()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+    with torch.no_grad():
+        expected, _ = sequence_logprobs(teacher, batch.input_ids, batch.attention_mask, temperature=0.7)
+    keep = batch.response_mask.bool()
+    for name, layout in SCORER_LAYOUTS.items():
+        got = scored_by(scorer_config("algorithm", teacher_path, **layout), TeacherLearner, batch)
+        torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_the_reward_models_actors_score_as_sequence_classification(ray_local, reward_model_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from rltrain.diagnostics import synthetic_rollouts
+    from rltrain.scorers import RewardModelLearner, last_token_scores
+
+    batch = synthetic_rollouts()
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
+    with torch.no_grad():  # each sequence alone, unpadded: what the classifier pools is unambiguous
+        expected = torch.stack([
+            model(input_ids=ids[mask.bool()][None]).logits[0, 0]
+            for ids, mask in zip(batch.input_ids, batch.attention_mask)
+        ])  # fmt: skip
+    assert expected.std() > 0.1  # the scores differ between sequences
+    for name in ("1 actor, padded micro-batches of 3", "2 actors, packed under 20 tokens"):
+        config = scorer_config("reward", reward_model_path, **SCORER_LAYOUTS[name])
+        got = last_token_scores(scored_by(config, RewardModelLearner, batch), batch.attention_mask)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.diagnostics import (
+        layout_config,
+        relative_difference,
+        synthetic_rollouts,
+        update_after_one_step,
+    )
+    from rltrain.logprobs import sequence_logprobs
+
+    batch = synthetic_rollouts()
+    with torch.no_grad():
+        student, _ = sequence_logprobs(
+            AutoModelForCausalLM.from_pretrained(tiny_model_path), batch.input_ids, batch.attention_mask
+        )
+        teacher, _ = sequence_logprobs(
+            AutoModelForCausalLM.from_pretrained(teacher_path), batch.input_ids, batch.attention_mask
+        )
+    keep = batch.response_mask.bool() & batch.tool_mask.bool()
+    batch = batch.replace(generator_logprobs=torch.where(keep, student, 0.0))
+    alg = scorer_config("algorithm", teacher_path).algorithm.model_copy(update={"distill_coef": 0.7})
+    batch, _ = with_distillation(batch, teacher, alg)
+    assert batch.advantages.shape == batch.input_ids.shape and batch.advantages[keep].std() > 0.1
+
+    def update(*layout, denominator="token", **learner):
+        return update_after_one_step(layout_config(*layout, denominator, **learner), tiny_model_path, batch)
+
+    reference = update(1, 8, 0)
+    token = {
+        "2 learners x micro-batches of 3, ZeRO-2": update(2, 3, 2),
+        "2 learners packed under 16 tokens, ZeRO-3": update(2, 1, 3, max_tokens_per_micro_batch=16),
+    }
+    diffs = {name: relative_difference(u, reference) for name, u in token.items()}
+    naive = relative_difference(update(2, 3, 2, denominator=None), update(1, 8, 0, denominator=None))
+    print(f"distillation: token mode {diffs}; per-micro-batch mode {naive:.3e}")
+    assert max(diffs.values()) < 1e-5, diffs
+    assert naive > 1e-2, naive
+
+
+@pytest.mark.slow
+def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_reward(
+    tmp_path, teacher_path, reward_model_path
+):
+    # one short CLI run with all three: the teacher's and the reward model's own actors, GRPO mixed
+    # in, and the policy's engine as the judge (the tiny model gives no verdict: each is counted)
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", f"run.output_dir={out}",
+         "algorithm.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=16",
+         "algorithm.overlong_buffer=8", "sft_warmup.steps=0", "run.eval_every=0", "run.ray_num_cpus=2",
+         "run.steps=2", "algorithm.advantage=distill", f"algorithm.teacher={teacher_path}",
+         "algorithm.distill_coef=0.5", f"reward.model={reward_model_path}",
+         "reward.functions={math: 1.0, model: 0.5, judge: 1.0}", "reward.judge={max_new_tokens: 8}",
+         "algorithm.teacher_learners.cpus_per_learner=0.25",
+         "reward.model_learners.cpus_per_learner=0.25"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["distill/reverse_kl"]) and r["reward/model"] != 0.0
+        # the weighted sum: 1.0 * math + 0.5 * model + 1.0 * judge + the overlong shaping
+        expected = r["reward/math"] + 0.5 * r["reward/model"] + r["reward/judge"] + r["reward/overlong"]
+        assert r["reward/mean"] == pytest.approx(expected, abs=1e-5)
+        # 16 completions a step, each put to the judge: every one answered in time
+        assert r["reward/judge_timeouts"] == 0.0 and r["reward/judge_too_long"] == 0.0
+        assert r["reward/failures"] >= r["reward/judge_unparsed"] > 0
+    actors = {place["actor"] for place in json.loads((out / "placement.json").read_text())}
+    assert {"teacher 0", "reward model 0"} <= actors
+    AutoModelForCausalLM.from_pretrained(out / "final_model")

@@ -1,12 +1,13 @@
 """On-policy distillation against GRPO from the same start, and a learned reward model as the only
 reward, on the CPU demo's task.
 
-    python benchmarks/bench_distill.py [--seeds 0] [--steps 40]
+    python benchmarks/bench_distill.py [--seeds 0 1] [--teacher-seed 0] [--steps 40] [--eval-every 2]
 
 Per seed:
 
 1. **The demo** (`configs/cpu_demo.yaml`): its warm start is the *student*, its 40 GRPO steps
-   (correctness reward) are the GRPO curve, its final model is the *teacher*.
+   (correctness reward) are the GRPO curve; the final model of ``--teacher-seed``'s demo is the
+   *teacher* of every seed.
 2. **Distillation** from the same warm start, the same batch (8 prompts x 8 completions) and the
    same data order: `algorithm.advantage=distill algorithm.teacher=<the demo's final model>`.
 3. **A reward model** trained here: the warm-started model with a one-label head, trained on
@@ -14,8 +15,8 @@ Per seed:
    or through the calculator, right or with a wrong number), then GRPO from the warm start with
    `reward.functions={model: 1.0}`: the reward model's score is the only reward.
 
-Prints held-out accuracy (200 questions never trained on, greedy) every 5 steps for each, the
-steps each needs to come within 5 points of the teacher, and the seconds per step.
+Prints held-out accuracy (200 questions never trained on, greedy) every ``--eval-every`` steps for
+each, the steps each needs to come within 5 points of the teacher, and the seconds per step.
 """
 
 from __future__ import annotations
@@ -52,27 +53,25 @@ def train(out: Path, seed: int, overrides: list[str]) -> tuple[list[dict], float
 
 
 def labelled_answers(n: int, seed: int) -> list[tuple[str, str, float]]:
-    """``(question, completion, label)`` in the demo's completion format: a quarter each answered
-    directly right, directly wrong, through the calculator right, and through the calculator with a
-    number copied wrong (the call's result then answers a question that was not asked)."""
+    """``(question, completion, label)`` in the demo's completion format, as a verifier would label
+    the warm-started policy's own answers: half answered from memory (right 40% of the time, else
+    off by 1 to 10), half through the calculator (the call copies both numbers right 80% of the
+    time; otherwise one is copied wrong, and the call's result answers a question not asked)."""
     from rltrain.data import ARITHMETIC, arithmetic_rows
 
     rng, examples = random.Random(seed), []
-    for row in arithmetic_rows(n, seed=1234):  # the built-in task's rows (held-out ones included is fine:
-        # the reward model never sees the policy's held-out *answers*, only right/wrong labels of its own)
+    for row in arithmetic_rows(n, seed=seed + 99):  # questions of the task's kind, drawn afresh
         a, op, b = ARITHMETIC.match(row["prompt"]).groups()
-        answer, kind = int(row["answer"]), rng.randrange(4)
-        wrong = answer + rng.choice([-1, 1]) * rng.randint(1, 10)
-        if kind == 0:
-            examples.append((row["prompt"], str(answer), 1.0))
-        elif kind == 1:
-            examples.append((row["prompt"], str(wrong), 0.0))
-        else:
-            if kind == 3:  # one operand copied wrong
-                b = str(int(b) + rng.choice([-1, 1]) * rng.randint(1, 10))
-            value = int(a) + int(b) if op == "+" else int(a) - int(b)
-            examples.append((row["prompt"], f"<tool:calculator>{a} {op} {b}</tool><result>{value}</result> {value}",
-                             float(value == answer)))  # fmt: skip
+        answer = int(row["answer"])
+        if rng.random() < 0.5:
+            value = answer if rng.random() < 0.4 else answer + rng.choice([-1, 1]) * rng.randint(1, 10)
+            examples.append((row["prompt"], str(value), float(value == answer)))
+            continue
+        if rng.random() >= 0.8:  # one operand copied wrong
+            b = str(int(b) + rng.choice([-1, 1]) * rng.randint(1, 10))
+        value = int(a) + int(b) if op == "+" else int(a) - int(b)
+        completion = f"<tool:calculator>{a} {op} {b}</tool><result>{value}</result> {value}"
+        examples.append((row["prompt"], completion, float(value == answer)))
     return examples
 
 
@@ -125,15 +124,23 @@ def within(curve: list[dict], target: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument(
+        "--teacher-seed", type=int, default=0, help="whose demo's final model teaches every seed"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-distill-"))
+    common = [f"run.steps={args.steps}", f"run.eval_every={args.eval_every}"]
+    demos = {}
+    for seed in dict.fromkeys([args.teacher_seed, *args.seeds]):  # the teacher's demo first
+        demos[seed] = train(tmp / f"demo-seed{seed}", seed, common)
+    teacher = tmp / f"demo-seed{args.teacher_seed}" / "final_model"
+    teacher_accuracy = demos[args.teacher_seed][0][-1]["eval/accuracy"]
     for seed in args.seeds:
-        demo = tmp / f"demo-seed{seed}"
-        common = [f"run.steps={args.steps}", "run.eval_every=5"]
-        grpo, grpo_s = train(demo, seed, common)
-        start, teacher = demo / "sft_model", demo / "final_model"
+        grpo, grpo_s = demos[seed]
+        start = tmp / f"demo-seed{seed}" / "sft_model"
         from_start = [*common, f"model.name_or_path={start}", "sft_warmup.steps=0"]
         distill, distill_s = train(tmp / f"distill-seed{seed}", seed, [
             *from_start, "algorithm.advantage=distill", f"algorithm.teacher={teacher}"])  # fmt: skip
@@ -141,14 +148,14 @@ def main() -> None:
         print(f"reward model: {rm_accuracy:.1%} right on held-back labelled answers", file=sys.stderr)
         rm, rm_s = train(tmp / f"rm-run-seed{seed}", seed, [
             *from_start, f"reward.model={tmp / f'rm-seed{seed}'}", "reward.functions={model: 1.0}"])  # fmt: skip
-        target = grpo[-1]["eval/accuracy"] - 0.05  # within 5 points of the teacher
+        target = teacher_accuracy - 0.05  # within 5 points of the teacher
         runs = {"GRPO (correctness)": (grpo, grpo_s), "distillation": (distill, distill_s),
                 "GRPO (reward model only)": (rm, rm_s)}  # fmt: skip
         header = ["run", *(f"step {r['step']}" for r in grpo), "steps to teacher - 5 pts", "s/step"]
         rows = [[name, *(f"{r['eval/accuracy']:.1%}" for r in curve), within(curve, target), f"{s:.2f}"]
                 for name, (curve, s) in runs.items()]  # fmt: skip
-        print(f"seed {seed}: held-out accuracy (greedy, 200 questions); the teacher is GRPO's last "
-              f"model ({grpo[-1]['eval/accuracy']:.1%}); reward model {rm_accuracy:.1%} right on held-back labels")  # fmt: skip
+        print(f"seed {seed}: held-out accuracy (greedy, 200 questions); the teacher is seed {args.teacher_seed}'s "
+              f"demo's final model ({teacher_accuracy:.1%}); reward model {rm_accuracy:.1%} right on held-back labels")  # fmt: skip
         print(table(header, rows))
 
 

@@ -353,7 +353,7 @@ class Run:
     start_step: int
     critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
     teacher: Any = None  # a LearnerGroup of rltrain.scorers.TeacherLearner (distillation), or None
-    reward_model: Any = None  # a LearnerGroup of rltrain.scorers.RewardModelLearner, or None
+    reward_model: Any = None  # a rltrain.scorers.RewardModel (its actors' group), or None
     judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
 
     @property
@@ -404,9 +404,11 @@ def start_run(config: Config, inputs: Inputs) -> Run:
 
             parts["teacher"] = LearnerGroup(config, inputs.model_path, 0, TeacherLearner)
         if config.reward.model is not None:
-            from rltrain.scorers import RewardModelLearner
+            from rltrain.scorers import RewardModel, RewardModelLearner
 
-            parts["reward_model"] = LearnerGroup(config, inputs.model_path, 0, RewardModelLearner)
+            parts["reward_model"] = RewardModel(
+                partial(LearnerGroup, config, inputs.model_path, 0, RewardModelLearner)
+            )
         parts["generators"] = GeneratorPool(config, inputs.model_path)
         judge = config.reward.judge
         if judge is not None and judge.model is not None:
@@ -439,9 +441,7 @@ def model_scorers(config: Config, inputs: Inputs, parts: dict[str, Any]) -> dict
     """The rewards that actors compute, by reward.functions name: the reward model's, the judge's."""
     scorers = {}
     if "reward_model" in parts:
-        from rltrain.scorers import score_sequences
-
-        scorers[MODEL] = partial(score_sequences, parts["reward_model"])
+        scorers[MODEL] = parts["reward_model"]
     judge = config.reward.judge
     if judge is not None:
         from rltrain.rollout.judge import Judge

@@ -10,6 +10,10 @@ stage 3 DeepSpeed shards its weights over the group (a model larger than one dev
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from rltrain.batch import TrainBatch
@@ -95,7 +99,7 @@ def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor)
     return outputs_BT.gather(-1, last_B[:, None]).squeeze(-1)
 
 
-def score_sequences(group, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
+def score_sequences(group, prompts: list, completions: list) -> list[float]:
     """A reward model's score of each sequence (its prompt's ids + the completion's ids as
     sampled), by the actors of ``group`` (a :class:`LearnerGroup` of :class:`RewardModelLearner`)."""
     from rltrain.batch import collate
@@ -103,4 +107,33 @@ def score_sequences(group, prompts: list, completions: list) -> tuple[list[float
     prompt_ids = [c.prompt_ids or p.token_ids for p, c in zip(prompts, completions)]  # episodes: their own
     # padding ids are never attended (padded forwards mask them, packed rows leave them out)
     batch = collate(prompt_ids, completions, torch.zeros(len(completions)), pad_id=0)
-    return last_token_scores(group.per_token(batch), batch.attention_mask).tolist(), {}
+    return last_token_scores(group.per_token(batch), batch.attention_mask).tolist()
+
+
+class RewardModel:
+    """``reward.model``'s scores (a :data:`rltrain.grpo.ModelScorer`). A batch its actors fail to
+    score (one died or passed ``run.actor_timeout_s``) scores None for every sequence (0, counted
+    in ``reward/failures`` and ``reward/model_failures``); its actors are stopped and started
+    afresh, and the run goes on."""
+
+    def __init__(self, start: Callable[[], Any]):
+        self.start = start  # a new LearnerGroup of RewardModelLearner
+        self.group = start()
+
+    def __call__(self, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
+        from rltrain.remote import ActorFailure
+
+        try:
+            return score_sequences(self.group, prompts, completions), {"reward/model_failures": 0.0}
+        except ActorFailure as failure:
+            print(f"rltrain: {failure}; {len(completions)} sequences score 0 (reward/model_failures), "
+                  "restarting the reward model's actors", file=sys.stderr, flush=True)  # fmt: skip
+            self.group.shutdown()
+            self.group = self.start()
+            return [None] * len(completions), {"reward/model_failures": float(len(completions))}
+
+    def where(self) -> list[dict[str, Any]]:
+        return self.group.where()
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from rltrain.config import Config
 from rltrain.diagnostics import synthetic_rollouts
@@ -205,6 +205,9 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         ObjectStoreSync().push(learners, generators, 1)
         synced = generators.prompt_logprobs(prompts)
         completions = generators.collect(generators.submit(prompts, seeds=[1, 2]))
+        # a judge's greedy replies (reward.judge): none within a millisecond, then the replies
+        late = generators.complete(prompts, 6, timeout_s=1e-3)
+        replies = generators.complete(prompts, 6, timeout_s=120)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         model.load_state_dict(learners.state_dict())
     finally:
@@ -228,6 +231,12 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         )
         assert gap_after < 1e-4 and gap_sampled < 1e-4
         assert gap_before > 1e-3  # the check would notice a sync that did nothing
+    assert late == [None, None]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    for seq, reply in zip(prompts, replies):  # the synced weights' greedy continuation
+        greedy = model.generate(torch.tensor([seq]), max_new_tokens=6, do_sample=False)[0, len(seq) :]
+        # (a trailing incomplete UTF-8 sequence is held back, as vLLM's incremental detokenizer does)
+        assert reply == tokenizer.decode(greedy, skip_special_tokens=True).rstrip("\ufffd")
 
 
 def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_synced_weights(

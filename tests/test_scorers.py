@@ -227,6 +227,42 @@ def test_the_reward_models_actors_score_as_sequence_classification(ray_local, re
 
 
 @pytest.mark.slow
+def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afresh(
+    ray_local, reward_model_path
+):
+    from functools import partial
+
+    import ray
+    from transformers import AutoModelForSequenceClassification
+
+    from rltrain.batch import Completion
+    from rltrain.data import Prompt
+    from rltrain.learner import LearnerGroup
+    from rltrain.scorers import RewardModel, RewardModelLearner
+
+    config = scorer_config("reward", reward_model_path, num_learners=1)
+    prompts = [Prompt(0, [5, 6, 7], "1"), Prompt(1, [9], "2")]
+    completions = [Completion([8, 9], [0.0, 0.0], [1, 1]), Completion([10, 11, 12], [0.0] * 3, [1, 0, 1])]
+    reward_model = RewardModel(partial(LearnerGroup, config, "unused", 0, RewardModelLearner))
+    try:
+        scores, metrics = reward_model(prompts, completions)
+        ray.kill(reward_model.group.actors[0])
+        failed, failed_metrics = reward_model(prompts, completions)
+        again, _ = reward_model(prompts, completions)
+    finally:
+        reward_model.shutdown()
+    hf = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
+    with torch.no_grad():  # each sequence is its prompt's ids and the completion's, tool tokens included
+        expected = [
+            hf(input_ids=torch.tensor([ids])).logits[0, 0].item()
+            for ids in ([5, 6, 7, 8, 9], [9, 10, 11, 12])
+        ]
+    assert scores == pytest.approx(expected, abs=1e-5) and metrics == {"reward/model_failures": 0.0}
+    assert failed == [None, None] and failed_metrics == {"reward/model_failures": 2.0}
+    assert again == pytest.approx(expected, abs=1e-5)  # the restarted actors score again
+
+
+@pytest.mark.slow
 def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
     from transformers import AutoModelForCausalLM
 

@@ -136,9 +136,5 @@ def distill_advantages(
             raise ValueError("a coef below 1 mixes in task advantages; none were given")
         task = torch.zeros_like(distill)
     else:
-        task = (
-            task_advantages.float()[:, None].expand_as(distill)
-            if task_advantages.dim() == 1
-            else task_advantages.float()
-        )
+        task = task_advantages.float()[:, None].expand_as(distill)
     return torch.where(keep, coef * distill + (1.0 - coef) * task, 0.0)

@@ -137,6 +137,12 @@ class TrainBatch:
             raise ValueError("TrainBatch.response_mask marks tokens that attention_mask excludes")
 
 
+def last_positions(mask_BT: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the column of each row's last position where ``mask_BT`` is set (the last column
+    for a row with none)."""
+    return mask_BT.shape[1] - 1 - mask_BT.flip(-1).int().argmax(-1)
+
+
 def _take(value: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
     return None if value is None else value[idx]
 

@@ -17,7 +17,7 @@ from rltrain.advantages import (
     whiten,
     zero_variance_groups,
 )
-from rltrain.batch import Completion, TrainBatch, collate
+from rltrain.batch import Completion, TrainBatch, collate, last_positions
 from rltrain.config import AlgorithmConfig, Config
 from rltrain.data import Prompt
 from rltrain.rollout.rewards import ENV, RewardScorer, soft_overlong_penalty
@@ -72,11 +72,12 @@ def score(
     ``model_scorers`` (by reward.functions name: `model`, `judge`) included; the shaped rewards
     and the metrics."""
     n = config.algorithm.group_size
-    answers = [p.answer for p in prompts for _ in range(n)]
+    per_completion = [p for p in prompts for _ in range(n)]
+    answers = [p.answer for p in per_completion]
     given: dict[str, list[float | None]] = {ENV: [c.env_reward for c in completions]}
     model_metrics: dict[str, float] = {}
     for name, model_scorer in (model_scorers or {}).items():
-        given[name], more = model_scorer([p for p in prompts for _ in range(n)], completions)
+        given[name], more = model_scorer(per_completion, completions)
         model_metrics |= more
     scores = scorer([c.text for c in completions], answers, given)
     rewards = torch.tensor(scores.rewards)
@@ -158,12 +159,10 @@ def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
     return grpo_advantages(rewards, alg.group_size, normalize_std=alg.advantage in ("grpo", "distill"))
 
 
-def sequence_prompts(
-    prompts: list[Prompt], completions: list[Completion], group_size: int
-) -> list[list[int]]:
-    """The prompt ids each completion continues: its prompt's, or an episode's own opening."""
-    ids = [p.token_ids for p in prompts for _ in range(group_size)]
-    return [c.prompt_ids or prompt for c, prompt in zip(completions, ids)]
+def sequence_prompts(prompts: list[Prompt], completions: list[Completion]) -> list[list[int]]:
+    """The prompt ids each completion continues (``prompts``: one per completion): its prompt's,
+    or an episode's own opening."""
+    return [c.prompt_ids or p.token_ids for p, c in zip(prompts, completions)]
 
 
 def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int | None = None) -> TrainBatch:
@@ -171,8 +170,8 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     with distillation for :func:`with_distillation`.
     ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
-    prompt_ids = [p.token_ids for p in scored.prompts for _ in range(alg.group_size)]
-    prompt_ids = [c.prompt_ids or ids for c, ids in zip(scored.completions, prompt_ids)]  # episodes
+    per_completion = [p for p in scored.prompts for _ in range(alg.group_size)]
+    prompt_ids = sequence_prompts(per_completion, scored.completions)
     exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
     group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
     return collate(prompt_ids, scored.completions, group, pad_id, exclude, version)
@@ -191,7 +190,7 @@ def with_gae(
     keep_BT = batch.response_mask.bool() & batch.tool_mask.bool()
     rewards_BT = torch.zeros(keep_BT.shape)
     has_tokens = keep_BT.any(-1)
-    last = keep_BT.shape[1] - 1 - keep_BT.flip(-1).int().argmax(-1)  # last policy token of each row
+    last = last_positions(keep_BT)  # last policy token of each row
     rows = torch.arange(len(batch))[has_tokens]
     rewards_BT[rows, last[has_tokens]] = rewards_N[has_tokens].float()
     if alg.kl_in_reward > 0:

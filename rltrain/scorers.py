@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from rltrain.batch import TrainBatch
+from rltrain.batch import TrainBatch, collate, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
+from rltrain.grpo import sequence_prompts
 from rltrain.learner import EngineLearner, PolicyLearner
 from rltrain.logprobs import token_outputs
 
@@ -95,16 +96,13 @@ class RewardModelLearner(FrozenLearner):
 
 def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
     """``[B]``: each row's output at its last attended token (right-padded rows)."""
-    last_B = attention_mask_BT.shape[1] - 1 - attention_mask_BT.flip(-1).int().argmax(-1)
-    return outputs_BT.gather(-1, last_B[:, None]).squeeze(-1)
+    return outputs_BT.gather(-1, last_positions(attention_mask_BT)[:, None]).squeeze(-1)
 
 
 def score_sequences(group, prompts: list, completions: list) -> list[float]:
     """A reward model's score of each sequence (its prompt's ids + the completion's ids as
     sampled), by the actors of ``group`` (a :class:`LearnerGroup` of :class:`RewardModelLearner`)."""
-    from rltrain.batch import collate
-
-    prompt_ids = [c.prompt_ids or p.token_ids for p, c in zip(prompts, completions)]  # episodes: their own
+    prompt_ids = sequence_prompts(prompts, completions)
     # padding ids are never attended (padded forwards mask them, packed rows leave them out)
     batch = collate(prompt_ids, completions, torch.zeros(len(completions)), pad_id=0)
     return last_token_scores(group.per_token(batch), batch.attention_mask).tolist()

@@ -51,6 +51,7 @@ def test_policy_gradient_on_distillation_advantages_descends_the_reverse_kl():
     logits = torch.zeros(8, requires_grad=True)
     optimizer = torch.optim.SGD([logits], lr=0.5)
 
+    @torch.no_grad()
     def reverse_kl() -> float:
         student = torch.log_softmax(logits, -1)
         return float((student.exp() * (student - teacher)).sum())

@@ -450,7 +450,8 @@ class RewardConfig(Section):
     """A reward model: a sequence-classification model folder (or hub name) with one label and the
     policy's tokenizer; it scores each whole sequence (the prompt's chat rendering and the
     completion, as sampled) on its own actors (reward.model_learners), and its score joins
-    reward.functions as `model`."""
+    reward.functions as `model`. A step generated ahead (rollout.max_staleness >= 1) is scored
+    while the policy trains on the one before."""
     model_learners: FrozenLearnerConfig = FrozenLearnerConfig()
     """The reward model's actors: count, CPUs/GPUs, micro-batches or token budget, ZeRO stage."""
     judge: JudgeConfig | None = None

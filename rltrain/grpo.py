@@ -58,7 +58,16 @@ class ScoredGroups:
 
 # a score computed by actors, not by the reward workers (reward.model's, reward.judge's): each
 # completion's prompt and the completions -> a score each (None: not scored) and metrics
-ModelScorer = Callable[[list[Prompt], list[Completion]], tuple[list[float | None], dict[str, float]]]
+ModelScores = tuple[list[float | None], dict[str, float]]  # a score per completion (None: failed), metrics
+ModelScorer = Callable[[list[Prompt], list[Completion]], ModelScores]
+"""A reward computed by a model (reward.model, reward.judge) from each completion and its prompt.
+One whose ``own_actors`` attribute is true runs on actors of its own, so the orchestrator may score
+a step with it while the policy trains."""
+
+
+def per_completion(prompts: list[Prompt], group_size: int) -> list[Prompt]:
+    """Each prompt repeated for each of its ``group_size`` completions (their order)."""
+    return [p for p in prompts for _ in range(group_size)]
 
 
 def score(
@@ -67,17 +76,19 @@ def score(
     config: Config,
     scorer: RewardScorer,
     model_scorers: dict[str, ModelScorer] | None = None,
+    model_scores: dict[str, ModelScores] | None = None,
 ) -> ScoredGroups:
     """Every reward function's score of every completion, the environment's and those of
-    ``model_scorers`` (by reward.functions name: `model`, `judge`) included; the shaped rewards
-    and the metrics."""
+    ``model_scorers`` (by reward.functions name: `model`, `judge`; a result already in
+    ``model_scores`` is taken as it is) included; the shaped rewards and the metrics."""
     n = config.algorithm.group_size
-    per_completion = [p for p in prompts for _ in range(n)]
-    answers = [p.answer for p in per_completion]
+    expanded = per_completion(prompts, n)
+    answers = [p.answer for p in expanded]
     given: dict[str, list[float | None]] = {ENV: [c.env_reward for c in completions]}
     model_metrics: dict[str, float] = {}
     for name, model_scorer in (model_scorers or {}).items():
-        given[name], more = model_scorer(per_completion, completions)
+        done = (model_scores or {}).get(name)
+        given[name], more = done if done is not None else model_scorer(expanded, completions)
         model_metrics |= more
     scores = scorer([c.text for c in completions], answers, given)
     rewards = torch.tensor(scores.rewards)
@@ -170,8 +181,7 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     with distillation for :func:`with_distillation`.
     ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
-    per_completion = [p for p in scored.prompts for _ in range(alg.group_size)]
-    prompt_ids = sequence_prompts(per_completion, scored.completions)
+    prompt_ids = sequence_prompts(per_completion(scored.prompts, alg.group_size), scored.completions)
     exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
     group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
     return collate(prompt_ids, scored.completions, group, pad_id, exclude, version)

@@ -352,7 +352,7 @@ class Run:
     weight_sync: Any  # rltrain.weight_sync.WeightSync
     start_step: int
     critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
-    teacher: Any = None  # a LearnerGroup of rltrain.scorers.TeacherLearner (distillation), or None
+    teacher: Any = None  # a rltrain.scorers.Teacher (its actors' group; distillation), or None
     reward_model: Any = None  # a rltrain.scorers.RewardModel (its actors' group), or None
     judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
 
@@ -370,9 +370,11 @@ class Run:
         return [part for part in parts if part is not None]
 
     def shutdown(self) -> None:
-        """Stop every actor and the reward workers (also after a failure: nothing is left running)."""
+        """Stop every actor, the scoring thread and the reward workers (also after a failure:
+        nothing is left running)."""
         for part in self.groups:
             part.shutdown()
+        self.orchestrator.close()
         self.scorer.close()
 
 
@@ -400,9 +402,9 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             steps = total_optimizer_steps(config, config.critic.learners)
             parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
         if config.algorithm.teacher is not None:
-            from rltrain.scorers import TeacherLearner
+            from rltrain.scorers import Teacher, TeacherLearner
 
-            parts["teacher"] = LearnerGroup(config, inputs.model_path, 0, TeacherLearner)
+            parts["teacher"] = Teacher(partial(LearnerGroup, config, inputs.model_path, 0, TeacherLearner))
         if config.reward.model is not None:
             from rltrain.scorers import RewardModel, RewardModelLearner
 
@@ -449,8 +451,10 @@ def model_scorers(config: Config, inputs: Inputs, parts: dict[str, Any]) -> dict
         tokenizer = inputs.tokenizer
         if judge.model is not None:
             tokenizer = _load_tokenizer(config, "reward.judge.model", judge.model)
-        engines = parts.get("judge_engines", parts["generators"])
-        scorers[JUDGE] = Judge(judge, tokenizer, engines, config.rollout.max_model_len - judge.max_new_tokens)
+        own = "judge_engines" in parts
+        engines = parts["judge_engines"] if own else parts["generators"]
+        max_prompt = config.rollout.max_model_len - judge.max_new_tokens
+        scorers[JUDGE] = Judge(judge, tokenizer, engines, max_prompt, own_actors=own)
     return scorers
 
 

@@ -9,6 +9,10 @@ a group with a token more than ``max_staleness`` versions older than the learner
 dropped and counted (:func:`~rltrain.grpo.drop_stale`): a weight sync that never reached an engine
 shows up there instead of being trained on.
 
+Model scorers on actors of their own (a reward model, a judge with engines of its own) score a
+step as soon as its completions are in, in one thread beside the training loop: a step generated
+ahead is scored while the policy trains on the one before.
+
 **The data order is part of the checkpoint, whatever draws from the sampler.** Refill rounds and
 steps generated ahead take prompts between two saves, so the sampler's position alone cannot say
 which prompts a resumed run must train on next. :meth:`Orchestrator.state` is taken when a step's
@@ -23,8 +27,12 @@ step, round), so what it generates from there is the same too.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +41,7 @@ from rltrain.advantages import zero_variance_groups
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt, PromptSampler
-from rltrain.grpo import ModelScorer, ScoredGroups, drop_stale, score
+from rltrain.grpo import ModelScorer, ModelScores, ScoredGroups, drop_stale, per_completion, score
 
 
 def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:
@@ -56,10 +64,12 @@ def request(prompt: Prompt, config: Config) -> list[int] | dict:
 
 def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int,
                    completions: list[Completion] | None = None,
-                   model_scorers: dict[str, ModelScorer] | None = None) -> ScoredGroups:  # fmt: skip
+                   model_scorers: dict[str, ModelScorer] | None = None,
+                   model_scores: dict[str, ModelScores] | None = None) -> ScoredGroups:  # fmt: skip
     """Completions of this step (``completions`` when already fetched, else ``refs``), scored (by
-    ``model_scorers`` too: reward.model, reward.judge); with dynamic sampling, zero-variance groups are
-    dropped and more prompts are generated (up to ``max_sampling_rounds``) to refill the batch."""
+    ``model_scorers`` too: reward.model, reward.judge, unless ``model_scores`` already holds a
+    scorer's result for them); with dynamic sampling, zero-variance groups are dropped and more
+    prompts are generated (up to ``max_sampling_rounds``) to refill the batch."""
     alg = config.algorithm
     scored = score(
         prompts,
@@ -67,6 +77,7 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         config,
         scorer,
         model_scorers,
+        model_scores,
     )
     if not alg.dynamic_sampling:
         return scored
@@ -99,11 +110,14 @@ class _Ahead:
     prompts: list[Prompt]
     refs: list[Any] = field(default_factory=list)
     completions: list[Completion] | None = None  # once fetched
+    model_scores: Future | None = None  # the beside scorers' results, once started
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def fetch(self, generators) -> list[Completion]:
-        if self.completions is None:
-            self.completions = generators.collect(self.refs)
-        return self.completions
+        with self._lock:  # the scoring thread and a checkpoint may ask at the same time
+            if self.completions is None:
+                self.completions = generators.collect(self.refs)
+            return self.completions
 
 
 class Orchestrator:
@@ -112,7 +126,15 @@ class Orchestrator:
     def __init__(self, config: Config, sampler: PromptSampler, generators, scorer,
                  model_scorers: dict[str, ModelScorer] | None = None):  # fmt: skip
         self.config, self.sampler, self.generators, self.scorer = config, sampler, generators, scorer
-        self.model_scorers = model_scorers or {}
+        model_scorers = model_scorers or {}
+        # scorers on actors of their own run in one thread, in order, whoever asks (a refill round
+        # too): their actors never see two batches at once
+        self._beside = {name: s for name, s in model_scorers.items() if getattr(s, "own_actors", False)}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rltrain-scoring") if self._beside else None
+        self.model_scorers = {
+            name: partial(self._in_thread, s) if name in self._beside else s
+            for name, s in model_scorers.items()
+        }
         self.ahead: deque[_Ahead] = deque()  # oldest first
         # per completed step: (sampler state, the steps ahead then); the last two are kept, for a save
         # after the step and for Ctrl-C while the next one is collected
@@ -129,15 +151,41 @@ class Orchestrator:
             self.ahead.append(
                 _Ahead(ahead_step, prompts, submit(self.generators, prompts, cfg, ahead_step, 0))
             )
+        for ahead in self.ahead:  # scored as soon as generated, while the policy trains
+            if self._thread is not None and ahead.model_scores is None:
+                ahead.model_scores = self._thread.submit(self._score_beside, ahead)
         current = self.ahead.popleft()
         assert current.step == step, (current.step, step)
+        model_scores = current.model_scores.result() if current.model_scores is not None else None
         scored = collect_groups(self.generators, current.refs, current.prompts, self.sampler, cfg,
-                                self.scorer, step, current.completions, self.model_scorers)  # fmt: skip
+                                self.scorer, step, current.completions, self.model_scorers,
+                                model_scores)  # fmt: skip
         # the learners hold version step - 1 (the weights after step - 1 updates)
         scored = drop_stale(scored, step - 1, cfg.rollout.max_staleness, cfg.algorithm.group_size)
         self._after = {s: v for s, v in self._after.items() if s >= step - 1}
         self._after[step] = (self.sampler.state(), list(self.ahead))
         return scored
+
+    def _score_beside(self, ahead: _Ahead) -> dict[str, ModelScores]:
+        """In the scoring thread: a step's completions (waiting for its generation) scored by the
+        model scorers on actors of their own; ``time/model_scoring_s`` is their time."""
+        completions = ahead.fetch(self.generators)
+        prompts = per_completion(ahead.prompts, self.config.algorithm.group_size)
+        start = time.perf_counter()
+        results = {name: scorer(prompts, completions) for name, scorer in self._beside.items()}
+        elapsed = {"time/model_scoring_s": time.perf_counter() - start}
+        return {name: (scores, metrics | elapsed) for name, (scores, metrics) in results.items()}
+
+    def _in_thread(
+        self, scorer: ModelScorer, prompts: list[Prompt], completions: list[Completion]
+    ) -> ModelScores:
+        assert self._thread is not None
+        return self._thread.submit(scorer, prompts, completions).result()
+
+    def close(self) -> None:
+        """Stops the scoring thread (a batch it is scoring ends when its actors are stopped)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
     def state(self, step: int) -> dict[str, Any]:
         """The data order after ``step``'s batch (see the module docstring); fetches the completions

@@ -108,30 +108,61 @@ def score_sequences(group, prompts: list, completions: list) -> list[float]:
     return last_token_scores(group.per_token(batch), batch.attention_mask).tolist()
 
 
-class RewardModel:
-    """``reward.model``'s scores (a :data:`rltrain.grpo.ModelScorer`). A batch its actors fail to
-    score (one died or passed ``run.actor_timeout_s``) scores None for every sequence (0, counted
-    in ``reward/failures`` and ``reward/model_failures``); its actors are stopped and started
-    afresh, and the run goes on."""
+class RestartingGroup:
+    """A frozen model's actors that recover on their own: a call they fail (one died or passed
+    ``run.actor_timeout_s``) is said in one line, gives None, and the actors are stopped and
+    started afresh; the run goes on. The policy's own actors restart the whole run instead."""
 
-    def __init__(self, start: Callable[[], Any]):
-        self.start = start  # a new LearnerGroup of RewardModelLearner
+    def __init__(self, start: Callable[[], Any], role: str):
+        self.start, self.role = start, role  # start: a new LearnerGroup of the frozen model's actors
         self.group = start()
 
-    def __call__(self, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
+    def _run(self, call: Callable[[Any], Any], lost: str) -> Any:
         from rltrain.remote import ActorFailure
 
         try:
-            return score_sequences(self.group, prompts, completions), {"reward/model_failures": 0.0}
+            return call(self.group)
         except ActorFailure as failure:
-            print(f"rltrain: {failure}; {len(completions)} sequences score 0 (reward/model_failures), "
-                  "restarting the reward model's actors", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"rltrain: {failure}; {lost}; restarting the {self.role}'s actors",
+                file=sys.stderr,
+                flush=True,
+            )
             self.group.shutdown()
             self.group = self.start()
-            return [None] * len(completions), {"reward/model_failures": float(len(completions))}
+            return None
 
     def where(self) -> list[dict[str, Any]]:
         return self.group.where()
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class Teacher(RestartingGroup):
+    """``algorithm.teacher``'s actors (:class:`TeacherLearner`); :meth:`per_token` gives None for a
+    batch they failed to score (the step is then not trained, ``distill/teacher_failures``)."""
+
+    def __init__(self, start: Callable[[], Any]):
+        super().__init__(start, "teacher")
+
+    def per_token(self, batch: TrainBatch) -> torch.Tensor | None:
+        return self._run(lambda group: group.per_token(batch), "this step is not trained")
+
+
+class RewardModel(RestartingGroup):
+    """``reward.model``'s scores (a :data:`rltrain.grpo.ModelScorer`). A batch its actors fail to
+    score scores None for every sequence (0, counted in ``reward/failures`` and
+    ``reward/model_failures``)."""
+
+    own_actors = True  # scored beside the training loop (rltrain.orchestrator)
+
+    def __init__(self, start: Callable[[], Any]):
+        super().__init__(start, "reward model")
+
+    def __call__(self, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
+        lost = f"{len(completions)} sequences score 0 (reward/model_failures)"
+        scores = self._run(lambda group: score_sequences(group, prompts, completions), lost)
+        if scores is None:
+            return [None] * len(completions), {"reward/model_failures": float(len(completions))}
+        return scores, {"reward/model_failures": 0.0}

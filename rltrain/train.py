@@ -134,10 +134,17 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
                 write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
             batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
-            trained = step
             metrics = {}
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
-                batch, metrics = with_distillation(batch, run.teacher.per_token(batch), config.algorithm)
+                teacher_logprobs = run.teacher.per_token(batch)
+                if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
+                    tracker.log(
+                        step, {**scored.metrics, "distill/teacher_failures": 1.0, "train/skipped": 1.0}
+                    )
+                    continue
+                batch, metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
+                metrics["distill/teacher_failures"] = 0.0
+            trained = step
             if run.critic is not None:  # PPO: GAE from the critic's values, then the critic's update
                 ref_logprobs = learners.per_token(batch) if config.algorithm.kl_in_reward else None
                 batch = with_gae(

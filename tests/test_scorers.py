@@ -1,12 +1,15 @@
 """Model-based training signals: on-policy distillation from a teacher and a reward model, from
 the pure advantage math to real Ray actors and DeepSpeed learners."""
 
+import threading
+
 import pytest
 import torch
 
 from rltrain.advantages import distill_advantages
-from rltrain.batch import TrainBatch
+from rltrain.batch import Completion, TrainBatch
 from rltrain.config import Config
+from rltrain.data import Prompt
 from rltrain.grpo import with_distillation
 from rltrain.rollout.rewards import RewardScorer
 
@@ -105,9 +108,7 @@ class ScriptedEngines:
 def test_the_judge_scores_verdicts_and_counts_what_it_could_not_score(tiny_model_path):
     from transformers import AutoTokenizer
 
-    from rltrain.batch import Completion
     from rltrain.config import JudgeConfig
-    from rltrain.data import Prompt
     from rltrain.rollout.judge import Judge
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -130,6 +131,75 @@ def test_the_judge_scores_verdicts_and_counts_what_it_could_not_score(tiny_model
     engines.replies = ["Verdict: ?", "no idea", "Verdict: correct"]
     scores, metrics = judge(prompts[:3], completions[:3])
     assert scores == [None, None, 1.0] and metrics["reward/judge_unparsed"] == 2.0
+
+
+class GeneratedOnRelease:
+    """Generator stand-in: the n-th submission's completions come out of ``collect`` once the test
+    releases it (generation in progress until then); completion i of a submission reads str(i)."""
+
+    def __init__(self, submissions: int):
+        self.released = [threading.Event() for _ in range(submissions)]
+        self.submitted = 0
+
+    def submit(self, requests, seeds):
+        self.submitted += 1
+        return [(self.submitted - 1, len(requests))]
+
+    def collect(self, refs):
+        ((index, count),) = refs
+        assert self.released[index].wait(10), f"submission {index} was never released"
+        return [Completion(token_ids=[1] * (index + 1), text=str(i)) for i in range(count)]
+
+
+class RecordingScorer:
+    """A model scorer: a completion's score is its length in tokens; records the thread of each call."""
+
+    def __init__(self, own_actors: bool):
+        self.own_actors, self.calls, self.called = own_actors, [], threading.Event()
+
+    def __call__(self, prompts, completions):
+        self.calls.append((threading.current_thread().name, len(completions[0].token_ids)))
+        self.called.set()
+        return [float(len(c.token_ids)) for c in completions], {}
+
+
+def test_a_scorer_on_its_own_actors_scores_the_step_ahead_while_the_policy_trains():
+    from rltrain.data import PromptSampler
+    from rltrain.orchestrator import Orchestrator
+
+    config = Config.model_validate({
+        "algorithm": {"group_size": 2, "prompts_per_step": 1},
+        "rollout": {"max_staleness": 1},
+        "reward": {"model": "rm", "judge": {}, "functions": {"model": 1.0, "judge": 1.0}},
+        "run": {"steps": 2},
+    })  # fmt: skip
+    beside, inline = RecordingScorer(own_actors=True), RecordingScorer(own_actors=False)
+    pool = GeneratedOnRelease(submissions=2)
+    sampler = PromptSampler([Prompt(i, [1, 2], "7") for i in range(4)], seed=0)
+    with RewardScorer(config.reward.functions, timeout_s=5) as scorer:
+        orchestrator = Orchestrator(config, sampler, pool, scorer, {"model": beside, "judge": inline})
+        try:
+            pool.released[0].set()
+            step_1 = orchestrator.next_batch(1)  # submits steps 1 and 2, scores step 1
+            # step 1's completions are 1 token long, step 2's 2 tokens: 1.0 (model) + 1.0 (judge) = 2.0
+            assert step_1.rewards.tolist() == [2.0, 2.0]
+            assert [length for _, length in beside.calls] == [1]
+            beside.called.clear()
+            # the policy trains on step 1 now; step 2's generation ends, and its reward model
+            # scores come in with nobody asking, in the scoring thread
+            pool.released[1].set()
+            assert beside.called.wait(10)
+            assert [length for _, length in beside.calls] == [1, 2]
+            assert [length for _, length in inline.calls] == [1]  # the judge on the policy's engines waits
+            step_2 = orchestrator.next_batch(2)
+            # 2.0 (model, scored ahead) + 2.0 (judge, scored now) = 4.0; nothing scored twice
+            assert step_2.rewards.tolist() == [4.0, 4.0]
+            assert len(beside.calls) == 2 and len(inline.calls) == 2
+            assert "time/model_scoring_s" in step_2.metrics
+            assert {thread for thread, _ in beside.calls} == {"rltrain-scoring_0"}
+            assert {thread for thread, _ in inline.calls} == {threading.current_thread().name}
+        finally:
+            orchestrator.close()
 
 
 # ---------------------------------------------------------------------------- real actors
@@ -207,6 +277,29 @@ def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teach
 
 
 @pytest.mark.slow
+def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_local, teacher_path):
+    from functools import partial
+
+    import ray
+
+    from rltrain.diagnostics import synthetic_rollouts
+    from rltrain.learner import LearnerGroup
+    from rltrain.scorers import Teacher, TeacherLearner
+
+    batch, config = synthetic_rollouts(), scorer_config("algorithm", teacher_path, num_learners=1)
+    teacher = Teacher(partial(LearnerGroup, config, "unused", 0, TeacherLearner))
+    try:
+        first = teacher.per_token(batch)
+        ray.kill(teacher.group.actors[0])
+        failed = teacher.per_token(batch)  # the step is not trained; the actors start afresh
+        again = teacher.per_token(batch)
+    finally:
+        teacher.shutdown()
+    assert failed is None
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_the_reward_models_actors_score_as_sequence_classification(ray_local, reward_model_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -236,8 +329,6 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
     import ray
     from transformers import AutoModelForSequenceClassification
 
-    from rltrain.batch import Completion
-    from rltrain.data import Prompt
     from rltrain.learner import LearnerGroup
     from rltrain.scorers import RewardModel, RewardModelLearner
 
@@ -309,7 +400,8 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
     tmp_path, teacher_path, reward_model_path
 ):
     # one short CLI run with all three: the teacher's and the reward model's own actors, GRPO mixed
-    # in, and the policy's engine as the judge (the tiny model gives no verdict: each is counted)
+    # in, and the policy's engine as the judge (the tiny model gives no verdict: each is counted);
+    # one step generated ahead
     import json
     import math
     import subprocess
@@ -327,7 +419,7 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
          "algorithm.distill_coef=0.5", f"reward.model={reward_model_path}",
          "reward.functions={math: 1.0, model: 0.5, judge: 1.0}", "reward.judge={max_new_tokens: 8}",
          "algorithm.teacher_learners.cpus_per_learner=0.25",
-         "reward.model_learners.cpus_per_learner=0.25"],
+         "reward.model_learners.cpus_per_learner=0.25", "rollout.max_staleness=1"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -335,6 +427,9 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert math.isfinite(r["distill/reverse_kl"]) and r["reward/model"] != 0.0
+        # step 2, generated ahead (rollout.max_staleness=1), was scored by the reward model in the
+        # scoring thread; the judge, on the policy's engine, in the loop
+        assert r["time/model_scoring_s"] > 0
         # the weighted sum: 1.0 * math + 0.5 * model + 1.0 * judge + the overlong shaping
         expected = r["reward/math"] + 0.5 * r["reward/model"] + r["reward/judge"] + r["reward/overlong"]
         assert r["reward/mean"] == pytest.approx(expected, abs=1e-5)

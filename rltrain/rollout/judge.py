@@ -35,9 +35,13 @@ def parse_verdict(reply: str, pattern: str, values: dict[str, float]) -> float |
 class Judge:
     """Scores completions with a model's verdicts; a :data:`rltrain.grpo.ModelScorer`."""
 
-    def __init__(self, config: JudgeConfig, tokenizer: Any, engines: Any, max_prompt_tokens: int):
+    def __init__(self, config: JudgeConfig, tokenizer: Any, engines: Any, max_prompt_tokens: int,
+                 own_actors: bool = False):  # fmt: skip
         self.config, self.tokenizer, self.engines = config, tokenizer, engines
         self.max_prompt_tokens = max_prompt_tokens  # the engines' context less the verdict's tokens
+        # engines of its own (reward.judge.model): scored beside the training loop; on the policy's
+        # engines the judge queues behind generation and weight updates, in the loop's order
+        self.own_actors = own_actors
 
     def render(self, prompt: Prompt, completion: Completion) -> list[int]:
         """The judge's chat prompt for one completion, as token ids."""

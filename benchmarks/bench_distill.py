@@ -2,6 +2,7 @@
 reward, on the CPU demo's task.
 
     python benchmarks/bench_distill.py [--seeds 0 1] [--teacher-seed 0] [--steps 40] [--eval-every 2]
+                                       [--rm-kl-beta 0.1]
 
 Per seed:
 
@@ -13,7 +14,9 @@ Per seed:
 3. **A reward model** trained here: the warm-started model with a one-label head, trained on
    labelled right and wrong answers of the built-in task's training questions (answered directly
    or through the calculator, right or with a wrong number), then GRPO from the warm start with
-   `reward.functions={model: 1.0}`: the reward model's score is the only reward.
+   `reward.functions={model: 1.0}`: the reward model's score is the only reward; once as it is
+   and once with a KL penalty to the warm start (``--rm-kl-beta``), the usual guard against
+   over-optimizing a learned reward.
 
 Prints held-out accuracy (200 questions never trained on, greedy) every ``--eval-every`` steps for
 each, the steps each needs to come within 5 points of the teacher, and the seconds per step.
@@ -130,6 +133,9 @@ def main() -> None:
     parser.add_argument(
         "--teacher-seed", type=int, default=0, help="whose demo's final model teaches every seed"
     )
+    parser.add_argument(
+        "--rm-kl-beta", type=float, default=0.1, help="loss.kl_beta of the second reward-model run"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-distill-"))
     common = [f"run.steps={args.steps}", f"run.eval_every={args.eval_every}"]
@@ -146,11 +152,15 @@ def main() -> None:
             *from_start, "algorithm.advantage=distill", f"algorithm.teacher={teacher}"])  # fmt: skip
         rm_accuracy = train_reward_model(start, tmp / f"rm-seed{seed}", seed)
         print(f"reward model: {rm_accuracy:.1%} right on held-back labelled answers", file=sys.stderr)
-        rm, rm_s = train(tmp / f"rm-run-seed{seed}", seed, [
-            *from_start, f"reward.model={tmp / f'rm-seed{seed}'}", "reward.functions={model: 1.0}"])  # fmt: skip
+        with_rm = [*from_start, f"reward.model={tmp / f'rm-seed{seed}'}", "reward.functions={model: 1.0}"]
+        rm, rm_s = train(tmp / f"rm-run-seed{seed}", seed, with_rm)
+        rm_kl, rm_kl_s = train(
+            tmp / f"rm-kl-run-seed{seed}", seed, [*with_rm, f"loss.kl_beta={args.rm_kl_beta}"]
+        )
         target = teacher_accuracy - 0.05  # within 5 points of the teacher
         runs = {"GRPO (correctness)": (grpo, grpo_s), "distillation": (distill, distill_s),
-                "GRPO (reward model only)": (rm, rm_s)}  # fmt: skip
+                "GRPO (reward model only)": (rm, rm_s),
+                f"GRPO (reward model only, kl_beta {args.rm_kl_beta:g})": (rm_kl, rm_kl_s)}  # fmt: skip
         header = ["run", *(f"step {r['step']}" for r in grpo), "steps to teacher - 5 pts", "s/step"]
         rows = [[name, *(f"{r['eval/accuracy']:.1%}" for r in curve), within(curve, target), f"{s:.2f}"]
                 for name, (curve, s) in runs.items()]  # fmt: skip

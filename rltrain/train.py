@@ -129,6 +129,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled
             generate_s = time.perf_counter() - t0
             if not scored.completions:
+                skip(run, step)
                 tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
                 continue
             if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
@@ -138,6 +139,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 teacher_logprobs = run.teacher.per_token(batch)
                 if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
+                    skip(run, step)
                     tracker.log(
                         step, {**scored.metrics, "distill/teacher_failures": 1.0, "train/skipped": 1.0}
                     )
@@ -195,6 +197,12 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         tracker.close()
     run.shutdown()
     return run.out
+
+
+def skip(run: Run, step: int) -> None:
+    """A step without an update: the engines hold the learners' weights still, now as policy
+    version ``step``, so what they sample next is not counted a version old (and dropped as stale)."""
+    run.weight_sync.push(run.learners, run.generators, step)
 
 
 def saved(

@@ -285,6 +285,28 @@ def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_train
     assert rows[2]["rollout/stale_dropped"] == sequences and rows[2]["train/skipped"] == 1
 
 
+def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, tmp_path, monkeypatch):
+    from rltrain.config import load_config
+    from rltrain.orchestrator import Orchestrator
+    from rltrain.train import train
+
+    batch = Orchestrator.next_batch
+
+    def nothing_at_step_1(self, step):  # as a step whose every group was filtered out
+        scored = batch(self, step)
+        return scored.keep(torch.zeros(len(scored.prompts), dtype=torch.bool), 4) if step == 1 else scored
+
+    monkeypatch.setattr(Orchestrator, "next_batch", nothing_at_step_1)
+    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=2", "run.checkpoint_every=0"]
+    train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["train/skipped"] == 1
+    # step 2 is sampled after step 1 (rollout.max_staleness=0) by the learners' weights, unchanged
+    # since step 1 skipped its update: fresh, not a version old, so nothing is dropped and it trains
+    assert rows[1]["rollout/staleness_max"] == 0 and rows[1]["rollout/stale_dropped"] == 0
+    assert "train/skipped" not in rows[1] and rows[1]["train/tokens"] > 0
+
+
 def test_ray_job_submit_against_a_local_head(tmp_path):
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}

@@ -129,8 +129,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled
             generate_s = time.perf_counter() - t0
             if not scored.completions:
-                skip(run, step)
-                tracker.log(step, {**scored.metrics, "train/skipped": 1.0})
+                skip(run, tracker, step, scored.metrics)
                 continue
             if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
                 write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
@@ -139,10 +138,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 teacher_logprobs = run.teacher.per_token(batch)
                 if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
-                    skip(run, step)
-                    tracker.log(
-                        step, {**scored.metrics, "distill/teacher_failures": 1.0, "train/skipped": 1.0}
-                    )
+                    skip(run, tracker, step, {**scored.metrics, "distill/teacher_failures": 1.0})
                     continue
                 batch, metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
                 metrics["distill/teacher_failures"] = 0.0
@@ -199,10 +195,12 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     return run.out
 
 
-def skip(run: Run, step: int) -> None:
-    """A step without an update: the engines hold the learners' weights still, now as policy
-    version ``step``, so what they sample next is not counted a version old (and dropped as stale)."""
+def skip(run: Run, tracker, step: int, metrics: dict[str, float]) -> None:
+    """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
+    the learners' weights still, now as policy version ``step``, so what they sample next is not
+    counted a version old (and dropped as stale)."""
     run.weight_sync.push(run.learners, run.generators, step)
+    tracker.log(step, {**metrics, "train/skipped": 1.0})
 
 
 def saved(

@@ -165,11 +165,24 @@ def write_failure(error: BaseException, path: str | Path) -> str:
 
 
 @contextmanager
-def recorded_write_errors(engine: Any, names: tuple[str, ...] = ("makedirs", "save")) -> Iterator[list[str]]:
+def recorded_deepspeed_write_errors(engine: Any) -> Iterator[list[str]]:
+    """:func:`recorded_write_errors` over everything a DeepSpeed engine's ``save_checkpoint`` writes:
+    its checkpoint engine's ``makedirs`` and ``save``, and (rank 0) the copy of its recovery scripts
+    (``zero_to_fp32.py``) beside the ZeRO state, which a full disk can refuse too."""
+    with recorded_write_errors(engine.checkpoint_engine) as errors:
+        with recorded_write_errors(engine, ("_copy_recovery_script",), errors):
+            yield errors
+
+
+@contextmanager
+def recorded_write_errors(
+    engine: Any, names: tuple[str, ...] = ("makedirs", "save"), errors: list[str] | None = None
+) -> Iterator[list[str]]:
     """Within the block, a failing ``engine.<name>(...)`` call (DeepSpeed's checkpoint engine:
-    ``makedirs``, ``save``) is recorded in the yielded list instead of raised, and later calls write
-    nothing: the rank goes on through the save's collectives with its peers."""
-    errors: list[str] = []
+    ``makedirs``, ``save``) is recorded in the yielded list (``errors``, when given) instead of
+    raised, and later calls write nothing: the rank goes on through the save's collectives with its
+    peers."""
+    errors = [] if errors is None else errors
     originals = {name: getattr(engine, name) for name in names}
     own = {name: vars(engine)[name] for name in names if name in vars(engine)}
 

@@ -57,9 +57,12 @@ def _planted_hang(rank: int, optimizer_steps: int) -> None:
     """When the file named by ``$RLTRAIN_TEST_HANG`` says ``<rank> <optimizer steps> <seconds>`` for
     this rank and step, delete it (so a restarted run goes on) and sleep in :func:`planted_sleep`."""
     path = os.environ.get(HANG_ENV)
-    if not path or not os.path.exists(path):
+    if not path:
         return
-    want_rank, want_steps, seconds = Path(path).read_text().split()
+    try:  # another rank may delete it between a check and the read
+        want_rank, want_steps, seconds = Path(path).read_text().split()
+    except FileNotFoundError:
+        return
     if (int(want_rank), int(want_steps)) == (rank, optimizer_steps):
         os.unlink(path)
         planted_sleep(float(seconds))
@@ -388,7 +391,7 @@ class EngineLearner:
 
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
-        with checkpoint.recorded_write_errors(self.engine.checkpoint_engine) as errors:
+        with checkpoint.recorded_deepspeed_write_errors(self.engine) as errors:
             # no DeepSpeed `latest` file: rltrain.checkpoint moves its own pointer once a save is complete
             self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
         free = self._layout_free_state() if self.config.run.layout_free_checkpoints else None  # all ranks

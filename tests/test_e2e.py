@@ -113,16 +113,20 @@ REFILLING = [
 ]
 TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}  # the reward module
 
+# The learner- and sampler-side layouts generate with the in-process engine (rollout.backend=hf): a
+# vLLM engine costs ~40 s to start on 2 cores, three times a test, and "grpo" resumes through vLLM
+HF = "rollout.backend=hf"
 RESUME_LAYOUTS = {
     "grpo": [],
-    "dynamic sampling": REFILLING,
-    "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1"],
+    "dynamic sampling": [*REFILLING, HF],
+    "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1", HF],
     # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
     # normalized over the step's sequences (each split sequence counted once)
-    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.masked_mean_axis=1"],
+    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.masked_mean_axis=1", HF],
     # a critic with its own learner, checkpointed and restored beside the policy; its value loss and
     # the policy loss in Dr. GRPO's per-sequence sum over a constant
     "ppo with a critic": [
+        HF,
         "algorithm.advantage=gae",
         "critic.learners.lr=1e-3",
         "loss.aggregation=seq-mean-token-sum-norm",

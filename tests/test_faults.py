@@ -59,7 +59,7 @@ def kill_actor(out: Path, actor: str) -> int:
 # dynamic sampling refilling the batch, synchronous or with a step generated ahead: the data order
 # of the restarted run must be the uninterrupted run's
 RESTART_CASES = {
-    "policy learner 1": [*FAULT_RUN, *REFILLING],
+    "policy learner 1": [*FAULT_RUN, *REFILLING, "rollout.backend=hf"],  # a vLLM engine starts in ~40 s
     "generator 0": [*FAULT_RUN, *REFILLING, "rollout.async_steps=1"],
 }
 
@@ -159,7 +159,7 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     hang.write_text("1 2 600")
     out = tmp_path / "run"
     done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30",
-                       env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
+                       "rollout.backend=hf", env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
     stacks = out / "hangs" / "step_3.txt"
     assert (
         "policy learner 1" in done.stderr and "did not answer within run.actor_timeout_s=30s" in done.stderr

@@ -110,3 +110,28 @@ def test_recorded_write_errors_keep_a_rank_going_and_restore_the_engine():
     assert "save" not in vars(engine) and "makedirs" not in vars(engine)  # the class's methods again
     with pytest.raises(RuntimeError):
         engine.save({}, "/x/optim.pt")
+
+
+def test_deepspeeds_copy_of_its_recovery_scripts_is_a_recorded_write_too(tmp_path):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class CheckpointEngine:
+        def makedirs(self, path, exist_ok=False):
+            pass
+
+        def save(self, state_dict, path):
+            pass
+
+    class Engine:  # DeepSpeed's own copy (rank 0, after the ZeRO state): a full disk refuses it too
+        _copy_recovery_script = DeepSpeedEngine._copy_recovery_script
+        _change_recovery_script_permissions = DeepSpeedEngine._change_recovery_script_permissions
+
+        def __init__(self):
+            self.checkpoint_engine = CheckpointEngine()
+
+    engine, gone = Engine(), tmp_path / "gone"  # copying into a folder that is not there fails
+    with checkpoint.recorded_deepspeed_write_errors(engine) as errors:
+        engine.checkpoint_engine.save({}, str(gone / "optim.pt"))
+        engine._copy_recovery_script(str(gone))  # recorded, not raised
+    assert len(errors) == 1 and errors[0].startswith(f"writing {gone} failed (No such file or directory; ")
+    assert "_copy_recovery_script" not in vars(engine) and "save" not in vars(engine.checkpoint_engine)

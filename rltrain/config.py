@@ -473,7 +473,9 @@ class SFTWarmupConfig(Section):
     batch_size: int = Field(32, ge=1)
     """Examples per optimizer step."""
     lr: float = Field(3e-3, gt=0)
-    """Learning rate of the warm-up (constant)."""
+    """Learning rate of the warm-up (its peak, under a decaying lr_schedule)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the warm-up's learning rate over its steps (no warm-up of the rate)."""
     tool_fraction: float = Field(0.5, ge=0, le=1)
     """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
 

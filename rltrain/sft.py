@@ -37,12 +37,12 @@ class SFTLearner(PolicyLearner):
 
     @staticmethod
     def section(config: Config) -> LearnerConfig:
-        """The policy's layout with the warm-up's optimizer settings (one constant-lr step per batch)."""
+        """The policy's layout with the warm-up's optimizer settings (one step per batch)."""
         sft = config.sft_warmup
         return config.learner.model_copy(
             update={
                 "lr": sft.lr,
-                "lr_schedule": "constant",
+                "lr_schedule": sft.lr_schedule,
                 "warmup_steps": 0,
                 "num_mini_batches": 1,
                 "ppo_epochs": 1,

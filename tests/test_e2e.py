@@ -118,7 +118,7 @@ TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}  # the reward module
 HF = "rollout.backend=hf"
 RESUME_LAYOUTS = {
     "grpo": [],
-    "dynamic sampling": [*REFILLING, HF],
+    # (synchronous dynamic sampling resumes in tests/test_faults.py: a killed learner's restart)
     "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1", HF],
     # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
     # normalized over the step's sequences (each split sequence counted once)
@@ -367,7 +367,7 @@ def wait_for_dashboard(url: str, timeout_s: float) -> None:
 
 def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL,
+    cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, HF,
            "run.steps=200", "run.checkpoint_every=0", f"run.output_dir={out}"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
@@ -383,7 +383,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
     assert f"interrupted: saving a checkpoint of step {saved_step}" in output
     assert saved_step >= 2
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / tag / "hf")
-    run_trainer(out, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true")
+    run_trainer(out, HF, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true")
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == saved_step + 1
 

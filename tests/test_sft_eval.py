@@ -153,3 +153,17 @@ def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
     # the warm-up's loss follows loss.aggregation: another aggregation trains another model
     assert _settings(plain, "m") != _settings(per_sequence, "m")
     assert _settings(plain, "m") == _settings(Config(), "m")
+
+
+def test_the_warm_starts_learning_rate_schedule_reaches_its_learners_and_its_cache_key():
+    from rltrain.config import Config
+    from rltrain.sft import SFTLearner, _settings
+
+    decaying = Config.model_validate({"sft_warmup": {"steps": 750, "lr_schedule": "linear"}})
+    # the learners' scheduler is built from this section, over sft_warmup.steps optimizer steps
+    assert SFTLearner.section(decaying).lr_schedule == "linear"
+    assert SFTLearner.section(decaying).warmup_steps == 0
+    assert SFTLearner.section(Config()).lr_schedule == "constant"
+    assert _settings(decaying, "m") != _settings(
+        Config.model_validate({"sft_warmup": {"steps": 750}}), "m"
+    )  # another schedule trains another model: a cached constant-rate warm start is not reused

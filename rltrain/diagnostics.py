@@ -135,6 +135,25 @@ def update_after_one_step(
     return {k: after[k] - before[k] for k in before}
 
 
+def updates_after_one_step(
+    configs: list[Config],
+    model_path: str,
+    batch: TrainBatch | list[TrainBatch],
+    learner_cls: type | None = None,
+    at_once: int = 2,
+) -> list[dict[str, torch.Tensor]]:
+    """:func:`update_after_one_step` for each config (on ``batch``, or on each config's own batch
+    in a list), ``at_once`` groups of learners at a time (a group the cluster has no free CPUs for
+    waits for one to end): the same updates, sooner where one group alone leaves cores idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = batch if isinstance(batch, list) else [batch] * len(configs)
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(
+            pool.map(lambda c, b: update_after_one_step(c, model_path, b, learner_cls), configs, batches)
+        )
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over all tensors together."""
     num = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5

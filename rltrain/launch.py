@@ -301,7 +301,7 @@ def connect_ray(config: Config) -> None:
             logging_level=logging.WARNING,
         )
     else:
-        ray.init(log_to_driver=False)
+        ray.init(log_to_driver=False, logging_level=logging.WARNING)
         resources = ray.cluster_resources()
         _check_fits(resources.get("CPU", 0), resources.get("GPU", 0), config)
 
@@ -393,6 +393,12 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     scorer = RewardScorer(config.reward.functions, config.reward.timeout_s, config.reward.workers)
     parts: dict[str, Any] = {}
     try:  # a failure while starting still stops what did start
+        # engines first: they load in their own actors (not waited for here) while the learner
+        # groups below set up one after another
+        parts["generators"] = GeneratorPool(config, inputs.model_path)
+        judge = config.reward.judge
+        if judge is not None and judge.model is not None:
+            parts["judge_engines"] = GeneratorPool(config, judge.model)
         parts["learners"] = LearnerGroup(
             config, inputs.model_path, total_optimizer_steps(config, config.learner)
         )
@@ -411,10 +417,6 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             parts["reward_model"] = RewardModel(
                 partial(LearnerGroup, config, inputs.model_path, 0, RewardModelLearner)
             )
-        parts["generators"] = GeneratorPool(config, inputs.model_path)
-        judge = config.reward.judge
-        if judge is not None and judge.model is not None:
-            parts["judge_engines"] = GeneratorPool(config, judge.model)
     except BaseException:
         for part in parts.values():
             part.shutdown()

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rltrain import checkpoint
 from rltrain.config import Config, ConfigError, describe, load_config
@@ -31,6 +32,9 @@ from rltrain.eval import evaluate
 from rltrain.grpo import build_batch, with_distillation, with_gae
 from rltrain.launch import Inputs, Run, connect_ray, preflight, quiet_console, start_run
 from rltrain.orchestrator import collect_groups  # noqa: F401  (a public path)
+
+if TYPE_CHECKING:
+    from rltrain.tracking import Tracker
 
 
 class RunFailed(RuntimeError):
@@ -195,7 +199,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     return run.out
 
 
-def skip(run: Run, tracker, step: int, metrics: dict[str, float]) -> None:
+def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:
     """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
     the learners' weights still, now as policy version ``step``, so what they sample next is not
     counted a version old (and dropped as stale)."""

@@ -4,6 +4,7 @@ template tokens in the middle of sequences, masked out) is the same under every 
 per-micro-batch mean is not."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,7 @@ def test_token_mode_update_on_episodes_is_layout_invariant(episodes, guessing_mo
     assert naive > 1e-2, naive
 
 
-def test_agent_config_runs_and_writes_readable_rollouts(tmp_path):
+def test_agent_config_runs_and_writes_readable_rollouts(tmp_path, ray_cluster):
     # the demo's config, shortened: warm start on demonstrations, two GRPO steps, evaluation
     out = tmp_path / "run"
     overrides = ["sft_warmup.steps=10", "run.steps=2", "run.eval_every=2", "eval.num_prompts=16",
@@ -106,6 +107,7 @@ def test_agent_config_runs_and_writes_readable_rollouts(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_agent.yaml", *overrides],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+        env={**os.environ, **ray_cluster},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -68,7 +68,7 @@ def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(out_dir / "final_model").state_dict()
 
 
-def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
+def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path, ray_cluster):
     out = tmp_path / "run"
     done = run_trainer(
         out,
@@ -82,6 +82,7 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path):
         "rollout.tools.enabled=[calculator,python]",
         # where the machine cannot isolate the python tool, run it with its limits alone
         *(["rollout.tools.sandbox.require_isolation=false"] if isolation_problem() else []),
+        env=ray_cluster,
     )
     assert "step 3/3 reward" in done.stdout  # the per-step summary line
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -113,8 +114,8 @@ REFILLING = [
 ]
 TESTS_ON_PATH = {"PYTHONPATH": str(REPO / "tests")}  # the reward module
 
-# The learner- and sampler-side layouts generate with the in-process engine (rollout.backend=hf): a
-# vLLM engine costs ~40 s to start on 2 cores, three times a test, and "grpo" resumes through vLLM
+# The learner- and sampler-side layouts generate with the in-process engine (rollout.backend=hf), with
+# less to start in each run; "grpo" resumes through vLLM
 HF = "rollout.backend=hf"
 RESUME_LAYOUTS = {
     "grpo": [],
@@ -136,38 +137,44 @@ RESUME_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", RESUME_LAYOUTS)
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout):
-    common = ["run.steps=3", "run.checkpoint_every=0", *RESUME_LAYOUTS[layout]]
-    run_trainer(tmp_path / "straight", *common, env=TESTS_ON_PATH)
-    run_trainer(tmp_path / "split", *common, "run.stop_after=2", env=TESTS_ON_PATH)
-    assert not (tmp_path / "split" / "final_model").exists()
-    if layout == "grpo":  # the same checkpoint, resumed below on other layouts (elastic)
-        for other in ELASTIC:
-            shutil.copytree(tmp_path / "split", tmp_path / other)
-    run_trainer(tmp_path / "split", *common, "run.resume=true", env=TESTS_ON_PATH)
-    straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout, ray_cluster):
+    env = {**TESTS_ON_PATH, **ray_cluster}
+    common = ["run.steps=3", *RESUME_LAYOUTS[layout]]
+    run_trainer(tmp_path / "straight", *common, "run.checkpoint_every=2", env=env)
+    # the same checkpoint resumed here and, for "grpo" (written by 2 learners with ZeRO-2), on other
+    # layouts (elastic)
+    for other in ["resumed", *(ELASTIC if layout == "grpo" else [])]:
+        stopped_after_step_2(tmp_path / "straight", tmp_path / other)
+    run_trainer(tmp_path / "resumed", *common, "run.resume=true", env=env)
+    straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)
     if "critic" in layout:
         critic = {run: AutoModelForTokenClassification.from_pretrained(tmp_path / run / "final_critic").state_dict()
-                  for run in ("straight", "split")}  # fmt: skip
+                  for run in ("straight", "resumed")}  # fmt: skip
         for name in critic["straight"]:
-            torch.testing.assert_close(critic["split"][name], critic["straight"][name], rtol=0, atol=1e-6)
-    rows = {run: logged_rows(tmp_path / run) for run in ("straight", "split")}
-    assert [r["step"] for r in rows["split"]] == [1, 2, 3]
-    assert_same_rows(rows["split"][2:], rows["straight"][2:])  # the step after the checkpoint
+            torch.testing.assert_close(critic["resumed"][name], critic["straight"][name], rtol=0, atol=1e-6)
+    rows = {run: logged_rows(tmp_path / run) for run in ("straight", "resumed")}
+    assert [r["step"] for r in rows["resumed"]] == [1, 2, 3]  # step 3's first row replaced, not kept
+    assert_same_rows(rows["resumed"][2:], rows["straight"][2:])  # the step after the checkpoint
     if "dynamic" in layout:  # the batch was refilled (the case a sampler position alone gets wrong)
         assert max(r["rollout/sampling_rounds"] for r in rows["straight"]) > 1
-    if layout == "grpo":  # written by 2 learners with ZeRO-2
-        for other, overrides in ELASTIC.items():
-            run_trainer(tmp_path / other, *common, "run.resume=true", *overrides, env=TESTS_ON_PATH)
-            elastic = final_weights(tmp_path / other)
-            worst = max((elastic[name] - straight[name]).abs().max().item() for name in straight)
-            assert worst < 1e-5, (other, worst)
-            # every row but how each rank cut its share
-            assert_same_rows(
-                logged_rows(tmp_path / other)[2:], rows["straight"][2:], ("train/micro_batches",)
-            )
+    for other, overrides in (ELASTIC if layout == "grpo" else {}).items():
+        run_trainer(tmp_path / other, *common, "run.resume=true", *overrides, env=env)
+        elastic = final_weights(tmp_path / other)
+        worst = max((elastic[name] - straight[name]).abs().max().item() for name in straight)
+        assert worst < 1e-5, (other, worst)
+        # every row but how each rank cut its share
+        assert_same_rows(logged_rows(tmp_path / other)[2:], rows["straight"][2:], ("train/micro_batches",))
+
+
+def stopped_after_step_2(run: Path, copy: Path) -> None:
+    """``copy``: the folder of ``run`` as a run stopped (killed, preempted) after step 2's
+    checkpoint and step 3's metrics left it: no step 3 checkpoint, no exported model."""
+    shutil.copytree(run, copy)
+    (copy / "checkpoints" / "latest").write_text("step_2")
+    for part in ("checkpoints/step_3", "final_model", "final_critic"):
+        shutil.rmtree(copy / part, ignore_errors=True)
 
 
 # layouts a checkpoint of 2 learners with ZeRO-2 resumes on: from its layout-free state (1 learner,
@@ -301,9 +308,18 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
         return scored.keep(torch.zeros(len(scored.prompts), dtype=torch.bool), 4) if step == 1 else scored
 
     monkeypatch.setattr(Orchestrator, "next_batch", nothing_at_step_1)
-    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=2", "run.checkpoint_every=0"]
+    # (stopped after step 2 of 3 by run.stop_after: with a checkpoint to resume from, no final model)
+    overrides = [
+        *SMALL,
+        f"run.output_dir={tmp_path}",
+        "run.steps=3",
+        "run.stop_after=2",
+        "run.checkpoint_every=0",
+    ]
     train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+    assert not (tmp_path / "final_model").exists()
     assert rows[0]["train/skipped"] == 1
     # step 2 is sampled after step 1 (rollout.max_staleness=0) by the learners' weights, unchanged
     # since step 1 skipped its update: fresh, not a version old, so nothing is dropped and it trains
@@ -365,11 +381,12 @@ def wait_for_dashboard(url: str, timeout_s: float) -> None:
             time.sleep(1)
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, ray_cluster):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, HF,
            "run.steps=200", "run.checkpoint_every=0", f"run.output_dir={out}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **ray_cluster})  # fmt: skip
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -383,12 +400,14 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path):
     assert f"interrupted: saving a checkpoint of step {saved_step}" in output
     assert saved_step >= 2
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / tag / "hf")
-    run_trainer(out, HF, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true")
+    run_trainer(
+        out, HF, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true", env=ray_cluster
+    )
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == saved_step + 1
 
 
-def test_the_ppo_config_runs_with_its_critic_warm_up_and_exports_both_models(tmp_path):
+def test_the_ppo_config_runs_with_its_critic_warm_up_and_exports_both_models(tmp_path, ray_cluster):
     # configs/cpu_ppo.yaml with a short warm start and 6 steps (that it learns the task is measured by
     # benchmarks/bench_demo.py; that the critic learns values by tests/test_critic.py)
     out = tmp_path / "ppo"
@@ -396,7 +415,7 @@ def test_the_ppo_config_runs_with_its_critic_warm_up_and_exports_both_models(tmp
         [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_ppo.yaml", f"run.output_dir={out}",
          "run.checkpoint_every=0", "run.ray_num_cpus=2", "sft_warmup.steps=100", "run.steps=6",
          "run.eval_every=0"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **ray_cluster},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

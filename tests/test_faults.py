@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_e2e import (
+    HF,
     REFILLING,
     REPO,
     SMALL,
@@ -59,17 +60,17 @@ def kill_actor(out: Path, actor: str) -> int:
 # dynamic sampling refilling the batch, synchronous or with a step generated ahead: the data order
 # of the restarted run must be the uninterrupted run's
 RESTART_CASES = {
-    "policy learner 1": [*FAULT_RUN, *REFILLING, "rollout.backend=hf"],  # a vLLM engine starts in ~40 s
+    "policy learner 1": [*FAULT_RUN, *REFILLING, HF],
     "generator 0": [*FAULT_RUN, *REFILLING, "rollout.async_steps=1"],
 }
 
 
 @pytest.mark.parametrize("actor", RESTART_CASES)
-def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_path, actor):
+def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_path, actor, ray_cluster):
     straight_run = tmp_path / "straight"
-    run_trainer(straight_run, *RESTART_CASES[actor], env=TESTS_ON_PATH)
+    run_trainer(straight_run, *RESTART_CASES[actor], env={**TESTS_ON_PATH, **ray_cluster})
     out = tmp_path / "run"
-    proc = start_trainer(out, *RESTART_CASES[actor], env=TESTS_ON_PATH)
+    proc = start_trainer(out, *RESTART_CASES[actor], env={**TESTS_ON_PATH, **ray_cluster})
     wait_for(lambda: len(logged_steps(out)) >= 3, proc)
     pid = kill_actor(out, actor)
     _, err = proc.communicate(timeout=600)
@@ -84,9 +85,9 @@ def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_
     assert max(r["rollout/sampling_rounds"] for r in logged_rows(straight_run)) > 1  # refills happened
 
 
-def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tmp_path):
+def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tmp_path, ray_cluster):
     out = tmp_path / "run"
-    proc = start_trainer(out, *FAULT_RUN, "run.max_restarts=0", "rollout.backend=hf")
+    proc = start_trainer(out, *FAULT_RUN, "run.max_restarts=0", HF, env=ray_cluster)
     wait_for(lambda: len(logged_steps(out)) >= 3, proc)
     pid = kill_actor(out, "policy learner 0")
     _, err = proc.communicate(timeout=600)
@@ -101,15 +102,15 @@ def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tm
     assert "Traceback" not in err
     # the printed command (with this interpreter) finishes the run
     done = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=600, env={**os.environ, **ray_cluster})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert logged_steps(out) == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, ray_cluster):
     out = tmp_path / "run"
-    proc = start_trainer(out, "run.steps=40", "run.checkpoint_every=1", "run.keep_checkpoints=2",
-                         "rollout.backend=hf")  # fmt: skip
+    # a Ray instance of its own: it dies with the driver's process group, mid-save
+    proc = start_trainer(out, "run.steps=40", "run.checkpoint_every=1", "run.keep_checkpoints=2", HF)
     root = out / "checkpoints"
 
     def saving() -> list[int]:  # steps whose save is under way, once two checkpoints are complete
@@ -128,8 +129,8 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ]
     AutoModelForCausalLM.from_pretrained(root / f"step_{step - 1}" / "hf")
     assert step in logged_steps(out)  # logged before its save began: resuming must drop it
-    run_trainer(out, f"run.steps={step + 1}", "run.checkpoint_every=1", "run.keep_checkpoints=2",
-                "rollout.backend=hf", "run.resume=true")  # fmt: skip
+    run_trainer(out, f"run.steps={step + 1}", "run.checkpoint_every=1", "run.keep_checkpoints=2", HF,
+                "run.resume=true", env=ray_cluster)  # fmt: skip
     assert logged_steps(out) == list(range(1, step + 2))  # no step twice
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{step}", f"step_{step + 1}"]
 
@@ -142,7 +143,7 @@ def test_learners_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         out = tmp_path / "run"
-        run_trainer(out, "run.steps=2", "learner.placement=STRICT_SPREAD", "rollout.backend=hf",
+        run_trainer(out, "run.steps=2", "learner.placement=STRICT_SPREAD", HF,
                     env={"RAY_ADDRESS": cluster.address})  # fmt: skip
         places = {p["actor"]: p["node_id"] for p in json.loads((out / "placement.json").read_text())}
         nodes = {node.node_id for node in cluster.list_all_nodes()}
@@ -158,8 +159,9 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     hang = tmp_path / "hang"
     hang.write_text("1 2 600")
     out = tmp_path / "run"
-    done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30",
-                       "rollout.backend=hf", env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
+    # a Ray instance of its own, started by the trainer: its actors see RLTRAIN_TEST_HANG
+    done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30", HF,
+                       env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
     stacks = out / "hangs" / "step_3.txt"
     assert (
         "policy learner 1" in done.stderr and "did not answer within run.actor_timeout_s=30s" in done.stderr
@@ -173,7 +175,7 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     assert not hang.exists()
 
 
-def test_saves_that_fail_keep_the_previous_checkpoint_and_stop_or_go_on_as_configured(tmp_path):
+def test_saves_that_fail_keep_the_previous_checkpoint_and_stop_or_go_on_as_configured(tmp_path, ray_cluster):
     out = tmp_path / "run"
     root = out / "checkpoints"
     root.mkdir(parents=True)
@@ -183,7 +185,7 @@ def test_saves_that_fail_keep_the_previous_checkpoint_and_stop_or_go_on_as_confi
         pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
     try:
         done = run_trainer(out, "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=1",
-                           "run.on_save_error=continue", "rollout.backend=hf")  # fmt: skip
+                           "run.on_save_error=continue", HF, env=ray_cluster)  # fmt: skip
         said = [line for line in done.stderr.splitlines() if "was not saved" in line]
         assert [line.split(":")[0] for line in said] == ["rltrain", "rltrain"], done.stderr[-3000:]
         for step, line in zip((2, 3), said):
@@ -199,7 +201,7 @@ def test_saves_that_fail_keep_the_previous_checkpoint_and_stop_or_go_on_as_confi
         stopped = subprocess.run(
             [sys.executable, "-m", "rltrain.train", "--config", str(out / "config.yaml"), "run.resume=true",
              "run.on_save_error=stop"],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
+            cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **ray_cluster},
         )  # fmt: skip
         assert stopped.returncode == 1, stopped.stderr[-3000:]
         assert "Traceback" not in stopped.stderr

@@ -397,13 +397,14 @@ def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, ti
 
 @pytest.mark.slow
 def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_reward(
-    tmp_path, teacher_path, reward_model_path
+    tmp_path, teacher_path, reward_model_path, ray_cluster
 ):
     # one short CLI run with all three: the teacher's and the reward model's own actors, GRPO mixed
     # in, and the policy's engine as the judge (the tiny model gives no verdict: each is counted);
     # one step generated ahead
     import json
     import math
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -421,6 +422,7 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
          "algorithm.teacher_learners.cpus_per_learner=0.25",
          "reward.model_learners.cpus_per_learner=0.25", "rollout.max_staleness=1"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+        env={**os.environ, **ray_cluster},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

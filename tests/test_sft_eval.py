@@ -114,11 +114,11 @@ def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path
 
 
 @pytest.mark.slow
-def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
+def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path, ray_cluster):
     out = tmp_path / "run"
     common = ["sft_warmup.steps=20", "run.eval_every=2", "eval.num_prompts=8", "rollout.max_new_tokens=48",
               "run.checkpoint_every=0"]  # fmt: skip
-    done = run_trainer(out, *common, "run.steps=3")
+    done = run_trainer(out, *common, "run.steps=3", env=ray_cluster)
     assert "sft warm-up: 20 steps" in done.stderr + done.stdout
     # a log file, not a terminal: no progress-bar frames (their rate reads "step/s"), and the warm-up
     # reports every fifth of the way (20 // 5 = 4 steps)
@@ -130,7 +130,7 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path):
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3]  # start, every 2, end
     assert "held-out (greedy)" in done.stdout  # the before/after table
     # resuming reuses the warmed-up model: no second warm-up
-    done = run_trainer(out, *common, "run.steps=4", "run.resume=true")
+    done = run_trainer(out, *common, "run.steps=4", "run.resume=true", env=ray_cluster)
     assert "sft warm-up" not in done.stderr + done.stdout
     last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     # scoring the final model apart gives what the run logged at its end (same prompts, greedy)

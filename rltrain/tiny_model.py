@@ -10,6 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5's tool tags are single tokens too, and not special: decoding keeps them, so a sampled
+# call reads back as text the tool parser finds. (Byte by byte, one call round trip costs ~50 more
+# tokens in every episode that uses the tool.)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
 DEFAULT_HIDDEN_SIZE = 64
 TINY_ATTENTION_HEADS = DEFAULT_HIDDEN_SIZE // HEAD_DIM  # of the default built-in model
@@ -39,8 +43,8 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer():
-    """Byte-level BPE with no merges: the 256 byte symbols plus the chat special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE with no merges: the 256 byte symbols, the chat special tokens and the tool tags."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_symbols = pre_tokenizers.ByteLevel.alphabet()
@@ -49,6 +53,7 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

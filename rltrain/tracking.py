@@ -57,10 +57,8 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         parts = [f"{name} {fmt.format(metrics[key])}" for name, key, fmt in SUMMARY if key in metrics]
-        if "eval/accuracy" in metrics:
-            parts.append(
-                f"held-out {metrics['eval/accuracy']:.0%} (tool {metrics['eval/tool_call_rate']:.0%})"
-            )
+        if score := held_out_score(metrics):
+            parts.append(f"held-out {metrics[score]:.0%} (tool {metrics['eval/tool_call_rate']:.0%})")
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))
         self.bar.update(int(advance))
 
@@ -109,16 +107,26 @@ def write_rollouts(path: Path, scored) -> None:
     _write_atomically(path, "".join(line + "\n" for line in lines))
 
 
+HELD_OUT_SCORES = [("eval/accuracy", "accuracy"), ("eval/success", "success")]  # the task's; an environment's
+
+
+def held_out_score(metrics: dict) -> str | None:
+    """The key of a row's held-out score (an environment's runs have success, not accuracy)."""
+    return next((key for key, _ in HELD_OUT_SCORES if key in metrics), None)
+
+
 def eval_table(rows: list[dict]) -> str:
     """Held-out results at the first and the last evaluation of the run, side by side."""
-    evals = [r for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if held_out_score(r)]
     if len(evals) < 2:
         return ""
     first, last = evals[0], evals[-1]
+    score = held_out_score(first)
     lines = [f"{'held-out (greedy)':<22}{'step ' + str(first['step']):>10}{'step ' + str(last['step']):>10}"]
-    for name, key, fmt in [("accuracy", "eval/accuracy", "{:.1%}"), ("tool-call rate", "eval/tool_call_rate", "{:.1%}"),
-                           ("response length", "eval/response_length", "{:.1f}")]:  # fmt: skip
-        lines.append(f"{name:<22}{fmt.format(first[key]):>10}{fmt.format(last[key]):>10}")
+    for name, key, fmt in [(dict(HELD_OUT_SCORES)[score], score, "{:.1%}"), ("tool-call rate", "eval/tool_call_rate", "{:.1%}"),
+                           ("turns", "eval/turns", "{:.2f}"), ("response length", "eval/response_length", "{:.1f}")]:  # fmt: skip
+        if key in first and key in last:
+            lines.append(f"{name:<22}{fmt.format(first[key]):>10}{fmt.format(last[key]):>10}")
     return "\n".join(lines)
 
 
@@ -153,7 +161,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 PANELS = [  # (title, [(metric key or key prefix, label)])
-    ("held-out accuracy", [("eval/accuracy", "accuracy"), ("eval/tool_call_rate", "tool-call rate")]),
+    ("held-out (greedy)", [*HELD_OUT_SCORES, ("eval/tool_call_rate", "tool-call rate")]),
     ("reward", [("reward/mean", "total")]),  # and one line per reward function (reward/<name>)
     ("response length (tokens)", [("rollout/length_mean", "mean")]),
     ("entropy", [("train/entropy", "policy")]),

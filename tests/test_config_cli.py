@@ -293,7 +293,8 @@ DISTILL = ["algorithm.advantage=distill"]
 SCORING_MODELS = {
     "a teacher with another tokenizer": (
         lambda t: [*DISTILL, f"algorithm.teacher={_tiny(t, 'teacher', _another_tokenizer)}"],
-        ("algorithm.teacher: the tokenizer of ", "differs from the policy's (260 vs 259 tokens"),
+        # the built-in tokenizer: 256 bytes + 3 chat special tokens + 4 tool tags = 263; one more is 264
+        ("algorithm.teacher: the tokenizer of ", "differs from the policy's (264 vs 263 tokens"),
     ),
     "a teacher that is no model": (
         lambda t: [*DISTILL, f"algorithm.teacher={t}"],

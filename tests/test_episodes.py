@@ -132,6 +132,20 @@ def test_native_calls_round_trip_through_the_template():
     assert (prompt, completion, mask) == (c.prompt_ids, c.token_ids, c.tool_mask)
 
 
+def test_a_call_spelled_byte_by_byte_runs_and_keeps_the_ids_it_was_sampled_as():
+    # the built-in tokenizer has Qwen2.5's tool tags as single, non-special tokens ...
+    tags = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+    assert [len(ids(tag)) for tag in tags] == [1] * 4
+    # ... but the policy may also spell one byte by byte (11 ids): its text is the same call
+    spelled = [i for ch in "<tool_call>" for i in ids(ch)]
+    assert len(spelled) == 11 and TOK.decode(spelled) == "<tool_call>"
+    first = spelled + ids('{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>') + [EOS]
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"}]
+    (c,) = play("builtin:calculator", {0: [first, ids("5") + [EOS]]}, rows)
+    assert (c.tool_calls, c.env_reward, c.errors) == (1, 1.0, {})
+    assert c.token_ids[: len(first)] == first and c.tool_mask[: len(first)] == [1] * len(first)
+
+
 def test_tag_parser_appends_results_inside_the_turn():
     turns = {0: [ids("<tool:calculator>2 + 3</tool>"), ids(" 5") + [EOS]]}
     (c,) = play(

@@ -15,7 +15,7 @@ from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize
 from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
 from rltrain.eval import evaluate
 from rltrain.rollout.rewards import RewardScorer
-from rltrain.tracking import PANELS, plot_curves
+from rltrain.tracking import PANELS, eval_table, plot_curves
 
 
 def test_held_out_questions_are_never_training_questions(tmp_path):
@@ -90,9 +90,21 @@ def test_curves_draw_every_panel(tmp_path):
     plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     titles = [title for title, _ in PANELS]
-    for wanted in ["held-out accuracy", "reward", "response length (tokens)", "entropy", "KL to the reference",
+    for wanted in ["held-out (greedy)", "reward", "response length (tokens)", "entropy", "KL to the reference",
                    "clip fraction", "step time (s)"]:  # fmt: skip
         assert wanted in titles
+
+
+def test_an_environments_held_out_success_is_what_the_table_and_the_curves_show():
+    rows = [{"step": s, "eval/success": s / 10, "eval/tool_call_rate": 0.5, "eval/turns": 2.0,
+             "eval/response_length": 100.0} for s in (0, 5)]  # fmt: skip
+    table = eval_table(rows).splitlines()
+    assert table[1].split() == ["success", "0.0%", "50.0%"]  # 0 / 10 and 5 / 10
+    assert table[3].split() == ["turns", "2.00", "2.00"]
+    held_out = dict(PANELS)["held-out (greedy)"]
+    assert ("eval/success", "success") in held_out and ("eval/accuracy", "accuracy") in held_out
+    task = eval_table([{"step": 0, "eval/accuracy": 0.5, "eval/tool_call_rate": 0.0}] * 2).splitlines()
+    assert task[1].split() == ["accuracy", "50.0%", "50.0%"]
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from common import table
 
+from rltrain.tracking import held_out_score
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -37,8 +39,8 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     )  # fmt: skip
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    score = "eval/success" if any("eval/success" in r for r in rows) else "eval/accuracy"  # an environment's
-    evals = [r for r in rows if score in r]
+    evals = [r for r in rows if held_out_score(r)]
+    score = held_out_score(evals[0])  # accuracy, or an environment's success
     steps = [r for r in rows if "reward/mean" in r]  # training steps (the step-0 row is evaluation only)
     first, last = evals[0], evals[-1]
     warm_up = json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["seconds"]

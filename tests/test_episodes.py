@@ -14,7 +14,7 @@ from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.episodes import EpisodeLimits, run_episodes
 from rltrain.rollout.parsers import HermesParser, TagParser
 from rltrain.rollout.tools import SEED_STRIDE
-from rltrain.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from rltrain.tiny_model import CHAT_TEMPLATE, TOOL_TOKENS, build_tokenizer
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id
@@ -134,8 +134,8 @@ def test_native_calls_round_trip_through_the_template():
 
 def test_a_call_spelled_byte_by_byte_runs_and_keeps_the_ids_it_was_sampled_as():
     # the built-in tokenizer has Qwen2.5's tool tags as single, non-special tokens ...
-    tags = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-    assert [len(ids(tag)) for tag in tags] == [1] * 4
+    assert TOOL_TOKENS == ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+    assert [len(ids(tag)) for tag in TOOL_TOKENS] == [1] * 4
     # ... but the policy may also spell one byte by byte (11 ids): its text is the same call
     spelled = [i for ch in "<tool_call>" for i in ids(ch)]
     assert len(spelled) == 11 and TOK.decode(spelled) == "<tool_call>"

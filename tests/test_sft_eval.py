@@ -10,12 +10,12 @@ from test_e2e import REPO, run_trainer
 from transformers import AutoTokenizer
 
 from rltrain.batch import Completion
-from rltrain.config import DataConfig, EvalConfig, SFTWarmupConfig
+from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
 from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
 from rltrain.eval import evaluate
 from rltrain.rollout.rewards import RewardScorer
-from rltrain.tracking import PANELS, eval_table, plot_curves
+from rltrain.tracking import PANELS, Tracker, eval_table, plot_curves
 
 
 def test_held_out_questions_are_never_training_questions(tmp_path):
@@ -105,6 +105,13 @@ def test_an_environments_held_out_success_is_what_the_table_and_the_curves_show(
     assert ("eval/success", "success") in held_out and ("eval/accuracy", "accuracy") in held_out
     task = eval_table([{"step": 0, "eval/accuracy": 0.5, "eval/tool_call_rate": 0.0}] * 2).splitlines()
     assert task[1].split() == ["accuracy", "50.0%", "50.0%"]
+
+
+def test_the_step_line_shows_an_environments_held_out_success(tmp_path, capsys):
+    tracker = Tracker(tmp_path, Config(), start_step=0)
+    tracker.log(5, {"eval/success": 0.5, "eval/tool_call_rate": 1.0})
+    tracker.close()
+    assert "held-out 50% (tool 100%)" in capsys.readouterr().out
 
 
 @pytest.mark.slow

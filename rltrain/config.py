@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rltrain.masked_mean import Aggregation, resolve_denominator
+
+AUTO_MISMATCH_KL = 1e-2  # run.max_mismatch_kl: auto
 
 TINY_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:arithmetic"
@@ -551,14 +553,21 @@ class RunConfig(Section):
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
     a failure of that actor; the Python stacks of every actor are written to
     `hangs/step_<N>.txt` in the run folder before the restart."""
-    max_mismatch_kl: float | None = Field(None, gt=0)
+    check_sync: bool = True
+    """After the run's first weight sync, every engine and the learners score the first sequences
+    of that step's batch; a gap beyond 10x the engine-learner gap measured before the update (at
+    least 1e-4) stops the run with one line naming the engine parameters the sync does not load,
+    or saying that none is known to differ."""
+    max_mismatch_kl: Annotated[float, Field(gt=0)] | Literal["auto"] | None = "auto"
     """Stop the run (one line, exit 1) when a step's `rollout/mismatch_kl` (the engine's sampling
     log-probs against the learner's on the same tokens) exceeds this: the engine is then evidently
     not running the learner's weights (a weight sync that never arrived, a precision or kernel
-    mismatch). In fp32 with no staleness the value is ~1e-12. Where versions mix (in-flight updates)
-    it is measured on the tokens the current weights sampled; with `rollout.max_staleness` and no
-    in-flight updates it also holds the policy's change over those steps. null: never stop (the
-    metric is logged anyway)."""
+    mismatch). In fp32 with no staleness the value is ~1e-12; an engine that kept its weights while
+    the demo's learners moved on reached 3e-3 one step later and 1.3e-2 four steps later. Where
+    versions mix (in-flight updates) it is measured on the tokens the current weights sampled; with
+    `rollout.max_staleness` and no in-flight updates it also holds the policy's change over those
+    steps. auto (the default): 1e-2 where it measures the engine alone (no staleness, or in-flight
+    updates), off otherwise; null: never stop (the metric is logged anyway)."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir."""
     stop_after: int | None = Field(None, ge=1)
@@ -694,6 +703,14 @@ class Config(Section):
             )
 
     @property
+    def mismatch_limit(self) -> float | None:
+        """``run.max_mismatch_kl`` with ``auto`` resolved (see there)."""
+        limit, rc = self.run.max_mismatch_kl, self.rollout
+        if limit != "auto":
+            return limit
+        return AUTO_MISMATCH_KL if rc.max_staleness == 0 or rc.inflight_updates else None
+
+    @property
     def longest_sequence(self) -> int:
         """The most tokens (prompt + completion) one training sequence can have."""
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
@@ -759,10 +776,23 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError(_one_line(e)) from None
 
 
+TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}  # a union member's place in `loc`
+
+
+def _key(loc: tuple) -> str:
+    """The dotted key of an error's ``loc``, without the union members pydantic adds to it
+    (``constrained-float``, ``literal['auto']``)."""
+    return ".".join(str(p) for p in loc if not isinstance(p, str) or (p.isidentifier() and p not in TYPE_TAGS))
+
+
 def _one_line(error: ValidationError) -> str:
-    first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
+    errors = error.errors()
+    first = errors[0]
+    key = _key(first["loc"])
+    # the members of one union field fail together: one line with each member's message
+    same = [e for e in errors if _key(e["loc"]) == key and e["loc"] != first["loc"]]
+    message = "; or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in [first, *same]))
+    errors = [e for e in errors if e is first or e not in same]
     if first["type"] == "extra_forbidden":
         return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
     if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):
@@ -770,7 +800,7 @@ def _one_line(error: ValidationError) -> str:
     if first["type"] == "value_error" and not key:
         return message  # a cross-section check names its keys itself; its input is the whole config
     shown = "" if first["type"] == "missing" else f"got {first['input']!r}; "
-    more = f" (+{len(error.errors()) - 1} more errors)" if len(error.errors()) > 1 else ""
+    more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{key or 'config'}: {shown}{message}{more}"
 
 

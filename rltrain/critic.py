@@ -49,7 +49,7 @@ class CriticLearner(EngineLearner):
         out_BT = token_outputs(model, mb.input_ids, mb.attention_mask, self.lc.packing)[..., 0].float()
         return F.pad(out_BT[:, :-1], (1, 0))
 
-    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         return self.values(self.engine, mb)
 
     def _loss(self, mb: TrainBatch, denominator):

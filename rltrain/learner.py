@@ -292,12 +292,13 @@ class EngineLearner:
         return out
 
     @torch.no_grad()
-    def per_token(self, micro_batches: list[TrainBatch]) -> list[torch.Tensor]:
+    def per_token(self, micro_batches: list[TrainBatch], own: bool = False) -> list[torch.Tensor]:
         """:meth:`_per_token` of each micro-batch (``[B, T]`` each, on the CPU); every rank runs its
-        micro-batches at the same time (ZeRO-3 gathers are collectives)."""
-        return [self._per_token(self._to_device(self._nonempty(mb))).cpu() for mb in micro_batches]
+        micro-batches at the same time (ZeRO-3 gathers are collectives). ``own``: the trained
+        model's output where a role has another (the policy's log-probs, not its reference's)."""
+        return [self._per_token(self._to_device(self._nonempty(mb)), own).cpu() for mb in micro_batches]
 
-    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
     def _nonempty(self, mb: TrainBatch) -> TrainBatch:
@@ -357,12 +358,20 @@ class EngineLearner:
     # ------------------------------------------------------------------ weights and checkpoints
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (None elsewhere); under ZeRO-3 every rank must call this together."""
+        """Full weights on rank 0 (None elsewhere), by every name the model's own state dict has:
+        a tied output head is sent as ``lm_head.weight`` too (``named_parameters()`` names a shared
+        parameter once, and an engine that reloads in place kept its first head). Under ZeRO-3
+        every rank must call this together."""
         import deepspeed
 
-        module = self.engine.module
-        state = {}
-        for name, param in module.named_parameters():
+        state: dict[str, torch.Tensor] = {}
+        first_name: dict[int, str] = {}  # a shared parameter is gathered once, sent under each name
+        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+            if id(param) in first_name:
+                if self.rank == 0:
+                    state[name] = state[first_name[id(param)]]
+                continue
+            first_name[id(param)] = name
             with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
                 if self.rank == 0:
                     state[name] = param.detach().to("cpu", copy=True)
@@ -538,23 +547,31 @@ class PolicyLearner(EngineLearner):
             self.ref_model = self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
         return self._load_model(AutoModelForCausalLM)
 
-    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
         """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
         sequence-parallel packed row."""
-        temperature, packed = self.TEMPERATURE or self.config.rollout.temperature, self.lc.packing
+        temperature = temperature or self.TEMPERATURE or self.config.rollout.temperature
+        packed = self.lc.packing
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
             )
         return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
 
-    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
-        """The reference model's log-probs (for a KL penalty in the reward)."""
-        if self.ref_model is None:
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
+        """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's
+        (at temperature 1, as an engine scores a prompt: the weight sync's check)."""
+        if self.ref_model is None and not own:
             raise RuntimeError(
                 "no reference model on the learners (loss.kl_beta and algorithm.kl_in_reward are 0)"
             )
-        return self._logprobs(self.ref_model, mb)[0]
+        if own:
+            logprobs_BT = self._logprobs(self.engine, mb, temperature=1.0)[0]
+        else:
+            logprobs_BT = self._logprobs(self.ref_model, mb)[0]
+        # under sequence parallelism each rank holds the tokens it owns (0 elsewhere): the group's
+        # sum is every token's log-prob, which the driver reads from the group's first rank
+        return sequence_parallel.group_sum(logprobs_BT) if self.sp > 1 else logprobs_BT
 
     def _loss(self, mb: TrainBatch, denominator):
         logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
@@ -571,7 +588,7 @@ class PolicyLearner(EngineLearner):
             generator_logprobs_BT=mb.generator_logprobs,
             sequence_tokens_B=mb.sequence_tokens,
             # GSPO's sequence ratio sums each sequence's log-ratios over the ranks sharing its row
-            sequence_sum=sequence_parallel.sequence_sum if self.sp > 1 else None,
+            sequence_sum=sequence_parallel.group_sum if self.sp > 1 else None,
             fresh_BT=mb.fresh_mask,
         )
         keep = mb.response_mask.bool() & mb.loss_tool_mask().bool()
@@ -699,13 +716,13 @@ class LearnerGroup:
         metrics[f"{prefix}/oversized_sequences"] = float(plan.oversized)
         return metrics
 
-    def per_token(self, batch: TrainBatch) -> torch.Tensor:
+    def per_token(self, batch: TrainBatch, own: bool = False) -> torch.Tensor:
         """The learners' per-token output for the whole batch, ``[N, T]`` (a critic's values), with
-        every rank running its micro-batches at the same time."""
+        every rank running its micro-batches at the same time (``own``: see the actors' method)."""
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, 1)
         shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]
-        results = self._gather([a.per_token.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        results = self._gather([a.per_token.remote(shards[i // sp], own) for i, a in enumerate(self.actors)])
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for rank, rank_results in zip(plan.groups, results[::sp]):
             for idx, values in zip(rank[0], rank_results):

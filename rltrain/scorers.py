@@ -62,7 +62,7 @@ class TeacherLearner(FrozenLearner, PolicyLearner):
 
         return self._load_model(AutoModelForCausalLM, self.config.algorithm.teacher)
 
-    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         return self._logprobs(self.engine, mb)[0]
 
 
@@ -89,7 +89,7 @@ class RewardModelLearner(FrozenLearner):
             )
         return model
 
-    def _per_token(self, mb: TrainBatch) -> torch.Tensor:
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
         return token_outputs(self.engine, mb.input_ids, mb.attention_mask, self.lc.packing)[..., 0].float()
 

@@ -46,11 +46,12 @@ def use_group(group: dist.ProcessGroup) -> str:
     return ATTENTION
 
 
-def sequence_sum(values_B: torch.Tensor) -> torch.Tensor:
-    """Sum a per-sequence ``[B]`` value over the ranks of this rank's group (each holds part of every
-    sequence of the micro-batch): one ``all_reduce`` in the group, no gradient (GSPO's sequence
-    log-ratio is a stop-gradient value). Every rank of the group calls it for the same micro-batch."""
-    total = values_B.detach().clone()
+def group_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum ``values`` over the ranks of this rank's group (each holds part of every sequence of the
+    micro-batch: a per-sequence ``[B]`` sum, or ``[B, T]`` values on its owned positions): one
+    ``all_reduce`` in the group, no gradient (GSPO's sequence log-ratio is a stop-gradient value).
+    Every rank of the group calls it for the same micro-batch."""
+    total = values.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=_group)
     return total
 

@@ -64,9 +64,15 @@ def build_tokenizer():
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, hidden_size: int = DEFAULT_HIDDEN_SIZE, num_layers: int = 2
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = DEFAULT_HIDDEN_SIZE,
+    num_layers: int = 2,
+    tie_word_embeddings: bool = False,
 ) -> Path:
-    """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder."""
+    """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder.
+    ``tie_word_embeddings``: the output head shares the input embeddings, as most pretrained
+    checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
     from transformers.utils import logging as hf_logging
@@ -83,7 +89,7 @@ def build_tiny_model(
         num_attention_heads=hidden_size // HEAD_DIM,
         num_key_value_heads=1,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

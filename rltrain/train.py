@@ -126,6 +126,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
+    sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
     busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
@@ -156,6 +157,11 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if run.critic is None or step > config.critic.warmup_steps:  # the critic may warm up first
                 metrics |= learners.train_step(batch)
             sync_s = run.weight_sync.push(learners, generators, step)
+            if sync_unchecked and "rollout/mismatch_max" in metrics:  # (the policy was updated)
+                metrics["sync/probe_gap"] = first_sync_checked(
+                    run, batch, metrics["rollout/mismatch_max"], step
+                )
+                sync_unchecked = False
 
             step_s = time.perf_counter() - t0
             generated = sum(len(c.token_ids) for c in scored.completions)
@@ -199,6 +205,17 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     return run.out
 
 
+def first_sync_checked(run: Run, probe, noise: float, step: int) -> float:
+    """The engines against the learners on the weights just synced (:func:`~rltrain.weight_sync.check_sync`):
+    a sync that leaves a parameter behind stops the run here, not after many off-policy steps."""
+    from rltrain.weight_sync import SyncCheckFailed, check_sync
+
+    try:
+        return check_sync(run.learners, run.generators, probe, noise, step)
+    except SyncCheckFailed as e:
+        raise RunFailed(str(e)) from None
+
+
 def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:
     """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
     the learners' weights still, now as policy version ``step``, so what they sample next is not
@@ -239,12 +256,13 @@ def resume_hint(out: Path) -> str:
 def check_mismatch(config: Config, step: int, metrics: dict[str, float], out: Path) -> None:
     """``run.max_mismatch_kl``: stop, in one line, a run whose engine is evidently not sampling
     from the learner's weights, instead of training on what it samples."""
-    limit, value = config.run.max_mismatch_kl, metrics.get("rollout/mismatch_kl")
+    limit, value = config.mismatch_limit, metrics.get("rollout/mismatch_kl")
     if limit is None or value is None or value <= limit:
         return
     tag = checkpoint.latest_tag(out)
+    setting = "auto: " if config.run.max_mismatch_kl == "auto" else ""
     raise RunFailed(
-        f"step {step}: rollout/mismatch_kl = {value:.3g} > run.max_mismatch_kl = {limit:g} "
+        f"step {step}: rollout/mismatch_kl = {value:.3g} > run.max_mismatch_kl = {setting}{limit:g} "
         f"(largest per-token log-prob gap {metrics.get('rollout/mismatch_max', float('nan')):.3g}): the "
         "engine is not sampling from the learner's weights; likely a weight sync that did not arrive, "
         "or the engine computing in another precision than the learner; stopped without saving this "

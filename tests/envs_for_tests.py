@@ -46,3 +46,13 @@ class RewritingTemplateEnv(Environment):
 
     def step(self, messages):
         return Step([{"role": "user", "content": "next"}], reward=0.0)
+
+
+class EchoEnv(Environment):
+    """Opens with the row's prompt as the user message, whatever its length."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        return Step(reward=1.0, done=True)

@@ -418,3 +418,21 @@ def test_gpu_recipe_is_a_valid_config():
     config = load_config("configs/gsm8k_qwen_gpu.yaml")
     assert config.loss.masked_mean_denominator == "token"
     assert config.learner.gpus_per_learner == 1 and config.data.subset == "main"
+
+
+def test_the_mismatch_guard_is_on_by_default_where_it_measures_the_engine_alone():
+    # auto: 1e-2 where rollout/mismatch_kl compares the engine with the learners on the same weights
+    # (no staleness; in-flight updates measure the current version's tokens only); off where every
+    # token is k versions old, since the value then holds the policy's change over k steps as well
+    assert load_config(None, []).mismatch_limit == 1e-2
+    assert (
+        load_config(None, ["rollout.max_staleness=2", "rollout.inflight_updates=true"]).mismatch_limit == 1e-2
+    )
+    assert load_config(None, ["rollout.max_staleness=2"]).mismatch_limit is None
+    assert load_config(None, ["rollout.max_staleness=2", "run.max_mismatch_kl=0.5"]).mismatch_limit == 0.5
+    assert load_config(None, ["run.max_mismatch_kl=null"]).mismatch_limit is None
+    with pytest.raises(
+        ConfigError,
+        match=r"^run.max_mismatch_kl: got 0; Input should be greater than 0; or Input should be 'auto'$",
+    ):
+        load_config(None, ["run.max_mismatch_kl=0"])

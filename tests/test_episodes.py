@@ -156,6 +156,39 @@ def test_tag_parser_appends_results_inside_the_turn():
     assert (c.tool_calls, c.turns, c.env_reward) == (1, 1, 1.0)
 
 
+@pytest.mark.parametrize("episodes, chars", [(256, 2000), (128, 8000)])
+def test_the_host_answers_a_step_of_long_prompts(episodes, chars):
+    # 256 x 2,000 and 128 x 8,000 characters of answers are ~0.5 and ~1 MB: more than a socket
+    # buffer holds, so a caller that sent every call before reading any answer waited forever on a
+    # host blocked sending answers (both sides stuck)
+    host = EnvHost("envs_for_tests:EchoEnv", {})
+    try:
+        rows = [{"prompt": f"{i:04d}" + "x" * (chars - 4), "answer": ""} for i in range(episodes)]
+        keys = host.open(episodes)
+        answers = host.call([(key, "reset", row, 30.0) for key, row in zip(keys, rows)])
+        assert [a[1][0]["content"] for a in answers] == [row["prompt"] for row in rows]
+    finally:
+        host.shutdown()
+
+
+def test_a_tag_turn_stopped_without_a_call_to_run_goes_on_and_ends_with_its_end_of_turn():
+    # both stopped at </tool>: a call over the limit (max_tool_calls=1, the second call) and a
+    # malformed tag; each is told inside the turn and counted, and the turn still ends with EOS
+    over = [ids("<tool:calculator>1 + 1</tool>"), ids("<tool:calculator>2 + 3</tool>"), ids(" 5") + [EOS]]
+    malformed = [ids("<tool:calc ulator>2 + 3</tool>"), ids(" 5") + [EOS]]
+    limits = EpisodeLimits(**{**vars(LIMITS), "max_tool_calls": 1})
+    rows = [{"prompt": "What is 2 + 3?", "answer": "5"}] * 2
+    a, b = play("builtin:calculator", {0: over, 1: malformed}, rows, parser=TagParser(), limits=limits)
+    assert TOK.decode(a.token_ids).endswith(
+        "<tool:calculator>2 + 3</tool><result>error: no tool calls left</result> 5<|im_end|>"
+    )
+    assert TOK.decode(b.token_ids) == (
+        "<tool:calc ulator>2 + 3</tool><result>error: a tool call is <tool:NAME>ARGUMENT</tool></result> 5<|im_end|>"
+    )
+    assert (a.tool_calls, a.errors, a.turns) == (1, {"limit": 1}, 1)
+    assert (b.tool_calls, b.errors, b.turns, b.env_reward) == (0, {"bad_call": 1}, 1, 1.0)
+
+
 def test_limits_end_episodes_with_length_or_turns():
     wrong = [ids("1") + [EOS]] * 4  # secret 11 is never guessed
     long = [ids("7" * 500)]  # does not end its turn within max_new_tokens=400

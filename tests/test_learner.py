@@ -397,3 +397,21 @@ def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
     print(f"{correction['kind']}: {diffs}; without the correction {control_diff:.3e}")
     assert max(diffs.values()) < 1e-5, diffs
     assert control_diff > 1e-2, control_diff
+
+
+def test_reference_logprobs_under_sequence_parallelism_cover_every_rank_s_tokens(ray_local, tiny_model_path):
+    # algorithm.kl_in_reward reads the reference's per-token log-probs through LearnerGroup.per_token;
+    # with sp=2 each rank computes the tokens it owns (0 elsewhere), and only the first rank's share
+    # came back: the straddling row's tokens past the cut got a reference log-prob of 0
+    batch = straddling_rollouts()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    expected = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
+    loss = {"kl_beta": 0.1}  # a reference model on the learners
+    config = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
+    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=1)
+    try:
+        got = group.per_token(batch)
+    finally:
+        group.shutdown()
+    # every predicted token (from position 1 on) of all 5 rows is the model's, on both ranks' halves
+    torch.testing.assert_close(got[:, 1:], expected[:, 1:], rtol=0, atol=1e-5)

@@ -51,10 +51,24 @@ def test_tool_budget_and_call_limit():
     (c,) = generate_with_tools(generate, encode, [[1]], 30, runner, max_calls=3, seeds=[0])
     assert len(c.token_ids) == 30 and c.finish_reason == "length" and c.truncated
     assert c.tool_mask.count(0) == 30 - len("<tool:calculator>1+1</tool>")
-    # max_calls=0: the call is left as text, no tool runs
-    generate, calls = scripted({1: ["<tool:calculator>1+1</tool>"]})
-    (c,) = generate_with_tools(generate, encode, [[1]], 64, runner, max_calls=0, seeds=[0])
-    assert c.tool_calls == 0 and 0 not in c.tool_mask and len(calls) == 1
+    # max_calls=0: no tool runs; the round stopped at </tool> without its end of turn, so the model
+    # is told so inside the turn (tool mask 0) and goes on, and the call over the limit is counted
+    generate, calls = scripted({1: ["<tool:calculator>1+1</tool>", " 2!"]})
+    (c,) = generate_with_tools(generate, encode, [[1]], 100, runner, max_calls=0, seeds=[0])
+    refusal = "<result>error: no tool calls left</result>"
+    assert c.text == "<tool:calculator>1+1</tool>" + refusal + " 2!" and len(calls) == 2
+    assert (c.tool_calls, c.errors, c.tool_mask.count(0)) == (0, {"limit": 1}, len(refusal))
+
+
+def test_a_malformed_tag_that_stopped_generation_is_told_and_counted():
+    # "<tool:two words>" is no call (names are \w+), but generation stopped at its </tool>: the turn
+    # goes on with the format's error instead of ending without its end of turn
+    generate, calls = scripted({1: ["<tool:two words>1</tool>", " sorry!"]})
+    (c,) = generate_with_tools(generate, encode, [[1]], 200, ToolRunner(["calculator"], 1.0, 50), 2, [0])
+    told = "<result>error: a tool call is <tool:NAME>ARGUMENT</tool></result>"
+    assert c.text == "<tool:two words>1</tool>" + told + " sorry!"
+    assert (c.tool_calls, c.errors, c.finish_reason) == (0, {"bad_call": 1}, "stop")
+    assert calls[1][2][0] != calls[0][2][0]  # the next round samples with a new seed
 
 
 def test_failing_tool_reports_error_to_the_model_and_counts_it():

@@ -41,6 +41,10 @@ class GeneratorBackend(Protocol):
         (temperature 1: vLLM does not apply sampling parameters to prompt log-probs)."""
         ...
 
+    def parameter_names(self) -> list[str]:
+        """The engine's own parameter names, shared ones under each name (the weight sync's check)."""
+        ...
+
 
 # On CPU, a prompt is never split over engine steps: vLLM rewinds the per-request sampling generator
 # of a partly prefilled request (`set_offset`), which CPU generators do not have, and the step fails
@@ -172,6 +176,9 @@ class VLLMBackend:
         )
         self.stale_prefixes = not self.llm.reset_prefix_cache()
 
+    def parameter_names(self) -> list[str]:
+        return self.llm.apply_model(_parameter_names)[0]
+
     def reset_stale_prefixes(self) -> None:
         if self.stale_prefixes:
             self.stale_prefixes = not self.llm.reset_prefix_cache()
@@ -231,6 +238,9 @@ class HFBackend:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=True)
 
+    def parameter_names(self) -> list[str]:
+        return _parameter_names(self.model)
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return [self._logprobs(seq, 1.0) for seq in sequences]
 
@@ -277,6 +287,7 @@ class GeneratorActor:
         self.version = 0
         self._engine = threading.RLock()  # the backend runs one call at a time
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None  # weights not taken yet
+        self._loaded_names: list[str] = []  # of the last weights taken
         self._pending_lock = threading.Lock()
         self._busy_s, self._since = 0.0, None  # seconds in finished rollouts; the one running since
 
@@ -360,6 +371,7 @@ class GeneratorActor:
         if pending is not None:
             self.backend.load_weights(pending[0].items())
             self.version = pending[1]
+            self._loaded_names = list(pending[0])
 
     @ray.method(concurrency_group="weights")  # answers beside a rollout in progress
     def busy_seconds(self) -> float:
@@ -374,6 +386,12 @@ class GeneratorActor:
         with self._engine:
             self._take_weights()
             return self.backend.prompt_logprobs(sequences)
+
+    def weights_not_loaded(self) -> list[str]:
+        """The engine's parameters that no name of the last weights it took loads (all of them
+        before any sync)."""
+        with self._engine:
+            return unsent(self.backend.parameter_names(), self._loaded_names)
 
 
 class GeneratorPool:
@@ -436,8 +454,17 @@ class GeneratorPool:
         """Seconds the engines have spent generating rollouts since they started, summed."""
         return sum(gather([a.busy_seconds.remote() for a in self.actors], self.names, self.timeout_s))
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return gather([self.actors[0].prompt_logprobs.remote(sequences)], self.names[:1], self.timeout_s)[0]
+    def prompt_logprobs(self, sequences: list[list[int]], every: bool = False) -> list[list[float]]:
+        """The first engine's :meth:`GeneratorBackend.prompt_logprobs`; ``every``: a list of every
+        engine's."""
+        actors, names = (self.actors, self.names) if every else (self.actors[:1], self.names[:1])
+        answers = gather([a.prompt_logprobs.remote(sequences) for a in actors], names, self.timeout_s)
+        return answers if every else answers[0]
+
+    def weights_not_loaded(self) -> list[str]:
+        """The parameters of any engine that the last weights it took do not load, each named once."""
+        answers = gather([a.weights_not_loaded.remote() for a in self.actors], self.names, self.timeout_s)
+        return list(dict.fromkeys(name for names in answers for name in names))
 
     def where(self) -> list[dict[str, Any]]:
         """Node, address and pid of every generator."""
@@ -447,6 +474,27 @@ class GeneratorPool:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _parameter_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters(remove_duplicate=False)]
+
+
+# vLLM fuses these projections into one parameter, loaded from each part's checkpoint name
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def unsent(engine_names: list[str], sent_names: list[str]) -> list[str]:
+    """The engine's parameters that no sent name loads: each sent name loads the engine parameter
+    of that name, or the fused one it is part of."""
+    covered = set(sent_names)
+    for name in sent_names:
+        module, _, leaf = name.rpartition(".")
+        parent, _, part = module.rpartition(".")
+        if part in FUSED:
+            covered.add(f"{parent}.{FUSED[part]}.{leaf}")
+    return [name for name in engine_names if name not in covered]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

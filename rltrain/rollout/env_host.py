@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
@@ -171,17 +172,27 @@ class EnvHost:
     def call(self, calls: list[Call]) -> list[Answer]:
         """Run calls of different episodes at once; answers in the order of ``calls``. An episode
         that timed out or died is gone: later calls of it answer ``died``."""
-        pending = {}
-        for episode, method, argument, timeout_s in calls:
-            self.conn.send(("call", episode, method, argument, timeout_s))
-            pending[episode] = None
+        pending: dict[int, Answer | None] = {c[0]: None for c in calls}
+        # the calls go out from a thread while this one reads the answers: the host answers as it
+        # reads, and once the socket's buffer is full of answers nobody reads, it blocks, and so
+        # would a caller that sends everything first (a step of long prompts fills it)
+        sending = threading.Thread(target=self._send_calls, args=(calls,), daemon=True)
+        sending.start()
         limit = max((c[3] for c in calls), default=0.0) + 30.0
         while any(v is None for v in pending.values()):
-            if not self.conn.poll(limit):
+            if not self.conn.poll(limit):  # (the sending thread, if stuck, is a daemon)
                 raise RuntimeError("the environment host stopped answering")
             episode, answer = self.conn.recv()
             pending[episode] = answer
+        sending.join()
         return [pending[c[0]] for c in calls]
+
+    def _send_calls(self, calls: list[Call]) -> None:
+        try:
+            for episode, method, argument, timeout_s in calls:
+                self.conn.send(("call", episode, method, argument, timeout_s))
+        except OSError:  # the host is gone: the reading side says so
+            pass
 
     def close(self, episodes: list[int]) -> None:
         for episode in episodes:

@@ -25,7 +25,7 @@ from typing import Any
 from rltrain.batch import Completion, Segment
 from rltrain.rollout.chat import ChatRenderer
 from rltrain.rollout.env_host import EnvHost
-from rltrain.rollout.parsers import ParsedTurn, ToolCall, ToolParser
+from rltrain.rollout.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
 from rltrain.rollout.tools import SEED_STRIDE, GenerateFn
 
 TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
@@ -166,9 +166,12 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
     calling = {}
     for e in live:
         turn = turns[e.key]
-        if turn.calls and e.c.tool_calls < limits.max_tool_calls:
+        # an inline (tag) turn that stopped at its call's stop string goes on, with the call's
+        # result or its error: "no tool calls left", or what is malformed (it has no end-of-turn
+        # token yet, so it cannot be handed on as a finished turn)
+        if turn.calls and (e.c.tool_calls < limits.max_tool_calls or parser.inline_results):
             calling[e.key] = turn
-        elif turn.errors and not parser.inline_results:
+        elif turn.errors:
             calling[e.key] = turn  # malformed calls only: the model is told what was wrong
     outputs = _run_tools([e for e in live if e.key in calling], calling, host, limits)
     stepping = []
@@ -226,7 +229,7 @@ def _run_tools(
         queues[e.key] = turn.calls[:allowed]
         for call in turn.calls[allowed:]:
             e.count("limit")
-            results[e.key].append({"role": "tool", "name": call.name, "content": "error: no tool calls left"})
+            results[e.key].append({"role": "tool", "name": call.name, "content": NO_CALLS_LEFT})
     by_key = {e.key: e for e in calling_episodes}
     while any(queues.values()):
         batch = [(key, queue.pop(0)) for key, queue in queues.items() if queue]

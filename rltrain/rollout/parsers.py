@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+NO_CALLS_LEFT = "error: no tool calls left"
+
 
 @dataclass
 class ToolCall:
@@ -107,9 +109,11 @@ class TagParser:
 
     def parse(self, text: str) -> ParsedTurn:
         match = self.CALL.search(text)
-        if match is None:
-            return ParsedTurn(text)
-        return ParsedTurn(text[: match.start()], [ToolCall(match.group(1), match.group(2))])
+        if match is not None:
+            return ParsedTurn(text[: match.start()], [ToolCall(match.group(1), match.group(2))])
+        if text.rstrip().endswith("</tool>"):  # stopped at the stop string without a call to run
+            return ParsedTurn(text, errors=[("bad_call", "error: a tool call is <tool:NAME>ARGUMENT</tool>")])
+        return ParsedTurn(text)
 
     def format_result(self, output: str) -> str:
         return f"<result>{output}</result>"

@@ -15,17 +15,17 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from rltrain.rollout.parsers import NO_CALLS_LEFT, TagParser
 from rltrain.rollout.sandbox import DEFAULT_LIMITS, Limits, run_python
 
 if TYPE_CHECKING:
     from rltrain.batch import Completion, Segment
 
-TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>\s*$", re.DOTALL)
-STOP = "</tool>"
+STOP = TagParser.stop[0]
+TAG = TagParser()
 
 
 def calculator(expression: str) -> str:
@@ -140,12 +140,13 @@ def generate_with_tools(
     from rltrain.batch import Completion  # torch: imported when a rollout runs, not with the tools
 
     done = [Completion() for _ in prompts]
+    rounds = [0] * len(prompts)
     active = list(range(len(prompts)))
     while active:
         segments = generate(
             [prompts[i] + done[i].token_ids for i in active],
             [max_new_tokens - len(done[i].token_ids) for i in active],
-            [seeds[i] + done[i].tool_calls * SEED_STRIDE for i in active],
+            [seeds[i] + rounds[i] * SEED_STRIDE for i in active],
         )
         still_active = []
         for i, seg in zip(active, segments):
@@ -153,16 +154,25 @@ def generate_with_tools(
             c.take(seg)
             c.text += seg.text
             c.finish_reason = seg.finish_reason
-            call = TOOL_CALL.search(seg.text) if tools is not None and seg.finish_reason == "stop" else None
-            if call is None or c.tool_calls >= max_calls:
+            rounds[i] += 1
+            # a round that stopped at the call's stop string goes on with the call's result or its
+            # error (it has no end-of-turn token yet): a malformed call and one over the limit are
+            # counted by kind, as in episodes
+            turn = TAG.parse(seg.text) if tools is not None and seg.finish_reason == "stop" else None
+            if turn is None or not (turn.calls or turn.errors):
                 continue
-            output, ok = tools(call.group(1), call.group(2))
+            if turn.errors or c.tool_calls >= max_calls:
+                kind, message = turn.errors[0] if turn.errors else ("limit", NO_CALLS_LEFT)
+                c.errors[kind] = c.errors.get(kind, 0) + 1
+                output = TAG.format_result(message)
+            else:
+                output, ok = tools(turn.calls[0].name, turn.calls[0].arguments)
+                c.tool_calls += 1
+                c.tool_errors += not ok
             budget = max_new_tokens - len(c.token_ids)
             output_ids = encode(output)[:budget]
             c.insert(output_ids)
             c.text += output
-            c.tool_calls += 1
-            c.tool_errors += not ok
             if len(c.token_ids) >= max_new_tokens:
                 c.finish_reason = "length"
             else:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import table
 
-from rltrain.tracking import held_out_score
+from rltrain.run.tracking import held_out_score
 
 REPO = Path(__file__).resolve().parents[1]
 

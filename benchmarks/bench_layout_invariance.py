@@ -12,7 +12,12 @@ import argparse
 
 from common import model_folder, start_ray, table
 
-from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
+from rltrain.run.diagnostics import (
+    layout_config,
+    relative_difference,
+    synthetic_rollouts,
+    update_after_one_step,
+)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from common import table
 
-from rltrain.logprobs import token_logprobs_and_entropy
+from rltrain.loss.logprobs import token_logprobs_and_entropy
 
 GRAD_ROWS = 64  # rows of the logits gradient compared between implementations
 

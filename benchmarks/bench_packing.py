@@ -20,8 +20,8 @@ import torch
 from common import model_folder, start_ray, table
 
 from rltrain.batch import TrainBatch
-from rltrain.diagnostics import layout_config
-from rltrain.learner import LearnerGroup
+from rltrain.learner.group import LearnerGroup
+from rltrain.run.diagnostics import layout_config
 
 
 def rl_like_batch(n: int, max_length: int, vocab: int = 256, seed: int = 0) -> TrainBatch:

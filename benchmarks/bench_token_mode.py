@@ -13,9 +13,10 @@ import time
 import ray
 from common import model_folder, start_ray, table
 
-import rltrain.learner
-from rltrain.diagnostics import count_collectives, layout_config, synthetic_rollouts
-from rltrain.learner import LearnerGroup, PolicyLearner
+import rltrain.learner.engine
+from rltrain.learner.group import LearnerGroup
+from rltrain.learner.policy import PolicyLearner
+from rltrain.run.diagnostics import count_collectives, layout_config, synthetic_rollouts
 
 
 class CountingLearner(PolicyLearner):
@@ -25,7 +26,7 @@ class CountingLearner(PolicyLearner):
         self.config.loss.masked_mean_denominator = mode
 
     def train_step(self, groups):
-        totals_fn, totals_s = rltrain.learner.group_token_totals, [0.0]
+        totals_fn, totals_s = rltrain.learner.engine.group_token_totals, [0.0]
 
         def timed_totals(*args, **kwargs):
             start = time.perf_counter()
@@ -34,12 +35,12 @@ class CountingLearner(PolicyLearner):
             finally:
                 totals_s[0] += time.perf_counter() - start
 
-        rltrain.learner.group_token_totals = timed_totals
+        rltrain.learner.engine.group_token_totals = timed_totals
         try:
             with count_collectives() as calls:
                 metrics = super().train_step(groups)
         finally:
-            rltrain.learner.group_token_totals = totals_fn
+            rltrain.learner.engine.group_token_totals = totals_fn
         return {**metrics, "collectives": float(sum(calls.values())), "token_totals_s": totals_s[0]}
 
 

@@ -84,7 +84,7 @@ class TrainBatch:
     # set by a learner whose ranks share sequences (sequence parallelism), for per-sequence losses:
     sequence_tokens: torch.Tensor | None = None  # [N] loss tokens of each whole sequence
     counted: torch.Tensor | None = None  # [N] 1 where this rank counts the sequence in the step total
-    # set by a learner with a rejecting rollout correction (rltrain.corrections): 0 on rejected tokens
+    # set by a learner with a rejecting rollout correction (rltrain.loss.corrections): 0 on rejected tokens
     correction_mask: torch.Tensor | None = None  # [N, T]
     # set where a step mixes policy versions (in-flight updates): 1 on tokens sampled by the weights
     # the learners hold, the tokens the sampling-mismatch metrics are measured on
@@ -285,3 +285,20 @@ def collate(
     mixed = bool((sampled & fresh.bool()).any()) and not bool(fresh.bool()[sampled].all())
     return TrainBatch(input_ids, attention, response, tool, advantages.float(), gen_logprobs,
                       fresh_mask=fresh if mixed else None)  # fmt: skip
+
+
+def nonempty(mb: TrainBatch) -> TrainBatch:
+    """An empty micro-batch becomes one 2-token row with every mask 0 except attention: it runs
+    the forward/backward every rank must run together, and contributes exactly zero (two tokens,
+    so one prediction links the loss to the parameters)."""
+    if len(mb) > 0:
+        return mb
+
+    def blank(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is None:
+            return None
+        shape = (1,) if value.dim() == 1 else (1, 2)
+        maker = torch.ones if name == "attention_mask" else torch.zeros
+        return maker(shape, dtype=value.dtype)
+
+    return TrainBatch(**{f.name: blank(f.name, getattr(mb, f.name)) for f in fields(mb)})

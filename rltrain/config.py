@@ -7,6 +7,7 @@ deepspeed or vllm.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from pathlib import Path
@@ -15,9 +16,48 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rltrain.masked_mean import Aggregation, resolve_denominator
-
 AUTO_MISMATCH_KL = 1e-2  # run.max_mismatch_kl: auto
+# the loss library's aggregations (rltrain.loss.masked_mean.AGGREGATIONS: the config imports no
+# other part of rltrain, and a test keeps the two lists equal)
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+Denominator = float | Literal["token"] | None
+DENOMINATOR_KEY = "masked_mean_denominator"
+_ACCEPTED = 'null (per-micro-batch mean), a positive number, or "token"'
+
+
+def resolve_denominator(value: object, axis: int | None = None) -> Denominator:
+    """Validate a ``masked_mean_denominator`` setting and return its canonical form.
+
+    Accepts ``None``, a positive finite number (also as a numeric string, as YAML or the command
+    line may give it) and ``"token"``. Raises ``ValueError`` whose message names
+    the key, the bad value and the accepted forms. (``axis`` is accepted for compatibility: every
+    aggregation now works in ``token`` mode.)
+    """
+    if value is None:
+        resolved: Denominator = None
+    elif value == "token":
+        resolved = "token"
+    elif _is_positive_number(value):
+        resolved = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, str) and _is_positive_number(_parse_float(value)):
+        resolved = float(value)
+    else:
+        raise ValueError(f"{DENOMINATOR_KEY}: got {value!r}; expected {_ACCEPTED}")
+    return resolved
+
+
+def _parse_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _is_positive_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
 
 TINY_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:arithmetic"
@@ -134,7 +174,7 @@ class FrozenLearnerConfig(Section):
 
 
 class RolloutCorrectionConfig(Section):
-    """How tokens the engine sampled from a slightly different policy are corrected (rltrain.corrections)."""
+    """How tokens the engine sampled from a slightly different policy are corrected (rltrain.loss.corrections)."""
 
     kind: Literal["tis", "mis", "geo_mask"] = "tis"
     """`tis`: truncated importance weights min(r, cap); `mis` (IcePop): tokens whose ratio r =
@@ -716,16 +756,6 @@ class Config(Section):
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
     @property
-    def rollout_correction(self):
-        """The :class:`rltrain.corrections.RolloutCorrection` the loss applies, or None."""
-        from rltrain.corrections import RolloutCorrection
-
-        c, cap = self.loss.rollout_correction, self.loss.tis_cap
-        if c is not None:
-            return RolloutCorrection(c.kind, c.level, c.cap, c.low, c.high)
-        return RolloutCorrection("tis", cap=cap) if cap is not None else None
-
-    @property
     def aggregation_norm(self) -> float:
         """The constant of ``seq-mean-token-sum-norm``: ``loss.aggregation_norm`` or the generation budget."""
         return self.loss.aggregation_norm or float(self.rollout.max_new_tokens)
@@ -782,7 +812,9 @@ TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}  # a union m
 def _key(loc: tuple) -> str:
     """The dotted key of an error's ``loc``, without the union members pydantic adds to it
     (``constrained-float``, ``literal['auto']``)."""
-    return ".".join(str(p) for p in loc if not isinstance(p, str) or (p.isidentifier() and p not in TYPE_TAGS))
+    return ".".join(
+        str(p) for p in loc if not isinstance(p, str) or (p.isidentifier() and p not in TYPE_TAGS)
+    )
 
 
 def _one_line(error: ValidationError) -> str:

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from rltrain.advantages import grpo_advantages, rloo_advantages, zero_variance_groups
-from rltrain.logprobs import token_entropy, token_logprobs
+from rltrain.loss.advantages import grpo_advantages, rloo_advantages, zero_variance_groups
+from rltrain.loss.logprobs import token_entropy, token_logprobs
 
 
 def test_grpo_advantages_hand_computed():

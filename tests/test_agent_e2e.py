@@ -15,12 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
 from rltrain.data import Prompt, episode_rows
-from rltrain.diagnostics import layout_config, relative_difference, update_after_one_step
 from rltrain.envs import GuessEnv
-from rltrain.grpo import ScoredGroups, build_batch
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
 from rltrain.rollout.chat import ChatRenderer
+from rltrain.run.diagnostics import layout_config, relative_difference, update_after_one_step
+from rltrain.run.scoring import ScoredGroups, build_batch
 
 pytestmark = pytest.mark.slow
 ENV = {"env": {"name": "builtin:guess", "max_turns": 3}, "data": {"source": "builtin:guess", "max_prompt_tokens": 64},

@@ -11,8 +11,8 @@ import torch
 from rltrain.batch import Completion, Segment
 from rltrain.config import ConfigError, load_config
 from rltrain.data import Prompt
-from rltrain.grpo import ScoredGroups, drop_stale
 from rltrain.rollout.inflight import continuation_seed, generate_in_chunks
+from rltrain.run.scoring import ScoredGroups, drop_stale
 
 
 def test_async_steps_is_the_older_name_of_max_staleness():
@@ -113,7 +113,7 @@ def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_kee
     from transformers import AutoModelForCausalLM
 
     from rltrain.config import Config
-    from rltrain.logprobs import sequence_logprobs
+    from rltrain.loss.logprobs import sequence_logprobs
     from rltrain.rollout import GeneratorPool
 
     config = Config.model_validate(

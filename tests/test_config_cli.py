@@ -313,7 +313,7 @@ INPUTS.update(SCORING_MODELS)
 
 
 def test_the_teacher_and_reward_model_actors_count_in_the_layout_check():
-    from rltrain.launch import _check_fits
+    from rltrain.run.launch import _check_fits
 
     config = load_config(
         "configs/cpu_demo.yaml",

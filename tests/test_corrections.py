@@ -1,4 +1,4 @@
-"""Rollout corrections by hand (rltrain.corrections): truncated weights, masked importance sampling,
+"""Rollout corrections by hand (rltrain.loss.corrections): truncated weights, masked importance sampling,
 the geometric sequence mask, per token and per sequence, and a sequence split over ranks."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rltrain.corrections import RolloutCorrection, correction_mask, correction_weights
+from rltrain.loss.corrections import RolloutCorrection, correction_mask, correction_weights
 from rltrain.losses import PolicyLossSettings, policy_loss
 
 LN = math.log

@@ -6,16 +6,16 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from rltrain.critic import CriticLearner
-from rltrain.diagnostics import (
+from rltrain.learner.critic import CriticLearner
+from rltrain.learner.group import LearnerGroup
+from rltrain.loss.logprobs import token_outputs
+from rltrain.run.diagnostics import (
     critic_layout_config,
     relative_difference,
     synthetic_rollouts,
     update_after_one_step,
     with_value_targets,
 )
-from rltrain.learner import LearnerGroup
-from rltrain.logprobs import token_outputs
 
 pytestmark = pytest.mark.slow
 

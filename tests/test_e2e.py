@@ -18,12 +18,12 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from rltrain.config import Config
-from rltrain.diagnostics import synthetic_rollouts
-from rltrain.learner import LearnerGroup
-from rltrain.logprobs import sequence_logprobs
+from rltrain.learner.group import LearnerGroup
+from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
 from rltrain.rollout.sandbox import isolation_problem
-from rltrain.weight_sync import ObjectStoreSync
+from rltrain.run.diagnostics import synthetic_rollouts
+from rltrain.run.weight_sync import ObjectStoreSync
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -207,8 +207,8 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
     # head: vLLM sampled from stale logits, and the transformers backend refused the state dict
     import ray
 
+    from rltrain.run.weight_sync import SyncCheckFailed, check_sync
     from rltrain.tiny_model import build_tiny_model
-    from rltrain.weight_sync import SyncCheckFailed, check_sync
 
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     config = {"learner": {"num_learners": 1, "zero_stage": 0, "lr": 0.05}}
@@ -297,7 +297,7 @@ def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_synced_weights(
     ray_local, tmp_path, monkeypatch
 ):
     from rltrain.config import load_config
-    from rltrain.train import RunFailed, train
+    from rltrain.run.loop import RunFailed, train
 
     # the sync "succeeds" (the engine is told each new version) but always sends the first weights
     # it sent: the engine samples from step 1's weights for good
@@ -327,7 +327,7 @@ def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_train
     ray_local, tmp_path, monkeypatch
 ):
     from rltrain.config import load_config
-    from rltrain.train import train
+    from rltrain.run.loop import train
 
     # no weights and no version reach the engine: everything it samples after step 1 is from version 0
     monkeypatch.setattr(ObjectStoreSync, "push", lambda self, learners, generators, version: 0.0)
@@ -346,8 +346,8 @@ def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_train
 
 def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, tmp_path, monkeypatch):
     from rltrain.config import load_config
-    from rltrain.orchestrator import Orchestrator
-    from rltrain.train import train
+    from rltrain.run.loop import train
+    from rltrain.run.orchestrator import Orchestrator
 
     batch = Orchestrator.next_batch
 

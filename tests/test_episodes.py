@@ -237,7 +237,7 @@ def test_a_template_that_rewrites_history_stops_with_one_line():
 
 def test_episode_metrics_sum_error_kinds_and_average_turns():
     from rltrain.batch import Completion
-    from rltrain.grpo import episode_metrics
+    from rltrain.run.scoring import episode_metrics
 
     a = Completion(
         tool_mask=[1, 1, 0, 0, 1], turns=2, tool_calls=1, errors={"bad_json": 1}, finish_reason="turns"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rltrain.advantages import gae_advantages, whiten
+from rltrain.loss.advantages import gae_advantages, whiten
 from rltrain.losses import value_loss
 from rltrain.masked_mean import masked_mean
 
@@ -102,7 +102,7 @@ def test_value_loss_takes_the_step_token_total_as_denominator():
 def test_with_gae_puts_the_reward_on_the_last_policy_token_and_whitens_globally():
     from rltrain.batch import TrainBatch
     from rltrain.config import AlgorithmConfig
-    from rltrain.grpo import with_gae
+    from rltrain.run.scoring import with_gae
 
     # row 0: prompt, 2 policy tokens, a tool token, 1 policy token, padding; row 1: all masked
     response = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]])

@@ -4,7 +4,12 @@ by default and in CI; run with `pytest -m gpu` on a machine with at least 2 GPUs
 import pytest
 import torch
 
-from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
+from rltrain.run.diagnostics import (
+    layout_config,
+    relative_difference,
+    synthetic_rollouts,
+    update_after_one_step,
+)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -35,6 +35,6 @@ def test_core_install_runs_the_ddp_example_without_the_trainer_stack(tmp_path):
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step done:" in done.stdout
-    check = "import rltrain.advantages, rltrain.losses, rltrain.logprobs, rltrain.masked_mean as m; print(m.__file__)"
+    check = "import rltrain.loss.advantages, rltrain.losses, rltrain.loss.logprobs, rltrain.masked_mean as m; print(m.__file__)"
     where = subprocess.run([python, "-c", check], cwd=tmp_path, capture_output=True, text=True).stdout
     assert str(env_dir) in where, where

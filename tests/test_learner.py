@@ -6,8 +6,11 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import TrainBatch, plan_packed_micro_batches
 from rltrain.config import Config
-from rltrain.critic import CriticLearner
-from rltrain.diagnostics import (
+from rltrain.learner.critic import CriticLearner
+from rltrain.learner.group import LearnerGroup
+from rltrain.learner.policy import PolicyLearner
+from rltrain.loss.logprobs import sequence_logprobs, token_entropy
+from rltrain.run.diagnostics import (
     critic_layout_config,
     layout_config,
     relative_difference,
@@ -16,8 +19,6 @@ from rltrain.diagnostics import (
     updates_after_one_step,
     with_value_targets,
 )
-from rltrain.learner import LearnerGroup, PolicyLearner
-from rltrain.logprobs import sequence_logprobs, token_entropy
 
 pytestmark = pytest.mark.slow
 
@@ -358,7 +359,7 @@ REJECTING = [
 def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
     correction, ray_local, tiny_model_path
 ):
-    from rltrain.corrections import RolloutCorrection, correction_mask
+    from rltrain.loss.corrections import RolloutCorrection, correction_mask
 
     batch = straddling_rollouts().replace(old_logprobs=None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -3,14 +3,8 @@ import math
 import pytest
 import torch
 
-from rltrain.masked_mean import (
-    AGGREGATIONS,
-    aggregate,
-    group_token_totals,
-    masked_mean,
-    resolve_denominator,
-    step_totals,
-)
+from rltrain.config import Aggregation, resolve_denominator
+from rltrain.masked_mean import AGGREGATIONS, aggregate, group_token_totals, masked_mean, step_totals
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -42,9 +36,26 @@ def test_masked_mean_per_sequence_skips_empty_rows():
     assert masked_mean(VALUES, mask, axis=1).item() == pytest.approx(1.5)
 
 
-def test_masked_mean_per_sequence_constant_denominator():
-    # row 0: (1 + 2) / 4 = 0.75; row 1: 4 / 4 = 1; mean = 0.875
-    assert masked_mean(VALUES, MASK, axis=1, denominator=4).item() == pytest.approx(0.875)
+def test_masked_mean_names_its_aggregation_as_the_loss_and_the_config_do():
+    # seq-mean-token-mean with a sequence count of 4: (1.5 + 4) / 4 = 1.375
+    assert masked_mean(
+        VALUES, MASK, aggregation="seq-mean-token-mean", denominator=4
+    ).item() == pytest.approx(1.375)
+    # each row's sum over the constant 4, then the mean over the 2 rows: (3/4 + 4/4) / 2 = 0.875
+    assert masked_mean(VALUES, MASK, aggregation="seq-mean-token-sum-norm", norm=4).item() == pytest.approx(
+        0.875
+    )
+    # token sums over a sequence count of 2: (3 + 4) / 2 = 3.5
+    assert masked_mean(VALUES, MASK, aggregation="seq-mean-token-sum", denominator=2).item() == pytest.approx(
+        3.5
+    )
+
+
+def test_the_older_axis_spelling_that_changed_meaning_refuses_with_the_new_one():
+    # axis=1 with a denominator divided each row by it (0.875 here); a per-sequence denominator is
+    # a sequence count now, so that call says how to write the old meaning instead of changing it
+    with pytest.raises(ValueError, match=r"aggregation='seq-mean-token-sum-norm', norm=c"):
+        masked_mean(VALUES, MASK, axis=1, denominator=4)
 
 
 @pytest.mark.parametrize("axis", [None, 1])
@@ -177,3 +188,10 @@ def test_step_totals_count_tokens_and_sequences_per_group():
     assert torch.equal(group_token_totals(masks, [2, 1], tools), totals.tokens)
     assert totals.denominator(0, "token-mean", 2).item() == 2.5  # 5 tokens / 2 ranks
     assert totals.denominator(0, "seq-mean-token-sum", 2).item() == 1.5  # 3 sequences / 2 ranks
+
+
+def test_the_config_offers_exactly_the_loss_librarys_aggregations():
+    # the config imports no other part of rltrain, so it spells the aggregations' names itself
+    from typing import get_args
+
+    assert get_args(Aggregation) == AGGREGATIONS

@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rltrain import attention
-from rltrain.attention import document_attention
 from rltrain.batch import TrainBatch, plan_packed_micro_batches
 from rltrain.config import ConfigError, load_config
-from rltrain.diagnostics import synthetic_rollouts
-from rltrain.logprobs import pack_sequences, packed_forward, sequence_logprobs
+from rltrain.learner.attention import document_attention
+from rltrain.learner.engine import attention
+from rltrain.loss.logprobs import pack_sequences, packed_forward, sequence_logprobs
 from rltrain.masked_mean import group_token_totals
+from rltrain.run.diagnostics import synthetic_rollouts
 
 
 def ragged_batch(seed: int = 0) -> TrainBatch:

@@ -5,10 +5,10 @@ import torch
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt
-from rltrain.logprobs import sequence_logprobs
-from rltrain.orchestrator import collect_groups
+from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorActor
 from rltrain.rollout.rewards import RewardScorer
+from rltrain.run.orchestrator import collect_groups
 
 
 def test_hf_backend_rollout_with_tools_and_generator_logprobs(tiny_model_path):
@@ -88,7 +88,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills():
 
 
 def test_overlong_penalty_is_in_the_reward_and_logged_apart_from_the_functions():
-    from rltrain.grpo import score
+    from rltrain.run.scoring import score
 
     config = Config.model_validate({
         "algorithm": {"group_size": 2, "overlong": "soft_penalty", "overlong_buffer": 4, "overlong_penalty": 0.5},

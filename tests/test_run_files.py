@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from rltrain import checkpoint
-from rltrain.checkpoint import prune
-from rltrain.tracking import read_metrics, truncate_metrics
+from rltrain.learner import state
+from rltrain.run import checkpoint
+from rltrain.run.checkpoint import prune
+from rltrain.run.tracking import read_metrics, truncate_metrics
 
 
 def test_prune_keeps_the_newest_and_never_the_latest_pointer(tmp_path):
@@ -37,7 +38,7 @@ def test_resume_truncates_metrics_to_the_checkpoint_step(tmp_path):
 
 def test_a_fresh_run_in_a_used_folder_drops_the_earlier_runs_rows_step_0_included(tmp_path):
     from rltrain.config import Config
-    from rltrain.tracking import Tracker
+    from rltrain.run.tracking import Tracker
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in [0, 1, 2]))  # 0: the evaluation
@@ -82,7 +83,7 @@ def test_a_failed_save_removes_what_it_wrote_and_leaves_the_latest_pointer(tmp_p
 
 def test_a_write_error_names_the_path_the_reason_and_the_free_space(tmp_path):
     # torch's zip writer reports a full disk as "unexpected pos"; an OSError carries its reason
-    text = checkpoint.write_failure(OSError(30, "Read-only file system"), tmp_path / "a" / "b.pt")
+    text = state.write_failure(OSError(30, "Read-only file system"), tmp_path / "a" / "b.pt")
     assert text.startswith(f"writing {tmp_path / 'a' / 'b.pt'} failed (Read-only file system; ")
     assert text.endswith(" MiB free there)")
 
@@ -101,7 +102,7 @@ def test_recorded_write_errors_keep_a_rank_going_and_restore_the_engine():
             self.written.append(path)
 
     engine = Engine()
-    with checkpoint.recorded_write_errors(engine) as errors:
+    with state.recorded_write_errors(engine) as errors:
         engine.makedirs("/no/such/dir", exist_ok=True)
         engine.save({}, "/no/such/dir/optim.pt")  # recorded, not raised
         engine.save({}, "/no/such/dir/model.pt")  # after a failure nothing more is written
@@ -130,7 +131,7 @@ def test_deepspeeds_copy_of_its_recovery_scripts_is_a_recorded_write_too(tmp_pat
             self.checkpoint_engine = CheckpointEngine()
 
     engine, gone = Engine(), tmp_path / "gone"  # copying into a folder that is not there fails
-    with checkpoint.recorded_deepspeed_write_errors(engine) as errors:
+    with state.recorded_deepspeed_write_errors(engine) as errors:
         engine.checkpoint_engine.save({}, str(gone / "optim.pt"))
         engine._copy_recovery_script(str(gone))  # recorded, not raised
     assert len(errors) == 1 and errors[0].startswith(f"writing {gone} failed (No such file or directory; ")

@@ -6,12 +6,12 @@ import threading
 import pytest
 import torch
 
-from rltrain.advantages import distill_advantages
 from rltrain.batch import Completion, TrainBatch
 from rltrain.config import Config
 from rltrain.data import Prompt
-from rltrain.grpo import with_distillation
+from rltrain.loss.advantages import distill_advantages
 from rltrain.rollout.rewards import RewardScorer
+from rltrain.run.scoring import with_distillation
 
 
 def test_distillation_advantages_by_hand():
@@ -165,7 +165,7 @@ class RecordingScorer:
 
 def test_a_scorer_on_its_own_actors_scores_the_step_ahead_while_the_policy_trains():
     from rltrain.data import PromptSampler
-    from rltrain.orchestrator import Orchestrator
+    from rltrain.run.orchestrator import Orchestrator
 
     config = Config.model_validate({
         "algorithm": {"group_size": 2, "prompts_per_step": 1},
@@ -229,8 +229,8 @@ def reward_model_path(tmp_path_factory, tiny_model_path) -> str:
 
 def scorer_config(section: str, path: str, **layout) -> Config:
     """A layout of a teacher's (``algorithm``) or reward model's (``reward``) actors, for
-    :func:`rltrain.diagnostics.synthetic_rollouts` (t=14) at temperature 0.7."""
-    from rltrain.diagnostics import layout_config
+    :func:`rltrain.run.diagnostics.synthetic_rollouts` (t=14) at temperature 0.7."""
+    from rltrain.run.diagnostics import layout_config
 
     raw = layout_config(1, 2, 0).model_dump()
     raw["rollout"]["temperature"] = 0.7
@@ -242,7 +242,7 @@ def scorer_config(section: str, path: str, **layout) -> Config:
 
 
 def scored_by(config: Config, learner_cls, batch: TrainBatch) -> torch.Tensor:
-    from rltrain.learner import LearnerGroup
+    from rltrain.learner.group import LearnerGroup
 
     group = LearnerGroup(config, "unused: the scorers load their own model", 0, learner_cls)
     try:
@@ -262,9 +262,9 @@ SCORER_LAYOUTS = {
 def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teacher_path):
     from transformers import AutoModelForCausalLM
 
-    from rltrain.diagnostics import synthetic_rollouts
-    from rltrain.logprobs import sequence_logprobs
-    from rltrain.scorers import TeacherLearner
+    from rltrain.learner.frozen import TeacherLearner
+    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.run.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
@@ -282,9 +282,10 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 
     import ray
 
-    from rltrain.diagnostics import synthetic_rollouts
-    from rltrain.learner import LearnerGroup
-    from rltrain.scorers import Teacher, TeacherLearner
+    from rltrain.learner.frozen import TeacherLearner
+    from rltrain.learner.group import LearnerGroup
+    from rltrain.run.diagnostics import synthetic_rollouts
+    from rltrain.run.scorers import Teacher
 
     batch, config = synthetic_rollouts(), scorer_config("algorithm", teacher_path, num_learners=1)
     teacher = Teacher(partial(LearnerGroup, config, "unused", 0, TeacherLearner))
@@ -303,8 +304,8 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 def test_the_reward_models_actors_score_as_sequence_classification(ray_local, reward_model_path):
     from transformers import AutoModelForSequenceClassification
 
-    from rltrain.diagnostics import synthetic_rollouts
-    from rltrain.scorers import RewardModelLearner, last_token_scores
+    from rltrain.learner.frozen import RewardModelLearner, last_token_scores
+    from rltrain.run.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
@@ -329,8 +330,9 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
     import ray
     from transformers import AutoModelForSequenceClassification
 
-    from rltrain.learner import LearnerGroup
-    from rltrain.scorers import RewardModel, RewardModelLearner
+    from rltrain.learner.frozen import RewardModelLearner
+    from rltrain.learner.group import LearnerGroup
+    from rltrain.run.scorers import RewardModel
 
     config = scorer_config("reward", reward_model_path, num_learners=1)
     prompts = [Prompt(0, [5, 6, 7], "1"), Prompt(1, [9], "2")]
@@ -358,13 +360,13 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
 def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
     from transformers import AutoModelForCausalLM
 
-    from rltrain.diagnostics import (
+    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.run.diagnostics import (
         layout_config,
         relative_difference,
         synthetic_rollouts,
         update_after_one_step,
     )
-    from rltrain.logprobs import sequence_logprobs
 
     batch = synthetic_rollouts()
     with torch.no_grad():

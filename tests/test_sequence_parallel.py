@@ -9,9 +9,9 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
-from rltrain import sequence_parallel
-from rltrain.diagnostics import synthetic_rollouts
-from rltrain.logprobs import sequence_logprobs
+from rltrain.learner.engine import sequence_parallel
+from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.run.diagnostics import synthetic_rollouts
 
 
 def multi_document_batch():

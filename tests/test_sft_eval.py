@@ -12,10 +12,15 @@ from transformers import AutoTokenizer
 from rltrain.batch import Completion
 from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
-from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, update_after_one_step
-from rltrain.eval import evaluate
 from rltrain.rollout.rewards import RewardScorer
-from rltrain.tracking import PANELS, Tracker, eval_table, plot_curves
+from rltrain.run.diagnostics import (
+    layout_config,
+    relative_difference,
+    synthetic_rollouts,
+    update_after_one_step,
+)
+from rltrain.run.eval import evaluate
+from rltrain.run.tracking import PANELS, Tracker, eval_table, plot_curves
 
 
 def test_held_out_questions_are_never_training_questions(tmp_path):
@@ -116,7 +121,7 @@ def test_the_step_line_shows_an_environments_held_out_success(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path):
-    from rltrain.sft import SFTLearner
+    from rltrain.learner.sft import SFTLearner
 
     batch = synthetic_rollouts()  # tool tokens (masked out of the loss) and an all-masked sequence
     reference = update_after_one_step(layout_config(1, 8, 0), tiny_model_path, batch, SFTLearner)
@@ -153,7 +158,7 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path, ray_clus
     assert "sft warm-up" not in done.stderr + done.stdout
     last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     # scoring the final model apart gives what the run logged at its end (same prompts, greedy)
-    scored = subprocess.run([sys.executable, "-m", "rltrain.eval", "--model", str(out / "final_model"), "--config",
+    scored = subprocess.run([sys.executable, "-m", "rltrain.run.eval", "--model", str(out / "final_model"), "--config",
                              "configs/cpu_demo.yaml", *common[2:4], "run.ray_num_cpus=2"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert scored.returncode == 0, scored.stderr[-3000:]
@@ -165,7 +170,7 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path, ray_clus
 
 def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
     from rltrain.config import Config
-    from rltrain.sft import _settings
+    from rltrain.run.warm_start import _settings
 
     plain = Config()
     per_sequence = Config.model_validate({"loss": {"aggregation": "seq-mean-token-mean"}})
@@ -176,7 +181,8 @@ def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
 
 def test_the_warm_starts_learning_rate_schedule_reaches_its_learners_and_its_cache_key():
     from rltrain.config import Config
-    from rltrain.sft import SFTLearner, _settings
+    from rltrain.learner.sft import SFTLearner
+    from rltrain.run.warm_start import _settings
 
     decaying = Config.model_validate({"sft_warmup": {"steps": 750, "lr_schedule": "linear"}})
     # the learners' scheduler is built from this section, over sft_warmup.steps optimizer steps

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rltrain.logprobs import token_logprobs
+from rltrain.loss.logprobs import token_logprobs
 from rltrain.losses import PolicyLossSettings, policy_loss
 
 VOCAB, HIDDEN, T = 11, 8, 7

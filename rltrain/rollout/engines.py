@@ -246,7 +246,7 @@ class HFBackend:
 
     @torch.no_grad()
     def _logprobs(self, sequence: list[int], temperature: float) -> list[float]:
-        from rltrain.logprobs import sequence_logprobs
+        from rltrain.loss.logprobs import sequence_logprobs
 
         ids = torch.tensor([sequence], device=self.model.device)
         logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), temperature)

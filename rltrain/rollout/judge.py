@@ -33,7 +33,7 @@ def parse_verdict(reply: str, pattern: str, values: dict[str, float]) -> float |
 
 
 class Judge:
-    """Scores completions with a model's verdicts; a :data:`rltrain.grpo.ModelScorer`."""
+    """Scores completions with a model's verdicts; a :data:`rltrain.run.scoring.ModelScorer`."""
 
     def __init__(self, config: JudgeConfig, tokenizer: Any, engines: Any, max_prompt_tokens: int,
                  own_actors: bool = False):  # fmt: skip

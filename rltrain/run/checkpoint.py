@@ -2,7 +2,7 @@
 
 ``<output_dir>/checkpoints/step_<k>/`` holds the DeepSpeed state of every learner (weights,
 optimizer, scheduler, RNG), ``trainer_state.json`` (the step and the data order, written by the
-driver: :meth:`rltrain.orchestrator.Orchestrator.state`) and ``hf/``, the policy in Hugging Face
+driver: :meth:`rltrain.run.orchestrator.Orchestrator.state`) and ``hf/``, the policy in Hugging Face
 format; with a critic also ``critic/`` (its DeepSpeed state) and ``critic_hf/``.
 
 Saves are atomic: everything is written to ``step_<k>.partial/``, which is renamed to
@@ -22,40 +22,17 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rltrain.learner.state import LAYOUT_FREE, layout, saved_layout, write_failure
+
 if TYPE_CHECKING:  # ray and deepspeed stay out of the input checks that use this module
-    from rltrain.learner import LearnerGroup
+    from rltrain.learner.group import LearnerGroup
 
 CRITIC = "critic"  # the critic's DeepSpeed state: step_<k>/critic/
 TRAINER_STATE = "trainer_state.json"  # the step and the data order: step_<k>/trainer_state.json
-LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
-LAYOUT_FREE = (
-    "layout_free.pt"  # beside it too: the same state without the layout (run.layout_free_checkpoints)
-)
-
-
-def layout(lc) -> dict[str, int]:
-    """What a DeepSpeed checkpoint of a learner section depends on (a ``LearnerConfig``): ranks
-    and ZeRO stage. Packing, token budgets and sequence parallelism change how a step is cut, not
-    the state."""
-    return {"num_learners": lc.num_learners, "zero_stage": lc.zero_stage}
-
-
-def write_layout(folder: Path, lc) -> None:
-    (folder / LAYOUT).write_text(json.dumps(layout(lc)))
-
-
-def saved_layout(folder: Path) -> dict[str, int] | None:
-    """The layout that wrote the learner section in ``folder``; None for a checkpoint written before
-    layouts were recorded (or without its file): DeepSpeed's own load decides then."""
-    try:
-        return json.loads((folder / LAYOUT).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def layout_problem(folder: Path, lc, section: str) -> str | None:
@@ -141,74 +118,6 @@ def _write(path: Path, write: Callable[[Path], Any]) -> None:
         write(path)
     except OSError as e:
         raise SaveFailed(write_failure(e, path)) from None
-
-
-def write_failure(error: BaseException, path: str | Path) -> str:
-    """One line for a write that failed: the OS's reason and the free space where it went. torch's
-    zip writer hides the reason (``unexpected pos 576 vs 534`` for a full disk); no free space
-    then names it."""
-    where = Path(path)
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
-        free = None
-    if isinstance(error, OSError) and error.strerror:
-        reason = error.strerror
-    elif free is not None and free < 2**20:
-        reason = "No space left on device"
-    else:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-    space = f"{free / 2**20:.1f} MiB free there" if free is not None else "free space unknown"
-    return f"writing {path} failed ({reason}; {space})"
-
-
-@contextmanager
-def recorded_deepspeed_write_errors(engine: Any) -> Iterator[list[str]]:
-    """:func:`recorded_write_errors` over everything a DeepSpeed engine's ``save_checkpoint`` writes:
-    its checkpoint engine's ``makedirs`` and ``save``, and (rank 0) the copy of its recovery scripts
-    (``zero_to_fp32.py``) beside the ZeRO state, which a full disk can refuse too."""
-    with recorded_write_errors(engine.checkpoint_engine) as errors:
-        with recorded_write_errors(engine, ("_copy_recovery_script",), errors):
-            yield errors
-
-
-@contextmanager
-def recorded_write_errors(
-    engine: Any, names: tuple[str, ...] = ("makedirs", "save"), errors: list[str] | None = None
-) -> Iterator[list[str]]:
-    """Within the block, a failing ``engine.<name>(...)`` call (DeepSpeed's checkpoint engine:
-    ``makedirs``, ``save``) is recorded in the yielded list (``errors``, when given) instead of
-    raised, and later calls write nothing: the rank goes on through the save's collectives with its
-    peers."""
-    errors = [] if errors is None else errors
-    originals = {name: getattr(engine, name) for name in names}
-    own = {name: vars(engine)[name] for name in names if name in vars(engine)}
-
-    def guarded(write: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if errors:
-                return None
-            try:
-                return write(*args, **kwargs)
-            except Exception as e:  # torch's writer raises RuntimeError for what the OS refused
-                path = kwargs.get("path") or next((a for a in args if isinstance(a, (str, Path))), "?")
-                errors.append(write_failure(e, path))
-                return None
-
-        return call
-
-    for name, write in originals.items():
-        setattr(engine, name, guarded(write))
-    try:
-        yield errors
-    finally:
-        for name in originals:
-            if name in own:
-                setattr(engine, name, own[name])
-            else:
-                delattr(engine, name)  # the class's method again
 
 
 PARTIAL = ".partial"

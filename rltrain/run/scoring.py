@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.advantages import (
+from rltrain.batch import Completion, TrainBatch, collate, last_positions
+from rltrain.config import AlgorithmConfig, Config
+from rltrain.data import Prompt
+from rltrain.loss.advantages import (
     distill_advantages,
     gae_advantages,
     grpo_advantages,
@@ -17,9 +20,6 @@ from rltrain.advantages import (
     whiten,
     zero_variance_groups,
 )
-from rltrain.batch import Completion, TrainBatch, collate, last_positions
-from rltrain.config import AlgorithmConfig, Config
-from rltrain.data import Prompt
 from rltrain.rollout.rewards import ENV, RewardScorer, soft_overlong_penalty
 
 

@@ -8,7 +8,7 @@ connection, the actors.
 - :func:`start_run` starts the learners, the critic and the generators, restored from the newest
   checkpoint when resuming.
 
-:mod:`rltrain.train` (the loop) and :mod:`rltrain.eval` both build on it; neither imports the other's
+:mod:`rltrain.train` (the loop) and :mod:`rltrain.run.eval` both build on it; neither imports the other's
 set-up.
 """
 
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from rltrain import checkpoint
 from rltrain.config import SFT_FROM_ENV, TINY_MODEL, Config, ConfigError, dump
 from rltrain.data import (
     Prompt,
@@ -37,8 +36,9 @@ from rltrain.data import (
     split_held_out,
     tokenize_prompts,
 )
-from rltrain.orchestrator import Orchestrator
 from rltrain.rollout.rewards import GIVEN, JUDGE, MODEL, RewardScorer, load_reward_fn
+from rltrain.run import checkpoint
+from rltrain.run.orchestrator import Orchestrator
 
 
 def quiet_console() -> None:
@@ -347,13 +347,13 @@ class Run:
     tokenizer: Any
     orchestrator: Orchestrator  # the sampler, the steps generated ahead, the data order
     scorer: RewardScorer
-    learners: Any  # rltrain.learner.LearnerGroup
+    learners: Any  # rltrain.learner.group.LearnerGroup
     generators: Any  # rltrain.rollout.GeneratorPool
-    weight_sync: Any  # rltrain.weight_sync.WeightSync
+    weight_sync: Any  # rltrain.run.weight_sync.WeightSync
     start_step: int
-    critic: Any = None  # a LearnerGroup of rltrain.critic.CriticLearner (PPO with GAE), or None
-    teacher: Any = None  # a rltrain.scorers.Teacher (its actors' group; distillation), or None
-    reward_model: Any = None  # a rltrain.scorers.RewardModel (its actors' group), or None
+    critic: Any = None  # a LearnerGroup of rltrain.learner.critic.CriticLearner (PPO with GAE), or None
+    teacher: Any = None  # a rltrain.run.scorers.Teacher (its actors' group; distillation), or None
+    reward_model: Any = None  # a rltrain.run.scorers.RewardModel (its actors' group), or None
     judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
 
     @property
@@ -381,9 +381,9 @@ class Run:
 def start_run(config: Config, inputs: Inputs) -> Run:
     """Actors, prompts and rewards; restored from the newest checkpoint when resuming."""
     # ray, deepspeed and vllm load here, not at import: --help stays instant
-    from rltrain.learner import LearnerGroup
+    from rltrain.learner.group import LearnerGroup
     from rltrain.rollout import GeneratorPool
-    from rltrain.weight_sync import ObjectStoreSync
+    from rltrain.run.weight_sync import ObjectStoreSync
 
     out = inputs.out
     dump(config, out / "config.yaml")
@@ -403,16 +403,18 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             config, inputs.model_path, total_optimizer_steps(config, config.learner)
         )
         if config.critic is not None:
-            from rltrain.critic import CriticLearner
+            from rltrain.learner.critic import CriticLearner
 
             steps = total_optimizer_steps(config, config.critic.learners)
             parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
         if config.algorithm.teacher is not None:
-            from rltrain.scorers import Teacher, TeacherLearner
+            from rltrain.learner.frozen import TeacherLearner
+            from rltrain.run.scorers import Teacher
 
             parts["teacher"] = Teacher(partial(LearnerGroup, config, inputs.model_path, 0, TeacherLearner))
         if config.reward.model is not None:
-            from rltrain.scorers import RewardModel, RewardModelLearner
+            from rltrain.learner.frozen import RewardModelLearner
+            from rltrain.run.scorers import RewardModel
 
             parts["reward_model"] = RewardModel(
                 partial(LearnerGroup, config, inputs.model_path, 0, RewardModelLearner)

@@ -1,10 +1,10 @@
 """The value model of PPO with a learned critic: a scalar head per token, trained on the learners'
-shared engine path (:class:`rltrain.learner.EngineLearner`: DeepSpeed ZeRO 0-3, accumulation
+shared engine path (:class:`rltrain.learner.engine.EngineLearner`: DeepSpeed ZeRO 0-3, accumulation
 boundaries, the one token-total collective, packing, checkpoints, Hugging Face export).
 
 ``values[:, t]`` is the value of the state before token ``t``: the head's output at position
 ``t - 1``, which has seen exactly the tokens before ``t``. The value loss
-(:func:`rltrain.losses.value_loss`) is reduced with the same denominators as the policy loss, so
+(:func:`rltrain.loss.losses.value_loss`) is reduced with the same denominators as the policy loss, so
 in ``token`` mode the critic's update does not depend on its layout either.
 """
 
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config, LearnerConfig
-from rltrain.learner import EngineLearner
-from rltrain.logprobs import token_outputs
-from rltrain.losses import value_loss
+from rltrain.learner.engine import EngineLearner
+from rltrain.loss.logprobs import token_outputs
+from rltrain.loss.losses import value_loss
 
 
 class CriticLearner(EngineLearner):

@@ -1,8 +1,7 @@
 """Supervised warm start before RL, on the policy learners' own engine path.
 
-:class:`SFTLearner` is a policy learner whose loss is the cross-entropy of the completion tokens
-(tool output masked out), reduced with the same ``masked_mean`` denominators as the RL loss, so it
-is exact in ``token`` mode under any layout. :func:`warm_start` trains it for
+:class:`~rltrain.learner.sft.SFTLearner` (a policy learner whose loss is the cross-entropy of the
+completion tokens) is trained by :func:`warm_start` for
 ``sft_warmup.steps`` optimizer steps and writes the model to ``<output_dir>/sft_model/``; a run
 that finds it there (resume, restart) starts RL from it without repeating the warm-up.
 """
@@ -18,54 +17,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rltrain import checkpoint
 from rltrain.batch import Completion, TrainBatch, collate
-from rltrain.config import SFT_FROM_ENV, Config, LearnerConfig
+from rltrain.config import SFT_FROM_ENV, Config
 from rltrain.data import chat_prompt, sft_examples, tokenize_completion
-from rltrain.learner import LearnerGroup, PolicyLearner
-from rltrain.masked_mean import aggregate
+from rltrain.learner.group import LearnerGroup
+from rltrain.learner.sft import SFTLearner
+from rltrain.run import checkpoint
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
-
-
-class SFTLearner(PolicyLearner):
-    ROLE = "sft learner"
-    PREFIX = "sft"
-    PERF = "sft_"
-    METRIC_SUMS = ["loss", "tokens"]
-    TEMPERATURE = 1.0  # the model's own distribution, not the sampling temperature
-
-    @staticmethod
-    def section(config: Config) -> LearnerConfig:
-        """The policy's layout with the warm-up's optimizer settings (one step per batch)."""
-        sft = config.sft_warmup
-        return config.learner.model_copy(
-            update={
-                "lr": sft.lr,
-                "lr_schedule": sft.lr_schedule,
-                "warmup_steps": 0,
-                "num_mini_batches": 1,
-                "ppo_epochs": 1,
-            }
-        )
-
-    def _build_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        return self._load_model(AutoModelForCausalLM)
-
-    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
-        return groups
-
-    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
-        return out
-
-    def _loss(self, mb: TrainBatch, denominator):
-        logprobs, _ = self._logprobs(self.engine, mb)
-        mask = mb.response_mask * mb.tool_mask
-        loss = aggregate(-logprobs, mask, self.config.loss.aggregation, denominator, mb.sequence_tokens,
-                         self.config.aggregation_norm)  # fmt: skip
-        return loss, {"loss": -(logprobs.detach() * mask).sum(), "tokens": mask.sum()}
 
 
 def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out: Path) -> str:

@@ -120,8 +120,9 @@ def update_after_one_step(
     config: Config, model_path: str, batch: TrainBatch, learner_cls: type | None = None
 ) -> dict[str, torch.Tensor]:
     """Weights after one training step minus weights before, on fresh learners (the policy's, or
-    ``learner_cls``'s such as :class:`rltrain.critic.CriticLearner`)."""
-    from rltrain.learner import LearnerGroup, PolicyLearner  # ray and deepspeed load only for this check
+    ``learner_cls``'s such as :class:`rltrain.learner.critic.CriticLearner`)."""
+    from rltrain.learner.group import LearnerGroup  # ray and deepspeed load only for this check
+    from rltrain.learner.policy import PolicyLearner
 
     group = LearnerGroup(
         config, model_path, total_optimizer_steps=1, learner_cls=learner_cls or PolicyLearner

@@ -1,8 +1,8 @@
 """Models that score and never train, on the learners' engine path: the teacher of on-policy
 distillation (per-token log-probs, computed exactly as the reference model's) and a reward model
-(one score per sequence). Each runs as a :class:`rltrain.learner.LearnerGroup` of its own actors
-(``algorithm.teacher_learners``, ``reward.model_learners``): batches are planned over them like a
-critic's, padded or packed, and every actor scores its share at the same time.
+(one score per sequence). Each runs as a :class:`~rltrain.learner.group.LearnerGroup` of its own
+actors (``algorithm.teacher_learners``, ``reward.model_learners``): batches are planned over them
+like a critic's, padded or packed, and every actor scores its share at the same time.
 
 A frozen actor has no optimizer and no gradients. At ZeRO stage 0 it holds the whole model; at
 stage 3 DeepSpeed shards its weights over the group (a model larger than one device).
@@ -10,17 +10,13 @@ stage 3 DeepSpeed shards its weights over the group (a model larger than one dev
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from rltrain.batch import TrainBatch, collate, last_positions
+from rltrain.batch import TrainBatch, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
-from rltrain.grpo import sequence_prompts
-from rltrain.learner import EngineLearner, PolicyLearner
-from rltrain.logprobs import token_outputs
+from rltrain.learner.engine import EngineLearner
+from rltrain.learner.policy import PolicyLearner
+from rltrain.loss.logprobs import token_outputs
 
 
 class FrozenLearner(EngineLearner):
@@ -97,72 +93,3 @@ class RewardModelLearner(FrozenLearner):
 def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
     """``[B]``: each row's output at its last attended token (right-padded rows)."""
     return outputs_BT.gather(-1, last_positions(attention_mask_BT)[:, None]).squeeze(-1)
-
-
-def score_sequences(group, prompts: list, completions: list) -> list[float]:
-    """A reward model's score of each sequence (its prompt's ids + the completion's ids as
-    sampled), by the actors of ``group`` (a :class:`LearnerGroup` of :class:`RewardModelLearner`)."""
-    prompt_ids = sequence_prompts(prompts, completions)
-    # padding ids are never attended (padded forwards mask them, packed rows leave them out)
-    batch = collate(prompt_ids, completions, torch.zeros(len(completions)), pad_id=0)
-    return last_token_scores(group.per_token(batch), batch.attention_mask).tolist()
-
-
-class RestartingGroup:
-    """A frozen model's actors that recover on their own: a call they fail (one died or passed
-    ``run.actor_timeout_s``) is said in one line, gives None, and the actors are stopped and
-    started afresh; the run goes on. The policy's own actors restart the whole run instead."""
-
-    def __init__(self, start: Callable[[], Any], role: str):
-        self.start, self.role = start, role  # start: a new LearnerGroup of the frozen model's actors
-        self.group = start()
-
-    def _run(self, call: Callable[[Any], Any], lost: str) -> Any:
-        from rltrain.remote import ActorFailure
-
-        try:
-            return call(self.group)
-        except ActorFailure as failure:
-            print(
-                f"rltrain: {failure}; {lost}; restarting the {self.role}'s actors",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.group.shutdown()
-            self.group = self.start()
-            return None
-
-    def where(self) -> list[dict[str, Any]]:
-        return self.group.where()
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
-
-
-class Teacher(RestartingGroup):
-    """``algorithm.teacher``'s actors (:class:`TeacherLearner`); :meth:`per_token` gives None for a
-    batch they failed to score (the step is then not trained, ``distill/teacher_failures``)."""
-
-    def __init__(self, start: Callable[[], Any]):
-        super().__init__(start, "teacher")
-
-    def per_token(self, batch: TrainBatch) -> torch.Tensor | None:
-        return self._run(lambda group: group.per_token(batch), "this step is not trained")
-
-
-class RewardModel(RestartingGroup):
-    """``reward.model``'s scores (a :data:`rltrain.grpo.ModelScorer`). A batch its actors fail to
-    score scores None for every sequence (0, counted in ``reward/failures`` and
-    ``reward/model_failures``)."""
-
-    own_actors = True  # scored beside the training loop (rltrain.orchestrator)
-
-    def __init__(self, start: Callable[[], Any]):
-        super().__init__(start, "reward model")
-
-    def __call__(self, prompts: list, completions: list) -> tuple[list[float | None], dict[str, float]]:
-        lost = f"{len(completions)} sequences score 0 (reward/model_failures)"
-        scores = self._run(lambda group: score_sequences(group, prompts, completions), lost)
-        if scores is None:
-            return [None] * len(completions), {"reward/model_failures": float(len(completions))}
-        return scores, {"reward/model_failures": 0.0}

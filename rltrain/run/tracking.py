@@ -75,7 +75,7 @@ class Tracker:
 
 
 def write_rollouts(path: Path, scored) -> None:
-    """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.grpo.ScoredGroups`
+    """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.run.scoring.ScoredGroups`
     with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
     token ids, the mask (1 = sampled by the policy), log-probs, the policy version of each token,
     rewards per function, finish reason, turns. Written atomically."""

@@ -3,7 +3,7 @@
 During training ``run.eval_every`` logs ``eval/*`` at the start, every N steps and at the end. The same
 scoring of a saved model:
 
-    python -m rltrain.eval --model runs/cpu_demo/final_model --config configs/cpu_demo.yaml
+    python -m rltrain.run.eval --model runs/cpu_demo/final_model --config configs/cpu_demo.yaml
     rltrain eval --model runs/cpu_demo/final_model --config configs/cpu_demo.yaml
 """
 
@@ -15,7 +15,7 @@ import sys
 
 from rltrain.config import Config, ConfigError, load_config
 from rltrain.data import Prompt
-from rltrain.launch import connect_ray, preflight, quiet_console
+from rltrain.run.launch import connect_ray, preflight, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
 

@@ -6,7 +6,7 @@ step's completions, scores them and, with DAPO's dynamic sampling, refills the b
 prompts (:func:`collect_groups`). Every sampled token carries the policy version that sampled it
 (the engines stamp it; with ``rollout.inflight_updates`` a completion can span several versions);
 a group with a token more than ``max_staleness`` versions older than the learners' weights is
-dropped and counted (:func:`~rltrain.grpo.drop_stale`): a weight sync that never reached an engine
+dropped and counted (:func:`~rltrain.run.scoring.drop_stale`): a weight sync that never reached an engine
 shows up there instead of being trained on.
 
 Model scorers on actors of their own (a reward model, a judge with engines of its own) score a
@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from rltrain.advantages import zero_variance_groups
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt, PromptSampler
-from rltrain.grpo import ModelScorer, ModelScores, ScoredGroups, drop_stale, per_completion, score
+from rltrain.loss.advantages import zero_variance_groups
+from rltrain.run.scoring import ModelScorer, ModelScores, ScoredGroups, drop_stale, per_completion, score
 
 
 def request_seeds(config: Config, step: int, round_: int, count: int) -> list[int]:

@@ -8,7 +8,7 @@ function registered here (:data:`ATTENTION`, through transformers' ``AttentionIn
 2. all-to-all: sequence-sharded ``[B, H, L/sp, D]`` -> head-sharded ``[B, H/sp, L, D]``;
 3. all-gathers the slices' position ids, which tell the row's documents apart (each starts at 0);
 4. runs causal attention on its heads, document by document over the whole row
-   (:func:`rltrain.attention.document_attention`), so packed rows stay exact;
+   (:func:`rltrain.learner.attention.document_attention`), so packed rows stay exact;
 5. all-to-all back to ``[B, L/sp, H, D]``.
 
 The all-to-alls are autograd functions, so the backward pass moves gradients the same way.
@@ -20,7 +20,7 @@ Loss tokens: the log-prob of packed token ``j`` comes from the logits at ``j - 1
 holding position ``j - 1`` *owns* it (:func:`owned_positions`). Each rank sums its loss over the
 tokens it owns and counts only those in the token totals, so every loss token is counted exactly
 once over the world, in the same one collective as without sequence parallelism. The scale factor
-that cancels the engine's gradient reduction is derived in :mod:`rltrain.masked_mean`.
+that cancels the engine's gradient reduction is derived in :mod:`rltrain.loss.masked_mean`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
-from rltrain.attention import document_attention, register_attention
-from rltrain.logprobs import pack_sequences, token_logprobs_and_entropy
+from rltrain.batch import TrainBatch
+from rltrain.learner.attention import document_attention, register_attention
+from rltrain.loss.logprobs import pack_sequences, token_logprobs_and_entropy
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None
@@ -150,7 +151,7 @@ def sequence_logprobs(
     sp: int,
     rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`rltrain.logprobs.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
+    """:func:`rltrain.loss.logprobs.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
     ``[B, T]`` log-probs (and entropy) on this rank's :func:`owned_positions`, 0 elsewhere.
 
     Every rank of the group calls this with the same micro-batch at the same time.
@@ -181,3 +182,20 @@ def sequence_logprobs(
         return values_N.new_zeros(keep_BT.shape).masked_scatter(owned_BT, values_N)
 
     return unpack(logprobs_1N), None if entropy_1N is None else unpack(entropy_1N)
+
+
+def own_tokens(mb: TrainBatch, sp: int, rank: int) -> TrainBatch:
+    """The loss tokens of ``rank`` in its group of ``sp``: those whose log-prob it computes, so each
+    token counts once in the losses, the metrics and the token totals. A per-sequence loss divides
+    by the whole sequence's token count (``sequence_tokens``: every rank holds the whole row's
+    masks), and the rank owning a sequence's first loss token counts the sequence (``counted``), so
+    it counts once in the step's sequence total. ``sp`` 1: ``mb`` itself."""
+    if sp == 1:
+        return mb
+    keep = mb.response_mask.bool() & mb.tool_mask.bool()
+    owned = owned_positions(mb.attention_mask, sp, rank)
+    first = keep.float().argmax(-1, keepdim=True)  # the first loss token of each row
+    counted = keep.any(-1) & owned.gather(-1, first).squeeze(-1)
+    return mb.replace(
+        response_mask=mb.response_mask * owned, sequence_tokens=keep.sum(-1), counted=counted.long()
+    )

@@ -16,7 +16,7 @@ Level ``token`` uses each token's ratio; level ``sequence`` uses the sequence's 
 Rejected tokens and the ``token`` denominators: a rejected token leaves the loss *and* the token
 (or sequence) totals, exactly as a padding or tool token does, and is counted. The learner folds
 :func:`correction_mask` into the tool mask before the step's one token-total collective, so the
-update stays exact under any layout; a caller of :func:`rltrain.losses.policy_loss` who computes
+update stays exact under any layout; a caller of :func:`rltrain.loss.losses.policy_loss` who computes
 totals does the same (the loss applies the mask again, which changes nothing then).
 
 Under sequence parallelism a sequence's log-ratio sum and token count are spread over the ranks of
@@ -34,7 +34,7 @@ import torch
 
 CorrectionKind = Literal["tis", "mis", "geo_mask"]
 CorrectionLevel = Literal["token", "sequence"]
-LOG_RATIO_BOUND = 20.0  # as rltrain.losses: exp stays finite
+LOG_RATIO_BOUND = 20.0  # as rltrain.loss.losses: exp stays finite
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from rltrain.batch import TrainBatch
-from rltrain.learner import LearnerGroup
+from rltrain.learner.group import LearnerGroup
 from rltrain.rollout import GeneratorPool
 
 PROBE_SEQUENCES = 4

@@ -1,0 +1,324 @@
+"""The engine loop: a Ray actor owning one DeepSpeed engine, driven with its peers by
+:class:`~rltrain.learner.group.LearnerGroup`. :class:`EngineLearner` is the path every trained
+model takes (the policy, :mod:`rltrain.learner.policy`; the critic, :mod:`rltrain.learner.critic`;
+the warm start, :mod:`rltrain.learner.sft`); its weights, checkpoints and export are
+:class:`~rltrain.learner.state.LearnerState`.
+
+One training step on a global batch of scored rollouts:
+
+1. The group plans the layout: accumulation groups (one optimizer step each), a share per rank,
+   micro-batches per share, and empty micro-batches so every rank runs the same number of
+   forwards (ZeRO-3 gathers and the token all-reduce are collectives). With ``learner.packing``
+   (:func:`rltrain.batch.plan_packed_micro_batches`) shares balance tokens and micro-batches are
+   bounded by a token budget and run as one padding-free row each; without it
+   (:func:`rltrain.batch.plan_micro_batches`) they hold ``micro_batch_size`` padded sequences.
+2. In ``token`` mode, every rank counts its loss tokens and sequences per accumulation group and
+   sums them over ranks in one all-reduce (:func:`rltrain.loss.masked_mean.step_totals`); the loss's
+   ``loss.aggregation`` picks which count divides it.
+3. Forward/backward per micro-batch, with the accumulation boundary set explicitly: DeepSpeed's
+   ZeRO-1/2 keep only the last micro-batch's gradient under manual accumulation otherwise.
+   Loss scaling per ``masked_mean_denominator`` mode is documented in :mod:`rltrain.loss.masked_mean`.
+4. One optimizer step per group; metrics are token sums reduced over micro-batches and ranks in
+   one all-reduce, so logged means are global token means.
+
+All ranks are always called together (``ray.get`` on every actor at once): driving them one after
+another deadlocks under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rltrain.batch import TrainBatch, nonempty
+from rltrain.config import Config, LearnerConfig
+from rltrain.learner import attention, sequence_parallel
+from rltrain.learner.state import LearnerState
+from rltrain.loss.masked_mean import step_totals
+from rltrain.remote import where
+
+# counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
+TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
+
+
+HANG_ENV = "RLTRAIN_TEST_HANG"  # fault injection for the hang-report test (tests/test_faults.py)
+
+
+def _planted_hang(rank: int, optimizer_steps: int) -> None:
+    """When the file named by ``$RLTRAIN_TEST_HANG`` says ``<rank> <optimizer steps> <seconds>`` for
+    this rank and step, delete it (so a restarted run goes on) and sleep in :func:`planted_sleep`."""
+    path = os.environ.get(HANG_ENV)
+    if not path:
+        return
+    try:  # another rank may delete it between a check and the read
+        want_rank, want_steps, seconds = Path(path).read_text().split()
+    except FileNotFoundError:
+        return
+    if (int(want_rank), int(want_steps)) == (rank, optimizer_steps):
+        os.unlink(path)
+        planted_sleep(float(seconds))
+
+
+def planted_sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def peak_memory_mib(use_cuda: bool) -> float:
+    """GPU: peak allocated during this step; CPU: the process's peak resident memory so far."""
+    if use_cuda:
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+class EngineLearner(LearnerState):
+    """One data-parallel rank owning a DeepSpeed engine: set-up, the accumulation loop (explicit
+    boundaries, the one token-total collective, one metrics all-reduce), checkpoints and export.
+
+    Subclasses say which config section lays them out (:meth:`section`), build the model
+    (:meth:`_build_model`) and give the loss of one micro-batch (:meth:`_loss`); the policy and the
+    critic share everything else. Created by :class:`LearnerGroup` as Ray actors.
+    """
+
+    ROLE = "policy learner"  # how errors and placement.json name its ranks
+    PREFIX = "train"  # of the logged metrics: train/..., time/train_s
+    PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
+    METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
+    METRIC_MAXES: list[str] = []  # maxima :meth:`_loss` reports; logged as the global maximum
+
+    @staticmethod
+    def section(config: Config) -> LearnerConfig:
+        return config.learner
+
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+        self.config, self.model_path = config, model_path
+        self.rank, self.world_size = rank, world_size
+        self.lc = self.section(config)
+        self.use_cuda = torch.cuda.is_available()
+        if not self.use_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            torch.set_num_threads(max(1, int(self.lc.cpus_per_learner)))
+        self.engine = None
+        self.optimizer_steps = 0
+        # sequence parallelism: ranks [g*sp, (g+1)*sp) share every micro-batch, each a slice of its row
+        self.sp = self.lc.sequence_parallel_size
+        self.sp_rank = rank % self.sp
+        self.attn_implementation = None
+
+    def node_address(self) -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def where(self) -> dict[str, Any]:
+        return where()
+
+    def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
+        import deepspeed
+        from transformers import get_scheduler
+
+        lc = self.lc
+        self._join_group(master_addr, master_port)
+        model = self._build_model()
+        if self.config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if lc.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
+            )
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=lc.lr)
+        scheduler = get_scheduler(
+            lc.lr_schedule,
+            optimizer,
+            num_warmup_steps=lc.warmup_steps,
+            num_training_steps=total_optimizer_steps,
+        )
+        ds_config = {
+            "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+            "train_batch_size": lc.micro_batch_size * self.world_size,
+            # accumulation is manual (boundaries set per micro-batch) so DeepSpeed never divides by it
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": lc.max_grad_norm,
+            "zero_optimization": {"stage": lc.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": self.bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+
+    def _join_group(self, master_addr: str, master_port: int) -> None:
+        """Join the group's torch.distributed group; set up packed or sequence-parallel attention
+        and the precision."""
+        import deepspeed
+
+        lc = self.lc
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 there
+            LOCAL_RANK="0" if self.use_cuda else str(self.rank),
+        )
+        deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        if self.sp > 1:
+            self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
+        elif lc.packing:
+            # document by document: no [L, L] mask, attention work grows with each sequence, not the row
+            self.attn_implementation = attention.register()
+        self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
+
+    def _build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _sequence_parallel_group(self):
+        """This rank's group of ``sp`` consecutive ranks (every rank creates every group, in order)."""
+        import torch.distributed as dist
+
+        groups = [dist.new_group(list(range(g, g + self.sp))) for g in range(0, self.world_size, self.sp)]
+        return groups[self.rank // self.sp]
+
+    def _load_model(self, auto_cls, path: str | None = None, **kwargs):
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        extra = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+        return auto_cls.from_pretrained(
+            path or self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code,
+            **extra, **kwargs,
+        )  # fmt: skip
+
+    def _load_scalar_head(self, path: str | None) -> tuple[torch.nn.Module, set[str]]:
+        """A model with one output per position (token classification) from ``path``; the
+        weights the folder lacks (a new head) start at 0. Returns the model and their names."""
+        from transformers import AutoModelForTokenClassification
+
+        model, info = self._load_model(
+            AutoModelForTokenClassification, path, num_labels=1, output_loading_info=True
+        )
+        missing = set(info["missing_keys"])
+        for name, param in model.named_parameters():
+            if name in missing:
+                torch.nn.init.zeros_(param)
+        return model, missing
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
+        """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
+        import torch.distributed as dist
+
+        _planted_hang(self.rank, self.optimizer_steps)
+        start = time.perf_counter()
+        lc, mode = self.lc, self.config.loss.masked_mean_denominator
+        aggregation = self.config.loss.aggregation
+        if self.use_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        groups = [
+            [
+                self._to_device(sequence_parallel.own_tokens(nonempty(mb), self.sp, self.sp_rank))
+                for mb in group
+            ]
+            for group in groups
+        ]
+        groups = self._before_training(groups)
+        flat = [mb for group in groups for mb in group]
+        totals = None
+        if mode == "token":
+            # one collective for every accumulation group of the step (the same over PPO epochs);
+            # with packing, groups may hold different numbers of micro-batches
+            counted = None if self.sp == 1 else [mb.counted for mb in flat]
+            totals = step_totals([mb.response_mask for mb in flat], [len(g) for g in groups],
+                                 [mb.loss_tool_mask() for mb in flat], counted)  # fmt: skip
+        n = len(self.METRIC_SUMS)
+        sums = torch.zeros(n + len(TOKEN_COUNTS), dtype=torch.float64)
+        real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
+        sums[n:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens])
+        maxes = torch.zeros(len(self.METRIC_MAXES), dtype=torch.float64)
+        grad_norms, lrs = [], []
+        for _epoch in range(lc.ppo_epochs):
+            for g, group in enumerate(groups):
+                for i, mb in enumerate(group):
+                    if mode == "token":
+                        # the group's global count (tokens, or sequences for a per-sequence
+                        # aggregation) / world size: DeepSpeed averages gradients over ranks, which
+                        # the factor world_size cancels; no /accumulation_steps (the count covers them all)
+                        denominator = totals.denominator(g, aggregation, self.world_size)
+                    else:
+                        denominator = mode  # None (this micro-batch's own count) or a constant
+                    loss, metrics = self._loss(mb, denominator)
+                    if mode != "token":
+                        loss = loss / len(group)
+                    self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
+                    self.engine.backward(loss)
+                    sums[:n] += torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_SUMS])
+                    maxes = torch.maximum(
+                        maxes, torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_MAXES])
+                    )
+                lrs.append(self.engine.get_lr()[0])
+                self.engine.step()
+                self.optimizer_steps += 1
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    grad_norms.append(float(norm))
+        dist.all_reduce(sums)  # one collective for every metric: global token sums
+        if self.METRIC_MAXES:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        tokens = max(sums[self.METRIC_SUMS.index("tokens")].item(), 1.0)
+        p = self.PREFIX
+        out = {f"{p}/{k}": sums[i].item() / tokens for i, k in enumerate(self.METRIC_SUMS) if k != "tokens"}
+        out |= {f"{p}/{k}": maxes[i].item() for i, k in enumerate(self.METRIC_MAXES)}
+        out = self._finish_metrics(out)
+        out[f"{p}/tokens"] = tokens / lc.ppo_epochs
+        forward_tokens, sequence_tokens = sums[n:].tolist()
+        out[f"perf/{self.PERF}forward_tokens"] = forward_tokens
+        out[f"perf/{self.PERF}padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
+        out[f"perf/{self.PERF}peak_memory_mib"] = peak_memory_mib(self.use_cuda)
+        out[f"{p}/lr"] = lrs[-1]
+        out[f"{p}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out[f"{p}/optimizer_steps"] = float(self.optimizer_steps)
+        out[f"time/{p}_s"] = time.perf_counter() - start
+        return out
+
+    def _loss(self, mb: TrainBatch, denominator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch reduced with ``denominator`` and its token sums."""
+        raise NotImplementedError
+
+    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        """What every micro-batch needs from the pre-update model (nothing by default)."""
+        return groups
+
+    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        return out
+
+    @torch.no_grad()
+    def per_token(self, micro_batches: list[TrainBatch], own: bool = False) -> list[torch.Tensor]:
+        """:meth:`_per_token` of each micro-batch (``[B, T]`` each, on the CPU); every rank runs its
+        micro-batches at the same time (ZeRO-3 gathers are collectives). ``own``: the trained
+        model's output where a role has another (the policy's log-probs, not its reference's)."""
+        return [self._per_token(self._to_device(nonempty(mb)), own).cpu() for mb in micro_batches]
+
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forward_tokens(self, mb: TrainBatch) -> float:
+        """Tokens the model runs on for this micro-batch on this rank: its slice of the packed row,
+        or every padded cell."""
+        if not self.lc.packing:
+            return mb.input_ids.numel()
+        return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
+
+    def _to_device(self, mb: TrainBatch) -> TrainBatch:
+        device = self.engine.device
+        return mb.replace(**{k: v.to(device) for k, v in vars(mb).items() if v is not None})

@@ -1,0 +1,127 @@
+"""The learner actors of one model, driven together: placement, the torch.distributed group, the
+plan of every batch over the ranks (:mod:`rltrain.batch`), and every rank called at once (driving
+them one after another deadlocks under ZeRO-3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_packed_micro_batches
+from rltrain.config import Config
+from rltrain.learner.engine import EngineLearner
+from rltrain.learner.policy import PolicyLearner
+from rltrain.remote import gather
+
+
+class LearnerGroup:
+    """Starts the learner actors of one model (``learner_cls.section(config).num_learners`` of
+    them, :class:`PolicyLearner` by default) in one placement group, forms their torch.distributed
+    group, plans every batch over them and calls every rank at once."""
+
+    def __init__(
+        self,
+        config: Config,
+        model_path: str,
+        total_optimizer_steps: int,
+        learner_cls: type[EngineLearner] = PolicyLearner,
+    ):
+        lc = self.lc = learner_cls.section(config)
+        self.config, self.learner_cls = config, learner_cls
+        self.names = [f"{learner_cls.ROLE} {i}" for i in range(lc.num_learners)]
+        self.timeout_s = config.run.actor_timeout_s
+        bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
+        self.placement_group = placement_group([bundle] * lc.num_learners, strategy=lc.placement)
+        ray.get(self.placement_group.ready())
+        actor_cls = ray.remote(learner_cls)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=lc.cpus_per_learner,
+                num_gpus=lc.gpus_per_learner,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+            ).remote(config, model_path, i, lc.num_learners)
+            for i in range(lc.num_learners)
+        ]
+        addr, port = gather([self.actors[0].node_address.remote()], self.names[:1])[0]
+        gather([a.setup.remote(addr, port, total_optimizer_steps) for a in self.actors], self.names)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Every rank's result; a rank that dies or passes run.actor_timeout_s raises ActorFailure."""
+        return gather(refs, self.names, self.timeout_s)
+
+    def where(self) -> list[dict[str, Any]]:
+        """Node, address and pid of every rank."""
+        return [{"actor": name, **w} for name, w in zip(self.names, self._all("where"))]
+
+    def _plan(self, batch: TrainBatch, num_mini_batches: int) -> MicroBatchPlan:
+        """Micro-batches per data-parallel rank (the ranks of a sequence-parallel group share one)."""
+        lc = self.lc
+        data_parallel = lc.num_learners // lc.sequence_parallel_size
+        if lc.packing:
+            budget = self.config.token_budget(lc)
+            return plan_packed_micro_batches(
+                batch.sequence_lengths(), data_parallel, num_mini_batches, budget
+            )
+        return plan_micro_batches(len(batch), data_parallel, num_mini_batches, lc.micro_batch_size)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        batch.validate()
+        sp = self.lc.sequence_parallel_size
+        plan = self._plan(batch, self.lc.num_mini_batches)
+        shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
+        results = self._gather([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        metrics = results[0]  # every rank holds the same all-reduced metrics, except its own memory
+        prefix, perf = self.learner_cls.PREFIX, self.learner_cls.PERF
+        metrics[f"perf/{perf}peak_memory_mib"] = max(r[f"perf/{perf}peak_memory_mib"] for r in results)
+        metrics[f"{prefix}/micro_batches"] = float(sum(plan.micro_batches_per_group()))
+        metrics[f"{prefix}/oversized_sequences"] = float(plan.oversized)
+        return metrics
+
+    def per_token(self, batch: TrainBatch, own: bool = False) -> torch.Tensor:
+        """The learners' per-token output for the whole batch, ``[N, T]`` (a critic's values), with
+        every rank running its micro-batches at the same time (``own``: see the actors' method)."""
+        sp = self.lc.sequence_parallel_size
+        plan = self._plan(batch, 1)
+        shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]
+        results = self._gather([a.per_token.remote(shards[i // sp], own) for i, a in enumerate(self.actors)])
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for rank, rank_results in zip(plan.groups, results[::sp]):
+            for idx, values in zip(rank[0], rank_results):
+                if len(idx):  # an empty micro-batch ran as a placeholder row
+                    out[idx] = values
+        return out
+
+    def gathered_state_ref(self) -> ray.ObjectRef:
+        """Rank 0's full weights as an object reference, gathered with every rank taking part
+        (ZeRO-3); the weights stay in the object store, so they can go to generators directly."""
+        refs = [actor.gathered_state_dict.remote() for actor in self.actors]
+        self._gather(refs[1:])  # None each (cheap to fetch); rank 0's weights stay in the store
+        ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
+        return refs[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return gather([self.gathered_state_ref()], self.names[:1], self.timeout_s)[0]
+
+    def save_hf(self, out_dir: str | Path) -> str | None:
+        """Rank 0 writes the Hugging Face model; why it could not, or None."""
+        return next((e for e in self._all("save_hf", str(out_dir)) if e), None)
+
+    def save_checkpoint(self, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any]) -> str | None:
+        """Every rank's share of the checkpoint; why a rank could not write it, or None."""
+        return next((e for e in self._all("save_checkpoint", str(ckpt_dir), tag, client_state) if e), None)
+
+    def load_checkpoint(self, ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
+        return self._all("load_checkpoint", str(ckpt_dir), tag)[0]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement_group)

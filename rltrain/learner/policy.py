@@ -1,0 +1,155 @@
+"""The policy's learner: per-token log-probs (padded, packed or sequence-parallel), the policy loss
+(:func:`rltrain.loss.losses.policy_loss`), the frozen reference for a KL term, and the rollout
+correction's rejections, decided on the pre-update policy before the step's token totals."""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.batch import TrainBatch
+from rltrain.config import Config
+from rltrain.learner import sequence_parallel
+from rltrain.learner.engine import EngineLearner
+from rltrain.loss.corrections import RolloutCorrection, correction_mask
+from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.loss.losses import PolicyLossSettings, policy_loss
+
+
+def rollout_correction(config: Config) -> RolloutCorrection | None:
+    """The correction the loss applies (``loss.rollout_correction``, or ``loss.tis_cap``), or None."""
+    c, cap = config.loss.rollout_correction, config.loss.tis_cap
+    if c is not None:
+        return RolloutCorrection(c.kind, c.level, c.cap, c.low, c.high)
+    return RolloutCorrection("tis", cap=cap) if cap is not None else None
+
+
+class PolicyLearner(EngineLearner):
+    """A policy rank: per-token log-probs (padded, packed or sequence-parallel), the policy loss,
+    a frozen reference model for the KL term."""
+
+    METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "mismatch_kl", "mismatch_tokens", "rejected",
+                   "tokens"]  # fmt: skip
+    METRIC_MAXES = ["mismatch_max"]
+    TEMPERATURE: float | None = None  # of the log-probs; None: rollout.temperature (the sampling one)
+
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+        super().__init__(config, model_path, rank, world_size)
+        loss = config.loss
+        self.loss_settings = PolicyLossSettings(
+            kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
+            kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, correction=rollout_correction(config),
+            aggregation=loss.aggregation, aggregation_norm=config.aggregation_norm,
+        )  # fmt: skip
+        self.ref_model = None
+
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        if self.config.loss.kl_beta > 0 or self.config.algorithm.kl_in_reward > 0:
+            # the frozen reference lives beside the policy on every learner: its forward runs on the
+            # rank's own shard only, so no extra actors and no transfer of log-probs are needed
+            device = "cuda" if self.use_cuda else "cpu"
+            self.ref_model = self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
+        return self._load_model(AutoModelForCausalLM)
+
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
+        """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
+        sequence-parallel packed row."""
+        temperature = temperature or self.TEMPERATURE or self.config.rollout.temperature
+        packed = self.lc.packing
+        if self.sp > 1:
+            return sequence_parallel.sequence_logprobs(
+                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
+            )
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
+
+    def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
+        """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's
+        (at temperature 1, as an engine scores a prompt: the weight sync's check)."""
+        if self.ref_model is None and not own:
+            raise RuntimeError(
+                "no reference model on the learners (loss.kl_beta and algorithm.kl_in_reward are 0)"
+            )
+        if own:
+            logprobs_BT = self._logprobs(self.engine, mb, temperature=1.0)[0]
+        else:
+            logprobs_BT = self._logprobs(self.ref_model, mb)[0]
+        # under sequence parallelism each rank holds the tokens it owns (0 elsewhere): the group's
+        # sum is every token's log-prob, which the driver reads from the group's first rank
+        return sequence_parallel.group_sum(logprobs_BT) if self.sp > 1 else logprobs_BT
+
+    def _loss(self, mb: TrainBatch, denominator):
+        logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            mb.advantages,
+            mb.response_mask,
+            denominator,
+            self.loss_settings,
+            tool_mask_BT=mb.tool_mask,
+            ref_logprobs_BT=mb.ref_logprobs,
+            generator_logprobs_BT=mb.generator_logprobs,
+            sequence_tokens_B=mb.sequence_tokens,
+            # GSPO's sequence ratio sums each sequence's log-ratios over the ranks sharing its row
+            sequence_sum=sequence_parallel.group_sum if self.sp > 1 else None,
+            fresh_BT=mb.fresh_mask,
+        )
+        keep = mb.response_mask.bool() & mb.loss_tool_mask().bool()
+        metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
+        return loss, metrics
+
+    def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
+        out["train/clip_fraction"] = out.pop("train/clipped")
+        # the engine's sampling log-probs against the learner's under the same weights: a rollout
+        # matter; a mean over the tokens measured (both sums came divided by the loss tokens)
+        measured = out.pop("train/mismatch_tokens")
+        out["rollout/mismatch_kl"] = out.pop("train/mismatch_kl") / measured if measured > 0 else 0.0
+        out["rollout/mismatch_max"] = out.pop("train/mismatch_max")
+        rejected = out.pop("train/rejected")  # per kept token: the share of all is r / (1 + r)
+        if self.loss_settings.correction is not None and self.loss_settings.correction.rejects:
+            out["rollout/correction_rejected"] = rejected / (1.0 + rejected)
+        return out
+
+    @torch.no_grad()
+    def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
+        """Reference log-probs (KL) and, when the batch takes several optimizer steps, the
+        pre-update policy's log-probs, so every step's ratio is against the same old policy."""
+        lc, correction = self.lc, self.loss_settings.correction
+        rejects = correction is not None and correction.rejects
+        # a rejecting correction decides before the step's token totals, on the pre-update policy
+        needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1 or rejects
+        out = []
+        for group in groups:
+            new_group = []
+            for mb in group:
+                changes = {}
+                if self.ref_model is not None:
+                    changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
+                if needs_old:
+                    changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
+                mb = mb.replace(**changes)
+                if rejects and mb.generator_logprobs is not None:
+                    mb = self._reject(mb, correction)
+                new_group.append(mb)
+            out.append(new_group)
+        return out
+
+    def _reject(self, mb: TrainBatch, correction) -> TrainBatch:
+        """Fold the correction's rejections into ``correction_mask`` (the step's token totals honour
+        it). Under sequence parallelism this rank decides on the tokens it owns, sequence ratios are
+        summed over its group, and each sequence's token count and counting rank are redone."""
+        keep = mb.response_mask.bool() & mb.tool_mask.bool()
+        sequence_sum = sequence_parallel.sequence_sum if self.sp > 1 else None
+        accept = correction_mask(mb.old_logprobs, mb.generator_logprobs, keep, correction, sequence_sum)
+        mb = mb.replace(correction_mask=accept.to(mb.tool_mask.dtype))
+        if self.sp == 1:
+            return mb
+        kept = accept.any(-1).float()  # [B]: whether this rank still holds a loss token of the sequence
+        ranks = torch.zeros(len(mb), self.sp, device=kept.device)
+        ranks[:, self.sp_rank] = kept
+        ranks = sequence_sum(ranks)  # [B, sp]: which ranks hold one; the lowest holds the first token
+        first = torch.where(ranks.any(-1), (ranks > 0).float().argmax(-1), -1)
+        counted = (first == self.sp_rank).long()
+        return mb.replace(sequence_tokens=sequence_sum(accept.sum(-1).float()).long(), counted=counted)

@@ -1,0 +1,237 @@
+"""The training loop, top to bottom: generate, score, compute advantages, train, sync; log and
+checkpoint. An actor that dies or stops answering restarts every actor from the newest checkpoint,
+up to ``run.max_restarts`` times; past that the run stops with one line saying how to resume.
+
+Checks, the Ray connection and the actors' start-up live in :mod:`rltrain.run.launch` (shared with
+:mod:`rltrain.run.eval`); the generation pipeline (steps in flight, policy versions, staleness) in
+:mod:`rltrain.run.orchestrator`. The command line is :mod:`rltrain.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rltrain.config import Config
+from rltrain.run import checkpoint
+from rltrain.run.eval import evaluate
+from rltrain.run.launch import Inputs, Run, preflight, start_run
+from rltrain.run.scoring import build_batch, with_distillation, with_gae
+
+if TYPE_CHECKING:
+    from rltrain.run.tracking import Tracker
+
+
+class RunFailed(RuntimeError):
+    """Actors kept failing past ``run.max_restarts``; the message says how to resume."""
+
+
+def write_stacks(run: Run, step: int) -> Path | None:
+    """``hangs/step_<step>.txt``: the Python stacks of every actor of the run (placement.json)."""
+    from rltrain.remote import write_stacks as dump
+
+    try:
+        places = json.loads((run.out / "placement.json").read_text())
+        return dump(places, run.out / "hangs" / f"step_{step}.txt")
+    except OSError as e:
+        print(f"rltrain: could not write the actors' stacks ({e})", file=sys.stderr, flush=True)
+        return None
+
+
+def train(config: Config, inputs: Inputs | None = None) -> Path:
+    """Run the training loop; when an actor dies or stops answering, start every actor afresh from
+    the newest checkpoint (up to ``run.max_restarts`` times) and go on."""
+    from rltrain.remote import ActorFailure
+
+    inputs = inputs or preflight(config)
+    before = checkpoint.latest_marker(inputs.out)
+    for restart in range(config.run.max_restarts + 1):
+        try:
+            if config.sft_warmup.steps:  # RL starts from the warmed-up model (kept in the run folder)
+                from rltrain.run.warm_start import warm_start
+
+                warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out)
+                return train_once(config, dataclasses.replace(inputs, model_path=warm))
+            return train_once(config, inputs)
+        except ActorFailure as failure:
+            tag = checkpoint.latest_tag(inputs.out)
+            # a restart resumes what this run saved or resumed from, never an older run's checkpoint
+            resumable = config.run.resume or checkpoint.latest_marker(inputs.out) != before
+            where = f"checkpoint {tag}" if resumable and tag else "the first step (no checkpoint yet)"
+            stacks = f"; every actor's stacks: {failure.stacks}" if failure.stacks else ""
+            if restart == config.run.max_restarts:
+                raise RunFailed(
+                    f"{failure}{stacks}; stopping after {restart} restart(s) (run.max_restarts={config.run.max_restarts}); "
+                    f"last checkpoint: {inputs.out / 'checkpoints' / tag if tag else 'none'}; {resume_hint(inputs.out)}"
+                ) from failure
+            print(f"rltrain: {failure}{stacks}; restarting every actor from {where} "
+                  f"(restart {restart + 1} of {config.run.max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+            config = config.model_copy(update={"run": config.run.model_copy(update={"resume": resumable})})
+    raise AssertionError("unreachable")
+
+
+def train_once(config: Config, inputs: Inputs) -> Path:
+    """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
+    from rltrain.run.tracking import Tracker, write_rollouts
+
+    run = start_run(config, inputs)
+    learners, generators, orchestrator = run.learners, run.generators, run.orchestrator
+    tracker = Tracker(run.out, config, run.start_step)
+    env = config.env.name is not None  # episodes of an environment
+    if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
+        tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
+    step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
+    sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
+    busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
+    try:
+        for step in range(run.start_step + 1, config.run.steps + 1):
+            t0 = time.perf_counter()
+            scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled
+            generate_s = time.perf_counter() - t0
+            if not scored.completions:
+                skip(run, tracker, step, scored.metrics)
+                continue
+            if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
+                write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
+            batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
+            metrics = {}
+            if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+                teacher_logprobs = run.teacher.per_token(batch)
+                if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
+                    skip(run, tracker, step, {**scored.metrics, "distill/teacher_failures": 1.0})
+                    continue
+                batch, metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
+                metrics["distill/teacher_failures"] = 0.0
+            trained = step
+            metrics |= update(run, config, step, batch, scored.rewards)
+            sync_s = run.weight_sync.push(learners, generators, step)
+            if sync_unchecked and "rollout/mismatch_max" in metrics:  # (the policy was updated)
+                metrics["sync/probe_gap"] = first_sync_checked(
+                    run, batch, metrics["rollout/mismatch_max"], step
+                )
+                sync_unchecked = False
+            step_s = time.perf_counter() - t0
+            generated = sum(len(c.token_ids) for c in scored.completions)
+            busy_now = generators.busy_seconds()
+            engines_busy_s, busy_s = busy_now - busy_s, busy_now
+            last = step in (config.run.steps, config.run.stop_after)
+            if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
+                metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
+            tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
+                               "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
+                               "perf/engine_busy_share": engines_busy_s / (step_s * generators.size),
+                               "perf/learner_busy_share": metrics.get("time/train_s", 0.0) / step_s,
+                               "train/sequences": float(len(batch))})  # fmt: skip
+            check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
+            if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
+                if saved(config, run.out, step, partial(save_checkpoint, run, config, step)):
+                    last_saved = step
+            if step == config.run.stop_after:
+                break
+        if step == config.run.steps:
+            for group, folder in ((learners, "final_model"), (run.critic, "final_critic")):
+                if group is not None:
+                    saved(config, run.out, step, partial(checkpoint.export_hf, group, run.out / folder))
+    except KeyboardInterrupt:
+        # an update already issued completes on the learners before the save queued behind it
+        # (actors run calls in order), so the checkpoint holds exactly `trained` steps
+        if trained > last_saved:
+            tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
+            saved(
+                config, run.out, trained, partial(save_checkpoint, run, config, trained), on_error="continue"
+            )
+        raise
+    except BaseException as error:
+        if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
+            error.stacks = write_stacks(run, step)
+        run.shutdown()
+        raise
+    finally:
+        tracker.close()
+    run.shutdown()
+    return run.out
+
+
+def update(run: Run, config: Config, step: int, batch, rewards) -> dict[str, float]:
+    """The step's updates: PPO's critic (on GAE from its values) and the policy (once the critic's
+    warm-up steps are over); their metrics."""
+    metrics = {}
+    if run.critic is not None:
+        ref_logprobs = run.learners.per_token(batch) if config.algorithm.kl_in_reward else None
+        values = run.critic.per_token(batch)
+        batch = with_gae(batch, rewards, values, config.algorithm, ref_logprobs)
+        metrics = run.critic.train_step(batch)
+    if run.critic is None or step > config.critic.warmup_steps:
+        metrics |= run.learners.train_step(batch)
+    return metrics
+
+
+def first_sync_checked(run: Run, probe, noise: float, step: int) -> float:
+    """The engines against the learners on the weights just synced (:func:`~rltrain.run.weight_sync.check_sync`):
+    a sync that leaves a parameter behind stops the run here, not after many off-policy steps."""
+    from rltrain.run.weight_sync import SyncCheckFailed, check_sync
+
+    try:
+        return check_sync(run.learners, run.generators, probe, noise, step)
+    except SyncCheckFailed as e:
+        raise RunFailed(str(e)) from None
+
+
+def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:
+    """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
+    the learners' weights still, now as policy version ``step``, so what they sample next is not
+    counted a version old (and dropped as stale)."""
+    run.weight_sync.push(run.learners, run.generators, step)
+    tracker.log(step, {**metrics, "train/skipped": 1.0})
+
+
+def saved(
+    config: Config, out: Path, step: int, write: Callable[[], object], on_error: str | None = None
+) -> bool:
+    """Run ``write`` (a checkpoint or a model export). One that fails leaves the previous
+    checkpoint as the latest and, as ``on_error`` (by default ``run.on_save_error``) says, stops the
+    run with one line or says so in one line and goes on; returns whether it was written."""
+    try:
+        write()
+        return True
+    except checkpoint.SaveFailed as e:
+        if (on_error or config.run.on_save_error) == "stop":
+            raise RunFailed(
+                f"step {step}: {e}; stopping (run.on_save_error=stop); {resume_hint(out)}"
+            ) from None
+        print(
+            f"rltrain: step {step}: {e}; going on (run.on_save_error=continue)", file=sys.stderr, flush=True
+        )
+        return False
+
+
+def save_checkpoint(run: Run, config: Config, step: int) -> None:
+    state = {"data": run.orchestrator.state(step)}
+    checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+
+
+def resume_hint(out: Path) -> str:
+    return f"resume with: python -m rltrain.train --config {out / 'config.yaml'} run.resume=true"
+
+
+def check_mismatch(config: Config, step: int, metrics: dict[str, float], out: Path) -> None:
+    """``run.max_mismatch_kl``: stop, in one line, a run whose engine is evidently not sampling
+    from the learner's weights, instead of training on what it samples."""
+    limit, value = config.mismatch_limit, metrics.get("rollout/mismatch_kl")
+    if limit is None or value is None or value <= limit:
+        return
+    tag = checkpoint.latest_tag(out)
+    setting = "auto: " if config.run.max_mismatch_kl == "auto" else ""
+    raise RunFailed(
+        f"step {step}: rollout/mismatch_kl = {value:.3g} > run.max_mismatch_kl = {setting}{limit:g} "
+        f"(largest per-token log-prob gap {metrics.get('rollout/mismatch_max', float('nan')):.3g}): the "
+        "engine is not sampling from the learner's weights; likely a weight sync that did not arrive, "
+        "or the engine computing in another precision than the learner; stopped without saving this "
+        f"step; last checkpoint: {checkpoint.checkpoint_root(out) / tag if tag else 'none'}"
+    )

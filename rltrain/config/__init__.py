@@ -1,0 +1,329 @@
+"""The typed, validated config tree: YAML file + dotted ``section.key=value`` overrides.
+
+Unknown keys and bad values fail here, before any actor starts, with one line that names the key,
+the value and what is allowed (:class:`ConfigError`). Importing this module is cheap: no ray,
+deepspeed or vllm.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError, model_validator
+
+from rltrain.config.generation import (
+    DataConfig,
+    EnvConfig,
+    EvalConfig,
+    JudgeConfig,
+    RewardConfig,
+    RolloutConfig,
+    SandboxConfig,
+    SFTWarmupConfig,
+    ToolsConfig,
+)
+from rltrain.config.optimization import (
+    AUTO_MISMATCH_KL,
+    BUILTIN_TASK,
+    DENOMINATOR_KEY,
+    SFT_FROM_ENV,
+    TINY_MODEL,
+    Aggregation,
+    AlgorithmConfig,
+    ConfigError,
+    CriticConfig,
+    CriticLearnerConfig,
+    Denominator,
+    FrozenLearnerConfig,
+    LearnerConfig,
+    LossConfig,
+    ModelConfig,
+    RolloutCorrectionConfig,
+    RunConfig,
+    Section,
+    resolve_denominator,
+)
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    learner: LearnerConfig = LearnerConfig()
+    loss: LossConfig = LossConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
+    """Multi-turn environments: each rollout is an episode (rltrain.envs)."""
+    critic: CriticConfig | None = None
+    """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
+    sft_warmup: SFTWarmupConfig = SFTWarmupConfig()
+    """Supervised warm start before RL."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use."""
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_every_spelled_in_its_section(cls, raw: Any) -> Any:
+        """`eval.every` is accepted for `run.eval_every`."""
+        if isinstance(raw, dict) and isinstance(raw.get("eval"), dict) and "every" in raw["eval"]:
+            raw = {**raw, "eval": dict(raw["eval"])}
+            every = raw["eval"].pop("every")
+            run = raw.get("run") or {}
+            raw["run"] = {**run, "eval_every": every} if isinstance(run, dict) else run
+        return raw
+
+    @model_validator(mode="after")
+    def _layout(self) -> Config:
+        batch = self.algorithm.prompts_per_step * self.algorithm.group_size
+        if self.learner.num_mini_batches > batch:
+            raise ValueError(
+                f"learner.num_mini_batches={self.learner.num_mini_batches} exceeds the global batch of "
+                f"{batch} sequences (algorithm.prompts_per_step * algorithm.group_size)"
+            )
+        budget, longest = self.learner.max_tokens_per_micro_batch, self.longest_sequence
+        if budget is not None and not self.learner.packing:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch={budget} needs learner.packing=true "
+                "(without packing, micro-batches hold learner.micro_batch_size sequences)"
+            )
+        if budget is not None and budget < longest:
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch={budget} cannot hold one sequence of up to {longest} "
+                "tokens (data.max_prompt_tokens + rollout.max_new_tokens); raise it or lower those"
+            )
+        if longest > self.rollout.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens + rollout.max_new_tokens = {self.data.max_prompt_tokens} + "
+                f"{self.rollout.max_new_tokens} = {longest} exceeds rollout.max_model_len={self.rollout.max_model_len}"
+            )
+        self._check_sequence_parallel()
+        self._check_critic()
+        self._check_env()
+        self._check_scorers()
+        return self
+
+    def _check_scorers(self) -> None:
+        alg, reward = self.algorithm, self.reward
+        if alg.advantage == "distill" and alg.teacher is None:
+            raise ValueError(
+                "algorithm.advantage=distill needs algorithm.teacher (the teacher model's folder)"
+            )
+        if alg.teacher is not None and alg.advantage != "distill":
+            raise ValueError(
+                f"algorithm.teacher: set, but algorithm.advantage={alg.advantage} ignores it "
+                "(use algorithm.advantage=distill, or remove the teacher)"
+            )
+        for name, what, value in [("judge", "verdict", reward.judge), ("model", "score", reward.model)]:
+            if (name in reward.functions) == (value is not None):
+                continue
+            if value is None:
+                raise ValueError(f"reward.functions: `{name}` is reward.{name}'s {what}; set both or neither")
+            raise ValueError(
+                f"reward.{name}: set, but reward.functions ({', '.join(reward.functions)}) has no `{name}` weight"
+            )
+
+    def _check_env(self) -> None:
+        if self.sft_warmup.source == SFT_FROM_ENV and self.env.name is None:
+            raise ValueError("sft_warmup.source=env: the environment's demonstrations need env.name")
+        if "env" in self.reward.functions and self.env.name is None:
+            raise ValueError("reward.functions: `env` is the environment's reward; it needs env.name")
+        if self.env.name is None and self.rollout.tool_parser == "hermes":
+            raise ValueError(
+                "rollout.tool_parser=hermes needs an environment (env.name=builtin:calculator gives "
+                "the built-in task with native calls); without one, rollout.tools uses the tag format"
+            )
+
+    @property
+    def tool_parser(self) -> str:
+        """The parser in use: ``rollout.tool_parser`` or its default."""
+        return self.rollout.tool_parser or ("hermes" if self.env.name else "tag")
+
+    def _check_critic(self) -> None:
+        gae = self.algorithm.advantage == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.advantage=gae needs a critic section (critic: {} for the defaults)")
+        if self.critic is not None and not gae:
+            raise ValueError(
+                f"critic: set, but algorithm.advantage={self.algorithm.advantage} ignores it "
+                "(use algorithm.advantage=gae, or remove the critic section)"
+            )
+        if self.algorithm.kl_in_reward > 0 and not gae:
+            raise ValueError("algorithm.kl_in_reward shapes GAE rewards; it needs algorithm.advantage=gae")
+        if self.critic is not None and self.critic.learners.sequence_parallel_size > 1:
+            raise ValueError(
+                "critic.learners.sequence_parallel_size: the critic runs without sequence parallelism (1)"
+            )
+
+    def _check_sequence_parallel(self) -> None:
+        lc, sp = self.learner, self.learner.sequence_parallel_size
+        if sp == 1:
+            return
+        if lc.num_learners % sp:
+            raise ValueError(
+                f"learner.sequence_parallel_size={sp} does not divide learner.num_learners={lc.num_learners}"
+            )
+        if not lc.packing:
+            raise ValueError(
+                f"learner.sequence_parallel_size={sp} needs learner.packing=true (it splits packed rows)"
+            )
+
+    @property
+    def mismatch_limit(self) -> float | None:
+        """``run.max_mismatch_kl`` with ``auto`` resolved (see there)."""
+        limit, rc = self.run.max_mismatch_kl, self.rollout
+        if limit != "auto":
+            return limit
+        return AUTO_MISMATCH_KL if rc.max_staleness == 0 or rc.inflight_updates else None
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens (prompt + completion) one training sequence can have."""
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def aggregation_norm(self) -> float:
+        """The constant of ``seq-mean-token-sum-norm``: ``loss.aggregation_norm`` or the generation budget."""
+        return self.loss.aggregation_norm or float(self.rollout.max_new_tokens)
+
+    def token_budget(self, lc: LearnerConfig) -> int:
+        """``max_tokens_per_micro_batch`` of a learner section (the policy's or the critic's), or
+        its default."""
+        return lc.max_tokens_per_micro_batch or lc.micro_batch_size * self.longest_sequence
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read YAML, apply ``a.b=value`` overrides (values parsed as YAML), validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}".replace("\n", " ")) from e
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"config file {str(path)!r} holds a {type(raw).__name__}, expected a mapping of sections "
+                "(model:, learner:, loss:, ...)"
+            )
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        try:
+            node[leaf] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+    return validate(raw)
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}  # a union member's place in `loc`
+
+
+def _key(loc: tuple) -> str:
+    """The dotted key of an error's ``loc``, without the union members pydantic adds to it
+    (``constrained-float``, ``literal['auto']``)."""
+    return ".".join(
+        str(p) for p in loc if not isinstance(p, str) or (p.isidentifier() and p not in TYPE_TAGS)
+    )
+
+
+def _one_line(error: ValidationError) -> str:
+    errors = error.errors()
+    first = errors[0]
+    key = _key(first["loc"])
+    # the members of one union field fail together: one line with each member's message
+    same = [e for e in errors if _key(e["loc"]) == key and e["loc"] != first["loc"]]
+    message = "; or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in [first, *same]))
+    errors = [e for e in errors if e is first or e not in same]
+    if first["type"] == "extra_forbidden":
+        return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
+    if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):
+        return f"{key + '.' if key else ''}{message}"
+    if first["type"] == "value_error" and not key:
+        return message  # a cross-section check names its keys itself; its input is the whole config
+    shown = "" if first["type"] == "missing" else f"got {first['input']!r}; "
+    more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{key or 'config'}: {shown}{message}{more}"
+
+
+def dump(config: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def describe() -> str:
+    """Every key with its type, default and docstring, for ``--help-config``."""
+    lines = []
+
+    def walk(model: type[BaseModel], prefix: str, defaults: BaseModel | None) -> None:
+        for name, field in model.model_fields.items():
+            # an optional section (`critic`) is described like a present one
+            annotation = next(
+                (a for a in get_args(field.annotation) if a is not type(None)), field.annotation
+            )
+            default = getattr(defaults, name) if defaults is not None else field.default
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.", default if isinstance(default, BaseModel) else None)
+                continue
+            doc = textwrap.indent((field.description or "").strip(), "    ")
+            lines.append(f"{prefix}{name} = {default!r}\n{doc}")
+
+    walk(Config, "", None)
+    return "\n".join(lines)
+
+
+__all__ = [
+    "AUTO_MISMATCH_KL",
+    "Aggregation",
+    "AlgorithmConfig",
+    "BUILTIN_TASK",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "CriticLearnerConfig",
+    "DENOMINATOR_KEY",
+    "DataConfig",
+    "Denominator",
+    "EnvConfig",
+    "EvalConfig",
+    "FrozenLearnerConfig",
+    "JudgeConfig",
+    "LearnerConfig",
+    "LossConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RunConfig",
+    "SFTWarmupConfig",
+    "SFT_FROM_ENV",
+    "SandboxConfig",
+    "Section",
+    "TINY_MODEL",
+    "ToolsConfig",
+    "describe",
+    "dump",
+    "load_config",
+    "resolve_denominator",
+    "validate",
+]

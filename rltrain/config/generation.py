@@ -1,0 +1,259 @@
+"""The config sections of generation and data: rollout (tools, sandbox), environment, data,
+reward, judge, warm start, evaluation."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rltrain.config.optimization import BUILTIN_TASK, FrozenLearnerConfig, Section
+
+
+class SandboxConfig(Section):
+    memory_mb: int = Field(512, ge=64)
+    """Address-space limit of each process the python tool starts."""
+    processes: int = Field(16, ge=1)
+    """Processes and threads the code may run at once."""
+    file_size_mb: int = Field(16, ge=1)
+    """Largest file it may write (its printed output included)."""
+    require_isolation: bool = True
+    """Refuse to run the python tool where the machine cannot isolate it (no user/network
+    namespaces or no Landlock: then no network, no host processes, writes only to its own temporary
+    folder); false runs it with the limits alone, still in an empty environment."""
+
+
+class ToolsConfig(Section):
+    enabled: list[Literal["calculator", "python"]] = []
+    """Tools the model may call with <tool:NAME>...</tool>; their output is appended and masked out of the loss."""
+    max_calls: int = Field(2, ge=0)
+    """Tool calls per completion."""
+    timeout_s: float = Field(2.0, gt=0)
+    """Wall-clock limit of one tool call."""
+    max_output_chars: int = Field(200, ge=1)
+    """Tool output is cut to this many characters."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Containment of the python tool (each call: a fresh process group and temporary folder,
+    empty environment, killed as a group on timeout)."""
+
+
+class EnvConfig(Section):
+    name: str | None = None
+    """The environment each rollout is an episode of: `builtin:calculator` (the built-in task with
+    the calculator as a native tool), `builtin:guess` (a multi-turn number-guessing game), or
+    `module:Class` (a subclass of rltrain.envs.Environment); null: one completion per prompt, with
+    rollout.tools in the tag format."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode (turns that call tools included)."""
+    step_timeout_s: float = Field(10.0, gt=0)
+    """A reset or step that takes longer is stopped (its episode's process is killed) and ends the
+    episode with finish reason `error`; tool calls have rollout.tools.timeout_s."""
+    render: Literal["full", "last_turn"] = "full"
+    """`full`: what is added after a turn is the chat template's rendering of the whole
+    conversation minus the part already there, and a template that changes earlier turns (Qwen3
+    drops earlier reasoning) stops the run; `last_turn`: render the added messages after a
+    one-message stand-in for the history (works with such templates; the policy then trains on a
+    context the template would not build itself)."""
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Generator: vLLM engines, or transformers `generate` where vLLM is unavailable."""
+    num_engines: int = Field(1, ge=1)
+    """Generator actors."""
+    cpus_per_engine: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each generator actor."""
+    gpus_per_engine: float = Field(0, ge=0)
+    """GPUs Ray reserves for each generator actor."""
+    max_new_tokens: int = Field(32, ge=1)
+    """Completion length limit (tool output included)."""
+    max_model_len: int = Field(512, ge=16)
+    """vLLM context length."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the learner uses it for log-probs too)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling."""
+    max_staleness: int = Field(0, ge=0)
+    """Generation runs up to this many policy versions ahead of training: the next k steps'
+    prompts are generated while the current step trains (off-policy; see loss.rollout_correction).
+    Every sampled token carries the version of the weights that sampled it (the training steps
+    behind them); a group holding a token more than k versions older than the learners' weights is
+    dropped and counted (`rollout/stale_dropped`), never trained on. `async_steps` is the older name."""
+    inflight_updates: bool = False
+    """New weights reach the engines without waiting for the requests in flight: vLLM takes them
+    between two decode steps and keeps its requests (their seeds and KV caches); the transformers
+    backend between chunks of `inflight_chunk_tokens`, each request going on from its sampled
+    prefix. Each token keeps the log-prob and version it was sampled with (useful with
+    max_staleness >= 1; where updates land then depends on timing, so runs are not bit-reproducible)."""
+    inflight_chunk_tokens: int = Field(16, ge=1)
+    """With inflight_updates and the transformers backend: tokens a request generates between two
+    chances to take new weights."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """vLLM CPU KV cache size."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM GPU memory share."""
+    tools: ToolsConfig = ToolsConfig()
+    """Tool use during generation."""
+    tool_parser: Literal["hermes", "tag"] | None = None
+    """How tool calls are written: `hermes` (Qwen2.5/Hermes JSON in <tool_call></tool_call>, results
+    as `tool` messages through the chat template) or `tag` (<tool:NAME>ARGUMENT</tool>, results
+    inline as <result>...</result>); null: hermes with an environment, tag without. Without an
+    environment only `tag` is available."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_steps_is_max_staleness(cls, raw: Any) -> Any:
+        """`rollout.async_steps` is accepted for `rollout.max_staleness`."""
+        if isinstance(raw, dict) and "async_steps" in raw:
+            raw = dict(raw)
+            steps = raw.pop("async_steps")
+            if raw.setdefault("max_staleness", steps) != steps:
+                raise ValueError(
+                    f"async_steps={steps} and max_staleness={raw['max_staleness']} disagree "
+                    "(async_steps is the older name of max_staleness; set one)"
+                )
+        return raw
+
+
+class DataConfig(Section):
+    source: str = BUILTIN_TASK
+    """`builtin:arithmetic`, a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset name."""
+    subset: str | None = None
+    """Hub dataset configuration name (e.g. `main` for openai/gsm8k)."""
+    split: str = "train"
+    """Dataset split."""
+    answer_pattern: str | None = None
+    """Regex whose first group extracts the reference answer from the answer column
+    (e.g. `#### (.+)$` for GSM8K); null keeps the column as it is."""
+    prompt_key: str = "prompt"
+    """Column with the question."""
+    answer_key: str = "answer"
+    """Column with the reference answer."""
+    system_prompt: str | None = None
+    """Optional system message for the chat template."""
+    max_prompt_tokens: int = Field(128, ge=1)
+    """Prompts longer than this are rejected when loading."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _regex(cls, value: str | None) -> str | None:
+        import re
+
+        if value is not None:
+            try:
+                if re.compile(value).groups < 1:
+                    raise ValueError("needs one (group) around the answer")
+            except re.error as e:
+                raise ValueError(f"not a valid regex: {e}") from None
+        return value
+
+
+class JudgeConfig(Section):
+    """An LLM judge: each completion is put to a model in a prompt, and its greedy verdict is the score."""
+
+    prompt: str = (
+        "Question: {question}\nReference answer: {answer}\nStudent answer: {completion}\n"
+        "Is the student answer correct? Reply with `Verdict: correct` or `Verdict: incorrect`."
+    )
+    """The judge's user message; {question}, {answer} (the reference) and {completion} are filled in."""
+    pattern: str = r"Verdict:\s*(\w+)"
+    """A regular expression over the judge's reply; its first group is the verdict (the last match counts)."""
+    values: dict[str, float] = {"correct": 1.0, "incorrect": 0.0}
+    """The score of each verdict (case-insensitive); empty: the verdict is a number, the score itself.
+    A reply without a verdict, or with one not listed, scores 0 and is counted (`reward/judge_unparsed`)."""
+    model: str | None = None
+    """The judge model, on engines of its own (rollout's engine settings, never synced); null: the
+    generator engines judge with the policy's current weights."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Tokens of one verdict (greedy)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """A batch of verdicts that takes longer scores 0 for each and is counted (`reward/judge_timeouts`)."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, value: str) -> str:
+        import re
+
+        try:
+            compiled = re.compile(value)
+        except re.error as e:
+            raise ValueError(f"not a regular expression ({e})") from None
+        if compiled.groups < 1:
+            raise ValueError("needs a group, (...), around the verdict")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _placeholders(cls, value: str) -> str:
+        try:
+            value.format(question="", answer="", completion="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"takes {{question}}, {{answer}} and {{completion}} only (double other braces): {e!r}"
+            ) from None
+        return value
+
+
+class RewardConfig(Section):
+    functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
+    """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`, `env`
+    (the environment's own reward, see env.name), `model` (reward.model's score), `judge`
+    (reward.judge's verdict), or a user function `module:function` taking
+    (completion, answer) and returning a float. With an environment, the completion is the last
+    assistant turn's text."""
+    timeout_s: float = Field(5.0, gt=0)
+    """A reward call that takes longer scores 0, is counted as a failure, and is stopped (its worker
+    process is killed and replaced)."""
+    workers: int = Field(2, ge=1)
+    """Worker processes that run reward functions."""
+    model: str | None = None
+    """A reward model: a sequence-classification model folder (or hub name) with one label and the
+    policy's tokenizer; it scores each whole sequence (the prompt's chat rendering and the
+    completion, as sampled) on its own actors (reward.model_learners), and its score joins
+    reward.functions as `model`. A step generated ahead (rollout.max_staleness >= 1) is scored
+    while the policy trains on the one before."""
+    model_learners: FrozenLearnerConfig = FrozenLearnerConfig()
+    """The reward model's actors: count, CPUs/GPUs, micro-batches or token budget, ZeRO stage."""
+    judge: JudgeConfig | None = None
+    """An LLM judge whose verdict joins reward.functions as `judge`; null: none."""
+
+
+class SFTWarmupConfig(Section):
+    steps: int = Field(0, ge=0)
+    """Optimizer steps of supervised warm-up before RL (on the policy learners, token-normalized
+    cross-entropy of the completion tokens, tool output masked out); 0 skips it. The warmed-up
+    model is kept in the run folder (`sft_model/`), so a resumed or restarted run does not repeat it."""
+    source: str = BUILTIN_TASK
+    """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in
+    task's training prompts, answered directly or through the calculator, see tool_fraction), `env`
+    (the environment's `demonstration(row)` conversations on the training rows, in the model's own
+    chat format: loss on the assistant turns only), or a local .jsonl file with `prompt` and
+    `completion` columns (tool output inside a completion is written `<result>...</result>` and
+    masked)."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per optimizer step."""
+    lr: float = Field(3e-3, gt=0)
+    """Learning rate of the warm-up (its peak, under a decaying lr_schedule)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the warm-up's learning rate over its steps (no warm-up of the rate)."""
+    tool_fraction: float = Field(0.5, ge=0, le=1)
+    """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_is_source(cls, raw: Any) -> Any:
+        """`sft_warmup.data` is accepted for `sft_warmup.source` (and wins over it, as an override)."""
+        if isinstance(raw, dict) and "data" in raw:
+            raw = {key: value for key, value in raw.items() if key != "data"} | {"source": raw["data"]}
+        return raw
+
+
+class EvalConfig(Section):
+    num_prompts: int = Field(64, ge=1)
+    """Held-out prompts: never used for training."""
+    source: str | None = None
+    """Where they come from: a local .jsonl/.json/.parquet/.arrow file with the training data's
+    columns; null: generated apart from the training prompts (`builtin:arithmetic`) or the last
+    num_prompts rows of the data, which are then left out of training."""

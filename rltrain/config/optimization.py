@@ -1,0 +1,363 @@
+"""The config sections of the model and its training: model, learners, loss, algorithm, critic,
+run; the constants and checks they share (:class:`Section`, :class:`ConfigError`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+AUTO_MISMATCH_KL = 1e-2  # run.max_mismatch_kl: auto
+# the loss library's aggregations (rltrain.loss.masked_mean.AGGREGATIONS: the config imports no
+# other part of rltrain, and a test keeps the two lists equal)
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+Denominator = float | Literal["token"] | None
+DENOMINATOR_KEY = "masked_mean_denominator"
+_ACCEPTED = 'null (per-micro-batch mean), a positive number, or "token"'
+
+
+def resolve_denominator(value: object, axis: int | None = None) -> Denominator:
+    """Validate a ``masked_mean_denominator`` setting and return its canonical form.
+
+    Accepts ``None``, a positive finite number (also as a numeric string, as YAML or the command
+    line may give it) and ``"token"``. Raises ``ValueError`` whose message names
+    the key, the bad value and the accepted forms. (``axis`` is accepted for compatibility: every
+    aggregation now works in ``token`` mode.)
+    """
+    if value is None:
+        resolved: Denominator = None
+    elif value == "token":
+        resolved = "token"
+    elif _is_positive_number(value):
+        resolved = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, str) and _is_positive_number(_parse_float(value)):
+        resolved = float(value)
+    else:
+        raise ValueError(f"{DENOMINATOR_KEY}: got {value!r}; expected {_ACCEPTED}")
+    return resolved
+
+
+def _parse_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _is_positive_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+TINY_MODEL = "builtin:tiny"
+BUILTIN_TASK = "builtin:arithmetic"
+SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing config problem."""
+
+
+class Section(BaseModel):
+    # no NaN or infinity anywhere: a learning rate, weight or limit that is not finite cannot train
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
+
+
+class ModelConfig(Section):
+    name_or_path: str = TINY_MODEL
+    """A local model directory, a Hugging Face hub name, or `builtin:tiny` (a ~100k-parameter Qwen2
+    model and byte-level tokenizer built locally, no download)."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the model and tokenizer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _local_path_exists(cls, value: str) -> str:
+        looks_local = value.startswith(("/", "./", "../", "~")) or os.sep * 2 in value
+        if looks_local and not Path(value).expanduser().is_dir():
+            raise ValueError(f"{value!r} is not a directory (give a local model folder or a hub name)")
+        return value
+
+
+class LearnerConfig(Section):
+    num_learners: int = Field(2, ge=1)
+    """Data-parallel learner actors (one DeepSpeed engine each)."""
+    cpus_per_learner: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each learner actor."""
+    gpus_per_learner: float = Field(0, ge=0)
+    """GPUs Ray reserves for each learner actor (0 on CPU machines)."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Sequences per forward/backward on one learner (without packing)."""
+    packing: bool = True
+    """Padding-free micro-batches: the sequences of a micro-batch are concatenated into one row
+    (position ids restart per sequence, no attention mask, no KV cache) and bounded by
+    max_tokens_per_micro_batch; false pads every micro-batch of micro_batch_size sequences to its
+    longest sequence."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one packed forward/backward (prompt + completion tokens); null:
+    micro_batch_size x (data.max_prompt_tokens + rollout.max_new_tokens), the padded worst case.
+    Must hold the longest sequence; needs packing. With sequence parallelism this is the whole
+    row, shared by sequence_parallel_size ranks."""
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ulysses sequence parallelism: groups of this many learners share each packed micro-batch,
+    each holding a contiguous slice of the row (attention all-to-alls over the group). Must divide
+    num_learners (data-parallel size = num_learners / this) and the model's attention heads; needs
+    packing."""
+    num_mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the global batch per training step."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Ray placement of the learners: `PACK` (as few nodes as possible), `SPREAD` (over nodes where
+    possible), `STRICT_SPREAD` (every learner on a different node)."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """AdamW for training; plain SGD makes the update linear in the gradient (used by exactness tests)."""
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the learning rate after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up from 0."""
+    max_grad_norm: float = Field(1.0, ge=0)
+    """Gradient clipping threshold; 0 disables clipping."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU."""
+
+
+class FrozenLearnerConfig(Section):
+    """The actors of a model that scores and never trains (a teacher, a reward model): the same
+    engine path as the learners, without optimizer or gradients."""
+
+    num_learners: int = Field(1, ge=1)
+    """Data-parallel actors; each scores its share of every batch."""
+    cpus_per_learner: float = Field(0.5, gt=0)
+    """CPUs Ray reserves for each actor."""
+    gpus_per_learner: float = Field(0, ge=0)
+    """GPUs Ray reserves for each actor (0 on CPU machines)."""
+    zero_stage: Literal[0, 3] = 0
+    """0: each actor holds the whole model; 3: its weights are sharded over the actors (DeepSpeed
+    ZeRO-3), for a model larger than one device."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward (without packing)."""
+    packing: bool = True
+    """Padding-free forwards, bounded by max_tokens_per_micro_batch (as `learner.packing`)."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one packed forward; null: micro_batch_size x the longest sequence."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Ray placement of the actors (as `learner.placement`)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU."""
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return 1  # scoring runs without sequence parallelism
+
+
+class RolloutCorrectionConfig(Section):
+    """How tokens the engine sampled from a slightly different policy are corrected (rltrain.loss.corrections)."""
+
+    kind: Literal["tis", "mis", "geo_mask"] = "tis"
+    """`tis`: truncated importance weights min(r, cap); `mis` (IcePop): tokens whose ratio r =
+    exp(learner - engine log-prob) lies outside [low, high] leave the loss and the token totals
+    (counted in `rollout/correction_rejected`); `geo_mask`: a sequence whose geometric-mean ratio
+    lies outside [low, high] leaves the loss whole."""
+    level: Literal["token", "sequence"] = "token"
+    """`token`: each token's ratio; `sequence`: the sequence's ratio (the product over its tokens;
+    geo_mask: the geometric mean, and geo_mask needs this level)."""
+    cap: float = Field(2.0, gt=0)
+    """tis: the largest importance weight."""
+    low: float = Field(0.5, gt=0)
+    """mis, geo_mask: ratios below leave the loss."""
+    high: float = Field(2.0, gt=0)
+    """mis, geo_mask: ratios above leave the loss."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutCorrectionConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low={self.low} must be below high={self.high}")
+        if self.kind == "geo_mask" and self.level != "sequence":
+            raise ValueError("kind geo_mask is a sequence rule: set level: sequence")
+        return self
+
+
+class LossConfig(Section):
+    kind: Literal["ppo", "cispo", "gspo"] = "ppo"
+    """Per-token policy loss: PPO/DAPO clipped surrogate, CISPO or GSPO."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip range (ratio <= 1 + clip_high); DAPO's clip-higher uses 0.28."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (e.g. 3.0); null disables."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy; 0 skips the reference model entirely."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+", "abs"] = "k3"
+    """KL estimator: Schulman's k1/k2/k3, `abs` (|log-ratio|), or `k3+` (k3's value with k2's
+    gradient, straight-through)."""
+    tis_cap: float | None = Field(2.0, gt=0)
+    """Cap of truncated importance weights learner/generator; null disables the correction. The
+    older spelling of rollout_correction {kind: tis, level: token, cap: x}, used when that is null."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Correction of the engine's sampling against the learner's old policy: truncated weights,
+    masked importance sampling (IcePop) or a geometric sequence mask, per token or per sequence;
+    null: tis_cap."""
+    masked_mean_denominator: Any = "token"
+    """`token`: divide by the count of the whole optimizer step (all micro-batches, all ranks; loss
+    tokens for token-mean, sequences for the per-sequence aggregations), exact under any layout;
+    null: this micro-batch's own count (the common, layout-dependent behaviour); a positive number:
+    a constant in place of the count, per micro-batch (Dr. GRPO)."""
+    masked_mean_axis: Literal[1] | None = None
+    """1: mean per sequence, then over sequences (original GRPO): the same as
+    aggregation=seq-mean-token-mean; null: as `aggregation` says."""
+    aggregation: Aggregation | None = None
+    """How per-token losses reduce (verl's loss_agg_mode names): `token-mean`, `seq-mean-token-mean`,
+    `seq-mean-token-sum`, `seq-mean-token-sum-norm` (token sums over `aggregation_norm`, Dr. GRPO);
+    null: token-mean, or seq-mean-token-mean with masked_mean_axis=1. Applies to the policy, value
+    and warm-up (SFT) losses alike."""
+    aggregation_norm: float | None = Field(None, gt=0)
+    """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
+
+    @model_validator(mode="after")
+    def _denominator(self) -> LossConfig:
+        resolved = resolve_denominator(self.masked_mean_denominator, self.masked_mean_axis)
+        object.__setattr__(self, "masked_mean_denominator", resolved)
+        if self.masked_mean_axis == 1 and self.aggregation not in (None, "seq-mean-token-mean"):
+            raise ValueError(
+                f"masked_mean_axis: 1 means aggregation seq-mean-token-mean; got "
+                f"loss.aggregation={self.aggregation} (set one of the two)"
+            )
+        if self.aggregation is None:
+            aggregation = "seq-mean-token-mean" if self.masked_mean_axis == 1 else "token-mean"
+            object.__setattr__(self, "aggregation", aggregation)
+        return self
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "distill"] = "grpo"
+    """Advantage estimator: group-relative (`grpo`, `dr_grpo`, `rloo`: no critic), `gae` (classic
+    PPO: per-token advantages from a learned critic, configured in the `critic` section), or
+    `distill` (on-policy distillation: each sampled token's advantage is `teacher log-prob -
+    student log-prob` under algorithm.teacher, mixed with GRPO's by algorithm.distill_coef)."""
+    teacher: str | None = None
+    """advantage=distill: the teacher, a local model folder or hub name with the policy's
+    tokenizer, scored on its own actors (algorithm.teacher_learners)."""
+    teacher_learners: FrozenLearnerConfig = FrozenLearnerConfig()
+    """The teacher's actors: count, CPUs/GPUs, micro-batches or token budget, ZeRO stage."""
+    distill_coef: float = Field(1.0, ge=0, le=1)
+    """advantage=distill: per-token advantage `distill_coef * (teacher - student log-prob) +
+    (1 - distill_coef) * GRPO's advantage of the rewards`; 1: distillation alone (the rewards are
+    still computed and logged)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount per policy token (1: no discount, usual for language models)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda: 1 is Monte Carlo (unbiased, high variance), 0 is one-step TD."""
+    kl_in_reward: float = Field(0.0, ge=0)
+    """GAE only: per-token penalty `kl_in_reward * (generator log-prob - reference log-prob)` added
+    to the reward (classic RLHF shaping); the reference is the initial policy."""
+    group_size: int = Field(4, ge=2)
+    """Completions sampled per prompt."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per training step (global batch = prompts_per_step * group_size sequences)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """With dynamic sampling, generation rounds per step before training on what was found."""
+    overlong: Literal["none", "filter", "soft_penalty"] = "none"
+    """Truncated completions: keep, exclude from the loss (`filter`), or DAPO's soft length penalty."""
+    overlong_buffer: int = Field(16, ge=1)
+    """Soft penalty: tokens before max_new_tokens where the penalty ramps from 0 to -overlong_penalty."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Soft penalty at max_new_tokens."""
+
+
+class CriticLearnerConfig(LearnerConfig):
+    num_learners: int = Field(1, ge=1)
+    """Data-parallel critic learner actors (one DeepSpeed engine each)."""
+
+
+class CriticConfig(Section):
+    model: str | None = None
+    """The value model's starting weights: a local model folder or hub name; null: the policy's
+    starting weights. A scalar head per token is added (initialized to 0) unless the folder holds
+    a critic saved by rltrain."""
+    learners: CriticLearnerConfig = CriticLearnerConfig()
+    """The critic's own learners: count, CPUs/GPUs, ZeRO stage, micro-batches or token budget,
+    optimizer, lr, schedule, clipping (the same keys as `learner`)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip range of the value update around the values at rollout time; null: unclipped loss."""
+    warmup_steps: int = Field(0, ge=0)
+    """Training steps in which only the critic learns (the policy starts moving after them)."""
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/demo"
+    """Run folder: resolved config, metrics, TensorBoard logs, checkpoints, plot."""
+    steps: int = Field(20, ge=1)
+    """Training steps."""
+    seed: int = 0
+    """Seed for data order, sampling and initialization."""
+    save_rollouts_every: int = Field(0, ge=0)
+    """Write `rollouts/step_<N>.jsonl` every N steps: one line per sample with its messages, token
+    ids, mask, log-probs, rewards per function, finish reason and turns; 0: never."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Save a resumable checkpoint every N steps (and at the end); 0: only at the end."""
+    eval_every: int = Field(0, ge=0)
+    """Score the held-out prompts (the `eval` section) every N steps, and at the start and the end
+    of the run; 0: never."""
+    keep_checkpoints: int | None = Field(None, ge=1)
+    """Keep the newest N checkpoints and delete older ones after each save; null keeps all."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint or model export that cannot be written (a full disk, a folder that is not
+    writable): `stop` ends the run with one line (exit 1) and the resume command; `continue` says
+    so in one line and trains on, trying again at the next save. Either way what the failed save
+    wrote is removed and the previous checkpoint stays the latest, loadable."""
+    layout_free_checkpoints: bool = True
+    """Also write each learner section's whole state without its layout (`layout_free.pt`: every
+    parameter's fp32 weights and optimizer moments, the optimizer and schedule steps), so that a
+    resume may change learner.num_learners, zero_stage, packing and sequence parallelism. Costs
+    three times the model's fp32 size per checkpoint; false: resume needs the layout that saved."""
+    max_restarts: int = Field(2, ge=0)
+    """When an actor dies or stops answering, tear every actor down, start fresh ones and resume
+    from the newest checkpoint, up to this many times per run; past it the run stops with the
+    resume command."""
+    actor_timeout_s: float = Field(1800.0, gt=0)
+    """An actor call of a training step (generate, train, sync, save) that takes longer counts as
+    a failure of that actor; the Python stacks of every actor are written to
+    `hangs/step_<N>.txt` in the run folder before the restart."""
+    check_sync: bool = True
+    """After the run's first weight sync, every engine and the learners score the first sequences
+    of that step's batch; a gap beyond 10x the engine-learner gap measured before the update (at
+    least 1e-4) stops the run with one line naming the engine parameters the sync does not load,
+    or saying that none is known to differ."""
+    max_mismatch_kl: Annotated[float, Field(gt=0)] | Literal["auto"] | None = "auto"
+    """Stop the run (one line, exit 1) when a step's `rollout/mismatch_kl` (the engine's sampling
+    log-probs against the learner's on the same tokens) exceeds this: the engine is then evidently
+    not running the learner's weights (a weight sync that never arrived, a precision or kernel
+    mismatch). In fp32 with no staleness the value is ~1e-12; an engine that kept its weights while
+    the demo's learners moved on reached 3e-3 one step later and 1.3e-2 four steps later. Where
+    versions mix (in-flight updates) it is measured on the tokens the current weights sampled; with
+    `rollout.max_staleness` and no in-flight updates it also holds the policy's change over those
+    steps. auto (the default): 1e-2 where it measures the engine alone (no staleness, or in-flight
+    updates), off otherwise; null: never stop (the metric is logged anyway)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in output_dir."""
+    stop_after: int | None = Field(None, ge=1)
+    """Stop (after checkpointing) once this step is reached, as a preempted job would."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project."""
+    ray_num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local Ray instance started when no cluster is given (default: all)."""

@@ -1,7 +1,6 @@
-"""Generator actors: vLLM engines (or transformers ``generate``) behind one small interface.
-
-A backend turns prompts into :class:`~rltrain.batch.Segment` s and takes new weights in place;
-:class:`GeneratorActor` adds tool calls on top (:func:`rltrain.rollout.tools.generate_with_tools`);
+"""Generator actors: each owns a backend (:mod:`rltrain.rollout.backends`: vLLM or transformers)
+and stamps the policy version of its weights on every token it samples; :class:`GeneratorActor`
+adds tool calls and episodes on top (:func:`rltrain.rollout.tools.generate_with_tools`);
 :class:`GeneratorPool` spreads requests over the engines.
 """
 
@@ -9,248 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 import torch
 
 from rltrain.batch import Completion, Segment
-from rltrain.config import Config, RolloutConfig
+from rltrain.config import Config
 from rltrain.remote import gather, where
+from rltrain.rollout.backends import GeneratorBackend, HFBackend, VLLMBackend, decode, unsent
 from rltrain.rollout.episodes import Episodes
 from rltrain.rollout.inflight import generate_in_chunks
 from rltrain.rollout.tools import STOP, ToolRunner, generate_with_tools
-
-
-class GeneratorBackend(Protocol):
-    def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
-    ) -> list[Segment]:
-        """One segment per prompt; ``greedy`` decodes the most likely token (evaluation)."""
-        ...
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-prob of every token given its prefix (position 0 gets 0) under the raw model
-        (temperature 1: vLLM does not apply sampling parameters to prompt log-probs)."""
-        ...
-
-    def parameter_names(self) -> list[str]:
-        """The engine's own parameter names, shared ones under each name (the weight sync's check)."""
-        ...
-
-
-# On CPU, a prompt is never split over engine steps: vLLM rewinds the per-request sampling generator
-# of a partly prefilled request (`set_offset`), which CPU generators do not have, and the step fails
-# ("CPU Generator does not use offset") once a batch of seeded requests outgrows one step's tokens.
-# The per-step token budget then has to hold the longest prompt.
-def _whole_prefills(max_model_len: int) -> dict[str, Any]:
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
-
-
-def _decode(tokenizer, token_ids: list[int]) -> str:
-    """A completion's text as vLLM's incremental detokenizer ends it: an incomplete UTF-8 sequence
-    at the end (decoded as U+FFFD) is held back until more tokens come, so it is left out."""
-    return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
-
-
-def _sampled_logprobs(c) -> list[float]:
-    """The log-prob of each token a vLLM completion output sampled."""
-    return [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
-
-
-def _finish(c) -> str:
-    return "length" if c.finish_reason == "length" else "stop"
-
-
-class VLLMBackend:
-    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int):
-        # in-process engine: starts in seconds inside a Ray actor (its own process would need a
-        # __main__ guard and ~20 s on CPU)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(rc.kv_cache_gib))))
-        from vllm import LLM
-
-        cuda = torch.cuda.is_available()
-        self.rc, self.stop = rc, stop
-        self.llm = LLM(
-            model=model_path,
-            dtype="bfloat16" if cuda else "float32",
-            enforce_eager=not cuda,
-            max_model_len=rc.max_model_len,
-            seed=seed,
-            # log-probs after temperature: the distribution the tokens were sampled from, which the
-            # truncated importance-sampling correction compares against the learner
-            logprobs_mode="processed_logprobs",
-            **(
-                {"gpu_memory_utilization": rc.gpu_memory_utilization}
-                if cuda
-                else _whole_prefills(rc.max_model_len)
-            ),
-        )
-        self.tokenizer = self.llm.get_tokenizer()
-        self._request_ids = itertools.count()
-        # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
-        # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
-        # which costs a third of the generation time of a small model on CPU.
-        self._detokenize = bool(stop)
-        self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
-
-    def _params(self, greedy: bool = False, **kwargs):
-        from vllm import SamplingParams
-
-        if greedy:
-            return SamplingParams(temperature=0.0, **kwargs)
-        return SamplingParams(temperature=self.rc.temperature, top_p=self.rc.top_p, **kwargs)
-
-    def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
-    ) -> list[Segment]:
-        params = [self._request_params(greedy, m, s) for m, s in zip(max_tokens, seeds)]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        segments = []
-        for out in outputs:
-            c = out.outputs[0]
-            text = c.text if self._detokenize else _decode(self.tokenizer, c.token_ids)
-            segments.append(Segment(list(c.token_ids), _sampled_logprobs(c), text, _finish(c)))
-        return segments
-
-    def _request_params(self, greedy: bool, max_tokens: int, seed: int):
-        """A request's sampling: its seed, sampled tokens' log-probs, stop strings kept in the output."""
-        return self._params(greedy, max_tokens=max_tokens, seed=seed, logprobs=0, stop=self.stop or None,
-                            include_stop_str_in_output=True, detokenize=self._detokenize)  # fmt: skip
-
-    def generate_inflight(
-        self,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-        seeds: list[int],
-        greedy: bool,
-        between_steps: Callable[[], int],
-    ) -> list[Segment]:
-        """:meth:`generate` driving the engine step by step: before every decode step
-        ``between_steps()`` may load new weights and returns the policy version the step runs
-        under, which each token it samples keeps. The requests stay in the engine throughout (their
-        seeds' generators and their KV caches, computed partly under older weights, as PipelineRL
-        keeps them); only their tokens from then on come from the new weights."""
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        segments: dict[str, Segment] = {}
-        for prompt, m, seed in zip(prompts, max_tokens, seeds):
-            params = self._request_params(greedy, m, seed)
-            params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
-            request_id = f"inflight-{next(self._request_ids)}"  # the outputs' name for it
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-            segments[request_id] = Segment([], [], "", "length")
-        try:
-            while engine.has_unfinished_requests():
-                version = between_steps()
-                for out in engine.step():
-                    seg, c = segments[out.request_id], out.outputs[0]
-                    seg.token_ids += c.token_ids
-                    seg.logprobs += _sampled_logprobs(c)
-                    seg.versions += [version] * len(c.token_ids)
-                    seg.text += c.text
-                    if out.finished:
-                        seg.finish_reason = _finish(c)
-        except BaseException:
-            engine.abort_request(list(segments))
-            raise
-        for seg in segments.values():
-            seg.text = seg.text if self._detokenize else _decode(self.tokenizer, seg.token_ids)
-        return list(segments.values())
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
-        # cached prefixes were computed with the old weights (with requests in flight the reset
-        # waits: GeneratorActor resets again before the next call)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
-        )
-        self.stale_prefixes = not self.llm.reset_prefix_cache()
-
-    def parameter_names(self) -> list[str]:
-        return self.llm.apply_model(_parameter_names)[0]
-
-    def reset_stale_prefixes(self) -> None:
-        if self.stale_prefixes:
-            self.stale_prefixes = not self.llm.reset_prefix_cache()
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        params = self._params(max_tokens=1, prompt_logprobs=0)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-        result = []
-        for seq, out in zip(sequences, outputs):
-            entries = out.prompt_logprobs  # first entry is None (no prefix)
-            result.append([0.0] + [entries[t][seq[t]].logprob for t in range(1, len(seq))])
-        return result
-
-
-class HFBackend:
-    """transformers ``generate``: slower, for environments without vLLM."""
-
-    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], trust_remote_code: bool):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.rc, self.stop = rc, stop
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-        if torch.cuda.is_available():
-            self.model.cuda()
-
-    @torch.no_grad()
-    def generate(
-        self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
-    ) -> list[Segment]:
-        eos = self.tokenizer.eos_token_id
-        segments = []
-        sampling = {"do_sample": False} if greedy else {
-            "do_sample": True, "temperature": self.rc.temperature, "top_p": self.rc.top_p, "top_k": 0}  # fmt: skip
-        for prompt, m, seed in zip(prompts, max_tokens, seeds):
-            torch.manual_seed(seed)
-            ids = torch.tensor([prompt], device=self.model.device)
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                **sampling,
-                max_new_tokens=m,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=eos,
-                stop_strings=self.stop or None,
-                tokenizer=self.tokenizer,
-            )[0, len(prompt) :].tolist()
-            if eos in out:
-                out = out[: out.index(eos) + 1]
-            logprobs = self._logprobs(prompt + out, self.rc.temperature)[len(prompt) :]
-            text = _decode(self.tokenizer, out)
-            stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
-            segments.append(Segment(out, logprobs, text, "stop" if stopped or len(out) < m else "length"))
-        return segments
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_state_dict(dict(named_tensors), strict=True)
-
-    def parameter_names(self) -> list[str]:
-        return _parameter_names(self.model)
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return [self._logprobs(seq, 1.0) for seq in sequences]
-
-    @torch.no_grad()
-    def _logprobs(self, sequence: list[int], temperature: float) -> list[float]:
-        from rltrain.loss.logprobs import sequence_logprobs
-
-        ids = torch.tensor([sequence], device=self.model.device)
-        logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), temperature)
-        return logprobs[0].float().tolist()
 
 
 class GeneratorActor:
@@ -329,9 +100,9 @@ class GeneratorActor:
                 self.backend.reset_stale_prefixes()  # no request of this call reuses older weights' KV
                 return self.backend.generate_inflight(prompts, max_tokens, seeds, greedy, self._between_steps)
         # otherwise between chunks, each request going on from its sampled prefix
-        decode = functools.partial(_decode, self.tokenizer)
+        detokenize = functools.partial(decode, self.tokenizer)
         return generate_in_chunks(
-            stamped, prompts, max_tokens, seeds, rc.inflight_chunk_tokens, self.stop, decode
+            stamped, prompts, max_tokens, seeds, rc.inflight_chunk_tokens, self.stop, detokenize
         )
 
     def encode(self, text: str) -> list[int]:
@@ -474,27 +245,6 @@ class GeneratorPool:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-
-
-def _parameter_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters(remove_duplicate=False)]
-
-
-# vLLM fuses these projections into one parameter, loaded from each part's checkpoint name
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
-
-
-def unsent(engine_names: list[str], sent_names: list[str]) -> list[str]:
-    """The engine's parameters that no sent name loads: each sent name loads the engine parameter
-    of that name, or the fused one it is part of."""
-    covered = set(sent_names)
-    for name in sent_names:
-        module, _, leaf = name.rpartition(".")
-        parent, _, part = module.rpartition(".")
-        if part in FUSED:
-            covered.add(f"{parent}.{FUSED[part]}.{leaf}")
-    return [name for name in engine_names if name not in covered]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

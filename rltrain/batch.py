@@ -39,6 +39,9 @@ class Completion:
     turns: int = 0  # assistant turns
     env_reward: float | None = None  # the last reward the environment gave
     errors: dict[str, int] = field(default_factory=dict)  # failed tool calls and environment calls, by kind
+    # the user's code that failed in this episode: "environment reset", "environment step" or
+    # "tool <name>" -> its first traceback (or what went wrong: a timeout, a process that died)
+    failures: dict[str, str] = field(default_factory=dict)
     # per token: the policy version (training steps behind the weights) of the engine when the token
     # was sampled; an inserted token carries the version of the sampled token before it
     versions: list[int] = field(default_factory=list)

@@ -43,6 +43,9 @@ from rltrain.rollout.tools import calculator
 Messages = list[dict[str, Any]]
 
 
+GYM_HINT = " (return Step(messages, reward, done), not a gym-style (observation, reward, done, info) tuple)"
+
+
 @dataclass
 class Step:
     """An environment's answer to an assistant turn."""

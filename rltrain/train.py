@@ -17,16 +17,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rltrain.config import ConfigError, describe, load_config
+from rltrain.config import TINY_MODEL, ConfigError, describe, load_config
 from rltrain.run import checkpoint
 from rltrain.run.launch import connect_ray, preflight, quiet_console
 from rltrain.run.loop import RunFailed, train
+from rltrain.run.user_code import UserCodeFailed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rltrain", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file (configs/*.yaml)")
-    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
+                        help="list every config key (or those of SECTION, e.g. rollout or rollout.tools) with the "
+                        "values this run would use (--config and overrides applied), and exit")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=5 loss.kl_beta=0.01")
     argv = sys.argv[1:] if argv is None else argv
     quiet_console()
@@ -35,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return eval_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.help_config:
-        print(describe())
-        return 0
+    if args.help_config is not None:
+        return help_config(args)
     try:
         config = load_config(args.config, args.overrides)
         inputs = preflight(config)
@@ -47,9 +49,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(config, inputs)
-    except (RunFailed, checkpoint.SaveFailed) as e:  # the latter: the warm start's model
+    except (RunFailed, UserCodeFailed, checkpoint.SaveFailed) as e:  # SaveFailed: the warm start's model
         print(f"rltrain: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def help_config(args: argparse.Namespace) -> int:
+    """``--help-config [SECTION]``: the keys with the values of ``--config`` and the overrides."""
+    from rltrain.data import BUILTIN_SOURCES
+    from rltrain.envs import BUILTIN as ENVIRONMENTS
+    from rltrain.rollout.rewards import BUILTIN as REWARDS
+    from rltrain.rollout.rewards import GIVEN
+
+    section, overrides = args.help_config, list(args.overrides)
+    if "=" in section:  # `--help-config key=value`: an override, not a section
+        section, overrides = "", [section, *overrides]
+    builtins = {
+        "env.name": [f"builtin:{name}" for name in ENVIRONMENTS],
+        "data.source": list(BUILTIN_SOURCES),
+        "eval.source": list(BUILTIN_SOURCES),
+        "reward.functions": [*REWARDS, *GIVEN],
+        "model.name_or_path": [TINY_MODEL],
+    }
+    try:
+        print(describe(load_config(args.config, overrides), section or None, builtins))
+    except ConfigError as e:
+        print(f"rltrain: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -56,3 +56,34 @@ class EchoEnv(Environment):
 
     def step(self, messages):
         return Step(reward=1.0, done=True)
+
+
+class GymStepEnv(Environment):
+    """Returns a gym-style tuple from step."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        return messages, 1.0, True, {}
+
+
+class WrongStepSignatureEnv(Environment):
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages, action):
+        return Step(reward=1.0, done=True)
+
+
+class StepRaisesOnWrongAnswersEnv(Environment):
+    """Passes the check before the run (the row's own answer), raises on anything else."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages):
+        if messages[-1]["content"].strip() != self.answer:
+            raise KeyError("no such move")
+        return Step(reward=1.0, done=True)

@@ -29,3 +29,29 @@ def parity_reward(completion, answer):
     # 0 or 1 at random for a random model: about half of the groups of 2 have zero variance, so
     # dynamic sampling refills the batch
     return float(len(completion) % 2)
+
+
+def trl_reward(prompts, completions, answer, **kwargs):
+    # TRL's batch form: every completion at once, the data's columns as lists
+    return [float(c.strip() == a) + 0.5 * ("?" in p) for p, c, a in zip(prompts, completions, answer)]
+
+
+def trl_reward_with_a_gap(prompts, completions, **kwargs):
+    # None fails the completion it stands for: the second one here
+    return [1.0 if i != 1 else None for i in range(len(completions))]
+
+
+def divide_by_zero_reward(completion, answer):
+    return len(completion) / 0
+
+
+def raises_unless_right(completion, answer):
+    # passes the check before the run (called with the answer as the completion); fails on the rest
+    if completion.strip() != answer:
+        raise ValueError(f"cannot score {completion[:10]!r}")
+    return 1.0
+
+
+def trl_reward_needs_level(prompts, completions, *, level, **kwargs):
+    # names a column (level) the built-in data does not have
+    return [float(level[i]) for i in range(len(completions))]

@@ -205,6 +205,7 @@ RESUMES = {
 INPUTS.update(RESUMES)
 
 GUESS = ["env.name=builtin:guess", "data.source=builtin:guess", "reward.functions={env: 1.0}"]
+ENV_FIT = ["sft_warmup.steps=0"]  # (the demo warms up on tag-format examples of its own task)
 
 
 def _rewriting_model(t) -> list[str]:
@@ -344,6 +345,49 @@ def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path
                         "'odd_rewards:one_arg' must take (completion, answer)", capsys)  # fmt: skip
 
 
+# the user's code, called once before any actor starts (tests/reward_fns.py, tests/envs_for_tests.py)
+USER_CODE = {
+    "a reward function that raises": (
+        ["reward.functions={reward_fns:divide_by_zero_reward: 1.0}"],
+        "reward.functions: reward_fns:divide_by_zero_reward, called as fn(completion, answer) on the first "
+        "data row with its answer as the completion, raised ZeroDivisionError: division by zero",
+    ),
+    "a TRL-style reward function that names a column the data lacks": (
+        ["reward.functions={reward_fns:trl_reward_needs_level: 1.0}"],
+        "raised TypeError: trl_reward_needs_level() missing 1 required keyword-only argument: 'level'",
+    ),
+    "an environment whose step has the wrong signature": (
+        ["env.name=envs_for_tests:WrongStepSignatureEnv", "reward.functions={env: 1.0}", *ENV_FIT],
+        "env.name: envs_for_tests:WrongStepSignatureEnv.step(messages) raised TypeError",
+    ),
+    "an environment whose step returns a gym-style tuple": (
+        ["env.name=envs_for_tests:GymStepEnv", "reward.functions={env: 1.0}", *ENV_FIT],
+        "env.name: envs_for_tests:GymStepEnv.step returned tuple, not rltrain.envs.Step (return "
+        "Step(messages, reward, done), not a gym-style (observation, reward, done, info) tuple)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", USER_CODE)
+def test_the_users_code_is_called_once_before_any_actor(case, capsys, tmp_path, monkeypatch):
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    overrides, expected = USER_CODE[case]
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *overrides]
+    fails_with_one_line(argv, expected, capsys)
+
+
+def test_a_trl_style_reward_function_passes_the_check_before_the_run(tmp_path):
+    from rltrain.run.launch import preflight
+
+    # TRL's (prompts, completions, **kwargs) used to pass the (completion, answer) check and then
+    # fail every call of every step; it is called as a batch now, with the data's columns
+    config = load_config("configs/cpu_demo.yaml", [f"run.output_dir={tmp_path}", "sft_warmup.steps=0",
+                                                   "reward.functions={reward_fns:trl_reward: 1.0}"])  # fmt: skip
+    assert preflight(config).prompts
+
+
 @pytest.mark.parametrize("case", INPUTS)
 def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, monkeypatch):
     import rltrain.train
@@ -412,6 +456,46 @@ def test_help_config_lists_documented_keys(capsys):
     out = capsys.readouterr().out
     assert "loss.masked_mean_denominator = 'token'" in out
     assert "exact under any layout" in out
+
+
+def test_help_config_shows_this_runs_values_a_section_allowed_values_and_the_code_s_built_ins(capsys):
+    # cpu_demo.yaml sets run.steps: 40 (the default is 20); the override sets the backend
+    assert main(["--config", "configs/cpu_demo.yaml", "--help-config", "run", "rollout.backend=hf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("run.output_dir = ") and "run.steps = 40\n" in out
+    assert not [line for line in out.splitlines() if line.startswith("rollout.")]  # the section filter
+    assert (
+        main(["--config", "configs/cpu_demo.yaml", "--help-config", "rollout.backend", "rollout.backend=hf"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("rollout.backend = 'hf'\n") is True
+    assert main(["--help-config", "learner.lr_schedule"]) == 0
+    assert "One of: constant, linear, cosine." in capsys.readouterr().out
+    from rltrain.envs import BUILTIN
+
+    assert main(["--help-config", "env.name"]) == 0  # the built-ins the code has, every one
+    assert f"Built-ins: {', '.join('builtin:' + name for name in BUILTIN)}." in capsys.readouterr().out
+    assert main(["--help-config", "no_such_section"]) == 2
+    assert "no such key or section (sections: model, learner," in capsys.readouterr().err
+
+
+def test_every_unknown_key_is_named_at_once_with_what_it_may_mean():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["learner.lrr=1e-3", "run.stepz=3", "rollout.zzzz=1"])
+    # (in the config tree's order of sections)
+    assert str(error.value) == (
+        "learner.lrr: unknown key (did you mean learner.lr?); rollout.zzzz: unknown key; run.stepz: "
+        "unknown key (did you mean run.steps?) (see `rltrain --help-config`)"
+    )
+
+
+def test_a_yaml_value_that_reads_as_a_key_or_as_none_says_how_to_write_it():
+    with pytest.raises(ConfigError, match=r"put a space after the colon: reward.functions=\{env: 1.0\}$"):
+        load_config(None, ["reward.functions={env:1.0}"])  # YAML: {"env:1.0": None}
+    with pytest.raises(
+        ConfigError, match=r"^run.output_dir: got None; .*\(YAML reads null, ~ and a key without"
+    ):
+        load_config(None, ["run.output_dir=null"])
 
 
 def test_gpu_recipe_is_a_valid_config():

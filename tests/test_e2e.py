@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,9 @@ SMALL = [
 ]
 
 
-def run_trainer(out_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_trainer(
+    out_dir: Path, *overrides: str, env: dict | None = None, returncode: int = 0
+) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [
             sys.executable,
@@ -60,7 +63,7 @@ def run_trainer(out_dir: Path, *overrides: str, env: dict | None = None) -> subp
         timeout=600,
         env={**os.environ, **(env or {})},
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == returncode, done.stderr[-3000:]
     return done
 
 
@@ -291,6 +294,27 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         greedy = model.generate(torch.tensor([seq]), max_new_tokens=6, do_sample=False)[0, len(seq) :]
         # (a trailing incomplete UTF-8 sequence is held back, as vLLM's incremental detokenizer does)
         assert reply == tokenizer.decode(greedy, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_a_reward_function_that_fails_every_call_is_shown_once_and_stops_the_run(tmp_path, ray_cluster):
+    # raises_unless_right passes the check before the run (called with the answer as the completion)
+    # and raises on whatever the random model writes: every call of step 1 fails
+    out = tmp_path / "run"
+    done = run_trainer(out, "run.steps=3", "rollout.backend=hf",
+                       "reward.functions={reward_fns:raises_unless_right: 1.0, digits: 1.0}",
+                       env={**TESTS_ON_PATH, **ray_cluster}, returncode=1)  # fmt: skip
+    kind, file = (
+        "reward function reward_fns:raises_unless_right",
+        "reward_function_reward_fns_raises_unless_right.txt",
+    )
+    assert done.stderr.count(f"the {kind} failed") == 1  # its first failure, shown once
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(rf"rltrain: step 1: every call of the {kind} failed for 1 step\(s\) in a row \((\d+) of \1 "
+                    r"this step: ValueError: cannot score .*\); its first traceback: .*errors/", last), last  # fmt: skip
+    assert (
+        last.endswith(f"{file}; stopping (run.max_user_failure_steps=1)") and "Traceback" not in done.stderr
+    )
+    assert 'raise ValueError(f"cannot score' in (out / "errors" / file).read_text()  # the user's own line
 
 
 def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_synced_weights(

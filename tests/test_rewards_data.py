@@ -154,3 +154,43 @@ def test_micro_batch_plan_pads_short_shares_with_empty_micro_batches():
     plan = plan_micro_batches(7, 2, 1, 3).groups
     assert [[mb.tolist() for mb in group] for group in plan[0]] == [[[0, 1, 2], [3]]]
     assert [[mb.tolist() for mb in group] for group in plan[1]] == [[[4, 5, 6], []]]
+
+
+def test_trls_batch_form_is_told_apart_by_its_signature_and_gets_the_data_columns():
+    # trl_reward(prompts, completions, answer, **kwargs): one call for the batch; +0.5 where the
+    # prompt asks a question; trl_reward_with_a_gap's None fails the second completion only
+    functions = {f"{FNS}:trl_reward": 1.0, f"{FNS}:trl_reward_with_a_gap": 1.0}
+    with RewardScorer(functions, timeout_s=5) as scorer:
+        assert scorer.batch == set(functions)
+        columns = {"prompts": ["What is 2 + 3?", "Say 7."], "level": [1, 2]}
+        scores = scorer([" 5", "8"], ["5", "7"], columns=columns)
+    # completion 0: 1 (right) + 0.5 (a question) + 1; completion 1: 0 + 0 + 0 (None, failed)
+    assert scores.rewards == [2.5, 0.0]
+    assert scores.failures == 1
+    gap = scores.calls[f"{FNS}:trl_reward_with_a_gap"]
+    assert (gap.called, gap.failed, gap.first_error) == (2, 1, "returned None or NaN")
+
+
+def test_a_failing_reward_function_keeps_its_first_traceback():
+    with RewardScorer(
+        {f"{FNS}:divide_by_zero_reward": 1.0, f"{FNS}:length_reward": 1.0}, timeout_s=5
+    ) as scorer:
+        scores = scorer(["ab", "c"], ["", ""])
+    failing = scores.calls[f"{FNS}:divide_by_zero_reward"]
+    assert (failing.called, failing.failed) == (2, 2)
+    assert "Traceback" in failing.first_error and "ZeroDivisionError: division by zero" in failing.first_error
+    assert "return len(completion) / 0" in failing.first_error  # the user's own line
+    assert scores.calls[f"{FNS}:length_reward"].failed == 0
+
+
+def test_a_reward_function_from_a_file_path_and_the_hint_for_a_module_not_on_the_path(tmp_path, monkeypatch):
+    (tmp_path / "myreward.py").write_text(
+        "def shout(completion, answer):\n    return float(completion.isupper())\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with RewardScorer({"myreward.py:shout": 1.0}, timeout_s=5) as scorer:  # relative to the working folder
+        assert scorer(["YES", "no"], ["", ""]).rewards == [1.0, 0.0]
+    with pytest.raises(
+        ValueError, match=r"No module named 'nowhere_reward'.*PYTHONPATH.*path/to/nowhere_reward\.py:f"
+    ):
+        load_reward_fn("nowhere_reward:f")

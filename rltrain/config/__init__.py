@@ -7,10 +7,12 @@ deepspeed or vllm.
 
 from __future__ import annotations
 
+import difflib
 import os
 import textwrap
 from pathlib import Path
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
@@ -227,7 +229,20 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or type(e).__name__
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+        _check_mapping_value(item, key, node[leaf])
     return validate(raw)
+
+
+def _check_mapping_value(item: str, key: str, value: Any) -> None:
+    """YAML reads ``{env:1.0}`` (no space after the colon) as the key ``env:1.0`` without a value."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:
+                name, _, number = k.rpartition(":")
+                raise ConfigError(
+                    f"override {item!r}: YAML reads {{{k}}} as the key {k!r} with no value; put a space "
+                    f"after the colon: {key}={{{name}: {number}}}"
+                )
 
 
 def validate(raw: dict[str, Any]) -> Config:
@@ -256,40 +271,92 @@ def _one_line(error: ValidationError) -> str:
     same = [e for e in errors if _key(e["loc"]) == key and e["loc"] != first["loc"]]
     message = "; or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in [first, *same]))
     errors = [e for e in errors if e is first or e not in same]
-    if first["type"] == "extra_forbidden":
-        return f"{key}: unknown key (value {first['input']!r}); check the spelling against `rltrain --help-config`"
+    unknown = [e for e in error.errors() if e["type"] == "extra_forbidden"]
+    if unknown:
+        return "; ".join(_unknown_key(_key(e["loc"])) for e in unknown) + " (see `rltrain --help-config`)"
     if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):
         return f"{key + '.' if key else ''}{message}"
     if first["type"] == "value_error" and not key:
         return message  # a cross-section check names its keys itself; its input is the whole config
+    if first.get("input", "") is None and first["type"] != "missing":
+        message += " (YAML reads null, ~ and a key without a value as None)"
     shown = "" if first["type"] == "missing" else f"got {first['input']!r}; "
     more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{key or 'config'}: {shown}{message}{more}"
+
+
+def _unknown_key(key: str) -> str:
+    """``key: unknown key``, with the closest known keys of its section."""
+    *parents, leaf = key.split(".")
+    model: Any = Config
+    for part in parents:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            break
+        model = next((a for a in (field.annotation, *get_args(field.annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)  # fmt: skip
+    known = list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+    close = difflib.get_close_matches(leaf, known, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join('.'.join([*parents, c]) for c in close)}?)" if close else ""
+    return f"{key}: unknown key{hint}"
 
 
 def dump(config: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
-def describe() -> str:
-    """Every key with its type, default and docstring, for ``--help-config``."""
+def describe(
+    config: Config | None = None, section: str | None = None, builtins: dict[str, list[str]] | None = None
+) -> str:
+    """Every key (under ``section``, a dotted prefix) with its type's allowed values, its value
+    (``config``'s: the values a run would use; the defaults otherwise) and its docstring, for
+    ``--help-config``. ``builtins``: the built-in names the code offers for a key, listed with it."""
     lines = []
 
-    def walk(model: type[BaseModel], prefix: str, defaults: BaseModel | None) -> None:
+    def walk(model: type[BaseModel], prefix: str, values: BaseModel | None) -> None:
         for name, field in model.model_fields.items():
             # an optional section (`critic`) is described like a present one
             annotation = next(
                 (a for a in get_args(field.annotation) if a is not type(None)), field.annotation
             )
-            default = getattr(defaults, name) if defaults is not None else field.default
+            value = getattr(values, name) if values is not None else field.default
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                walk(annotation, f"{prefix}{name}.", default if isinstance(default, BaseModel) else None)
+                walk(annotation, f"{prefix}{name}.", value if isinstance(value, BaseModel) else None)
                 continue
-            doc = textwrap.indent((field.description or "").strip(), "    ")
-            lines.append(f"{prefix}{name} = {default!r}\n{doc}")
+            key = f"{prefix}{name}"
+            if section and not (key == section or key.startswith(section + ".")):
+                continue
+            doc = (field.description or "").strip()
+            choices = _choices(field.annotation)
+            if choices:
+                alone = get_origin(field.annotation) is Literal or all(
+                    get_origin(a) is Literal or a is type(None) for a in get_args(field.annotation)
+                )
+                doc += f"\n{'One of' if alone else 'Besides a value of its type'}: {', '.join(choices)}."
+            if builtins and key in builtins:
+                doc += f"\nBuilt-ins: {', '.join(builtins[key])}."
+            lines.append(f"{key} = {value!r}\n{textwrap.indent(doc, '    ')}")
 
-    walk(Config, "", None)
+    walk(Config, "", config)
+    if section and not lines:
+        sections = ", ".join(Config.model_fields)
+        raise ConfigError(f"--help-config {section}: no such key or section (sections: {sections})")
     return "\n".join(lines)
+
+
+def _choices(annotation: Any) -> list[str]:
+    """The values a ``Literal`` (alone or in a union) allows, as YAML writes them."""
+    if get_origin(annotation) is Literal:
+        return [
+            yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+            for v in get_args(annotation)
+        ]
+    if get_origin(annotation) in (Union, UnionType):
+        found = [c for a in get_args(annotation) for c in _choices(a)]
+        if found and type(None) in get_args(annotation):
+            found.append("null")
+        return found
+    return []
 
 
 __all__ = [

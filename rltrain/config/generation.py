@@ -39,10 +39,11 @@ class ToolsConfig(Section):
 
 class EnvConfig(Section):
     name: str | None = None
-    """The environment each rollout is an episode of: `builtin:calculator` (the built-in task with
-    the calculator as a native tool), `builtin:guess` (a multi-turn number-guessing game), or
-    `module:Class` (a subclass of rltrain.envs.Environment); null: one completion per prompt, with
-    rollout.tools in the tag format."""
+    """The environment each rollout is an episode of: a built-in (`builtin:calculator`, the built-in
+    task with the calculator as a native tool; `builtin:chain`, arithmetic over turns;
+    `builtin:guess`, a number-guessing game), `module:Class` or `path/to/file.py:Class` (a subclass
+    of rltrain.envs.Environment); null: one completion per prompt, with rollout.tools in the tag
+    format."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments of the environment's constructor."""
     max_turns: int = Field(4, ge=1)
@@ -119,7 +120,9 @@ class RolloutConfig(Section):
 
 class DataConfig(Section):
     source: str = BUILTIN_TASK
-    """`builtin:arithmetic`, a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset name."""
+    """A built-in (`builtin:arithmetic`; `builtin:guess` and `builtin:chain`, the rows of those
+    environments' episodes), a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset
+    name."""
     subset: str | None = None
     """Hub dataset configuration name (e.g. `main` for openai/gsm8k)."""
     split: str = "train"
@@ -198,11 +201,14 @@ class JudgeConfig(Section):
 
 class RewardConfig(Section):
     functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
-    """Reward functions and their weights: `math` (math-verify), `exact_match`, `format`, `env`
-    (the environment's own reward, see env.name), `model` (reward.model's score), `judge`
-    (reward.judge's verdict), or a user function `module:function` taking
-    (completion, answer) and returning a float. With an environment, the completion is the last
-    assistant turn's text."""
+    """Reward functions and their weights, `{name: weight, ...}` (a space after each colon):
+    built-ins (`math`: math-verify, `exact_match`, `format`, `digits`), `env` (the environment's
+    own reward, see env.name), `model` (reward.model's score), `judge` (reward.judge's verdict), or
+    a user function `module:function` (importable where rltrain runs) or `path/to/file.py:function`.
+    A user function takes (completion, answer) and returns a float, or takes TRL's batch form
+    (prompts, completions, **kwargs), told apart by a parameter named `completions`, and returns a
+    list of floats (the data's other columns come as keyword lists). With an environment, the
+    completion is the last assistant turn's text."""
     timeout_s: float = Field(5.0, gt=0)
     """A reward call that takes longer scores 0, is counted as a failure, and is stopped (its worker
     process is killed and replaced)."""

@@ -338,6 +338,11 @@ class RunConfig(Section):
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
     a failure of that actor; the Python stacks of every actor are written to
     `hangs/step_<N>.txt` in the run folder before the restart."""
+    max_user_failure_steps: int | None = Field(1, ge=1)
+    """Stop the run (one line naming the function, exit 1) once every call of a reward function,
+    or of an environment's reset or step, has failed for this many steps in a row; each kind's
+    first traceback is printed once and kept in `errors/` in the run folder either way. null: never
+    stop for it (failures score 0 and are counted in `failures/<kind>`)."""
     check_sync: bool = True
     """After the run's first weight sync, every engine and the learners score the first sequences
     of that step's batch; a gap beyond 10x the engine-learner gap measured before the update (at

@@ -20,11 +20,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rltrain.envs import Step, load_environment
+from rltrain.envs import GYM_HINT, Step, load_environment
 from rltrain.rollout import tools as builtin_tools
 from rltrain.rollout.parsers import ToolCall
 
@@ -32,20 +33,25 @@ Call = tuple[int, str, Any, float]  # (episode, method: reset | step | tool, arg
 Answer = tuple[str, Any]  # ("ok", value) | ("raised" | "timeout" | "died", message)
 
 
-def run_tool(functions: dict[str, Any], call: ToolCall) -> tuple[str, str | None]:
-    """``(output, error kind or None)``; a failure's output is the error message to the model."""
+def run_tool(functions: dict[str, Any], call: ToolCall) -> tuple[str, str | None, str | None]:
+    """``(output, error kind or None, traceback or None)``; a failure's output is the error message
+    to the model, a raising tool's traceback is for the user."""
     fn = functions.get(call.name)
     if fn is None:
-        return f"error: unknown tool {call.name!r} (tools: {', '.join(functions) or 'none'})", "unknown_tool"
+        return (
+            f"error: unknown tool {call.name!r} (tools: {', '.join(functions) or 'none'})",
+            "unknown_tool",
+            None,
+        )
     args, kwargs = ((call.arguments,), {}) if isinstance(call.arguments, str) else ((), call.arguments)
     try:
         inspect.signature(fn).bind(*args, **kwargs)
     except TypeError as e:
-        return f"error: {call.name}: {e}", "bad_arguments"
+        return f"error: {call.name}: {e}", "bad_arguments", None
     try:
-        return str(fn(*args, **kwargs)), None
+        return str(fn(*args, **kwargs)), None, None
     except Exception as e:
-        return f"error: {type(e).__name__}: {e}", "tool_raised"
+        return f"error: {type(e).__name__}: {e}", "tool_raised", traceback.format_exc()
 
 
 def _episode(conn, spec: str, kwargs: dict[str, Any]) -> None:
@@ -63,12 +69,12 @@ def _episode(conn, spec: str, kwargs: dict[str, Any]) -> None:
             elif method == "step":
                 step = env.step(argument)
                 if not isinstance(step, Step):
-                    raise TypeError(f"step returned {type(step).__name__}, not rltrain.envs.Step")
+                    raise TypeError(f"step returned {type(step).__name__}, not rltrain.envs.Step{GYM_HINT}")
                 conn.send(("ok", asdict(step)))
             else:
                 conn.send(("ok", run_tool(functions, argument)))
-        except Exception as e:  # the environment's failure ends its episode, never the run
-            conn.send(("raised", f"{type(e).__name__}: {e}"))
+        except Exception:  # the environment's failure ends its episode, never the run
+            conn.send(("raised", traceback.format_exc()))
 
 
 def _host(conn, spec: str, kwargs: dict[str, Any], python_tool: builtin_tools.ToolRunner) -> None:
@@ -134,7 +140,15 @@ def _host(conn, spec: str, kwargs: dict[str, Any], python_tool: builtin_tools.To
         for episode, deadline in list(deadlines.items()):
             if now >= deadline:
                 end(episode, kill=True)
-                conn.send((episode, ("timeout", "did not answer in time; stopped")))
+                conn.send(
+                    (
+                        episode,
+                        (
+                            "timeout",
+                            "did not answer in time (env.step_timeout_s or rollout.tools.timeout_s); stopped",
+                        ),
+                    )
+                )
 
 
 class EnvHost:

@@ -78,9 +78,12 @@ class _Episode:
         self.c.errors[kind] = self.c.errors.get(kind, 0) + 1
         self.c.tool_errors += tool
 
-    def fail(self, kind: str, tool: bool = False) -> None:
-        """A call that ends the episode (its environment's process is gone or broke)."""
+    def fail(self, kind: str, tool: bool = False, failure: tuple[str, str] | None = None) -> None:
+        """A call that ends the episode (its environment's process is gone or broke); ``failure``:
+        which of the user's code failed, and its traceback or what went wrong."""
         self.count(kind, tool)
+        if failure is not None:
+            self.c.failures.setdefault(*failure)
         self.end("error")
 
     def end(self, reason: str) -> None:
@@ -127,7 +130,7 @@ def run_episodes(
     answers = host.call([(e.key, "reset", row, limits.step_timeout_s) for e, row in zip(episodes, rows)])
     for e, (status, value) in zip(episodes, answers):
         if status != "ok":
-            e.fail(f"env_{status}")
+            e.fail(f"env_{status}", failure=("environment reset", value))
             continue
         e.c.messages = list(value)
         e.c.prompt_ids = renderer.opening(e.c.messages)
@@ -198,7 +201,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
     answers = host.call([(e.key, "step", e.c.messages, limits.step_timeout_s) for e in stepping])
     for e, (status, value) in zip(stepping, answers):
         if status != "ok":
-            e.fail(f"env_{status}")
+            e.fail(f"env_{status}", failure=("environment step", value))
             continue
         if value["reward"] is not None:
             e.c.env_reward = float(value["reward"])
@@ -240,11 +243,15 @@ def _run_tools(
             e.c.tool_calls += 1
             if status != "ok":  # the process is gone: the episode ends
                 queues[key] = []
-                e.fail("timeout" if status == "timeout" else f"env_{status}", tool=True)
+                e.fail(
+                    "timeout" if status == "timeout" else f"env_{status}", True, (f"tool {call.name}", value)
+                )
                 continue
-            output, kind = value
+            output, kind, trace = value
             if kind is not None:
                 e.count(kind)
+            if trace is not None:
+                e.c.failures.setdefault(f"tool {call.name}", trace)
             results[key].append({"role": "tool", "name": call.name, "content": output})
     return results
 

@@ -1,6 +1,15 @@
 """Verifiable rewards, user reward functions, and time limits (no ray, no deepspeed).
 
-A reward function takes ``(completion_text, answer)`` and returns a float. Built-ins:
+A reward function has one of two forms, told apart by its signature:
+
+- ``fn(completion, answer) -> float``: one completion's text and its row's answer;
+- TRL's batch form, any function with a parameter named ``completions``:
+  ``fn(prompts, completions, **kwargs) -> list[float]``, called once per step with every
+  completion, keyword arguments ``prompts`` (each completion's prompt text), ``completions`` (their
+  texts) and one list per other column of the data rows (``answer``, ...); ``None`` in the list
+  fails that completion.
+
+Built-ins:
 
 - ``math``: 1.0 when math-verify finds the completion's final answer equivalent to the reference.
 - ``exact_match``: 1.0 when the stripped completion equals the stripped answer.
@@ -9,10 +18,11 @@ A reward function takes ``(completion_text, answer)`` and returns a float. Built
   reward that a tiny randomly initialized model can climb in minutes (the CPU demo uses it).
 
 ``env`` is an environment's own reward (:mod:`rltrain.envs`), taken from its episodes.
-Anything else is ``module:function``. Calls run in worker processes; one that raises, returns a
-non-number or runs past ``timeout_s`` scores 0 for that sample and is counted in the metrics, and
-one past its deadline is stopped for good: its worker process is killed and replaced (a hung
-thread could never be). The run goes on.
+Anything else is ``module:function`` (an importable module) or ``path/to/file.py:function``. Calls
+run in worker processes; one that raises, returns a non-number or runs past ``timeout_s`` (a batch
+call: ``timeout_s`` per completion) scores 0 for that sample and is counted, with its first
+traceback, in :attr:`Scores.calls`; one past its deadline is stopped for good: its worker process
+is killed and replaced (a hung thread could never be).
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ import logging
 import multiprocessing
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pebble import ProcessPool
 
@@ -71,14 +82,23 @@ GIVEN = (ENV, MODEL, JUDGE)  # scores computed outside the reward workers, hande
 
 
 def import_attribute(spec: str, not_a_spec: str):
-    """``module:name`` imported; raises ValueError saying what went wrong (``not_a_spec`` when
-    ``spec`` does not have that shape)."""
-    module_name, sep, attr = spec.partition(":")
+    """``module:name`` or ``path/to/file.py:name`` imported; raises ValueError saying what went
+    wrong (``not_a_spec`` when ``spec`` has neither shape)."""
+    module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{spec!r} is {not_a_spec}")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        module = (
+            _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+        )
+        return getattr(module, attr)
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"cannot load {spec!r}: {e}; the module must be importable from where rltrain runs (start "
+            f"it in the folder that holds {module_name.split('.')[0]}.py, or add that folder to PYTHONPATH), "
+            f"or name its file: path/to/{module_name.split('.')[-1]}.py:{attr}"
+        ) from None
+    except (ImportError, AttributeError, FileNotFoundError) as e:
         raise ValueError(f"cannot load {spec!r}: {e}") from None
     except Exception as e:  # the user's module raised while it was imported
         raise ValueError(
@@ -86,8 +106,39 @@ def import_attribute(spec: str, not_a_spec: str):
         ) from None
 
 
+def _import_file(path: str):
+    """A module from a ``.py`` file (relative to the working directory), imported once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"no file {path}")
+    name = f"rltrain_user_{file.stem}_{abs(hash(str(file))):x}"
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def takes_batches(fn: Callable) -> bool:
+    """TRL's batch form (a parameter named ``completions``), or ``fn(completion, answer)``."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without an inspectable signature
+        return False
+
+
 def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name or ``module:function``; raises ValueError with what was wrong."""
+    """A built-in name, ``module:function`` or ``path/to/file.py:function``; raises ValueError with
+    what was wrong."""
     if spec == ENV:
         raise ValueError("`env` is the environment's reward, not a function")
     if spec in (MODEL, JUDGE):
@@ -98,9 +149,15 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"{spec!r} is not callable")
     try:
-        inspect.signature(fn).bind("", "")  # called as fn(completion, answer)
+        if takes_batches(fn):  # called as fn(prompts=..., completions=..., **columns)
+            inspect.signature(fn).bind_partial(prompts=[], completions=[])  # columns: checked on a row
+        else:
+            inspect.signature(fn).bind("", "")  # called as fn(completion, answer)
     except TypeError as e:
-        raise ValueError(f"{spec!r} must take (completion, answer): {e}") from None
+        raise ValueError(
+            f"{spec!r} must take (completion, answer), or (prompts, completions, **kwargs) as TRL's reward "
+            f"functions do: {e}"
+        ) from None
     except ValueError:
         pass  # a callable without an inspectable signature (a builtin): it is called as it is
     return fn
@@ -118,9 +175,27 @@ def _preload(specs: list[str]) -> None:
 
 
 def _call(spec: str, completion: str, answer: str) -> float | None:
-    """One reward call, in a worker process: a float, or None for a non-number (NaN included)."""
+    """One reward call, in a worker process: a float, or None for NaN."""
     value = float(_cached_fn(spec)(completion, answer))
     return value if value == value else None
+
+
+def _call_batch(spec: str, columns: dict[str, list]) -> list[float | None]:
+    """One batch call (TRL's form), in a worker process: a float per completion, None for None or NaN."""
+    values = list(_cached_fn(spec)(**columns))
+    if len(values) != len(columns["completions"]):
+        raise ValueError(f"returned {len(values)} scores for {len(columns['completions'])} completions")
+    return [None if v is None or float(v) != float(v) else float(v) for v in values]
+
+
+@dataclass
+class Calls:
+    """One reward function's calls in a step: how many, how many failed, the first failure's
+    traceback (or what went wrong)."""
+
+    called: int = 0
+    failed: int = 0
+    first_error: str | None = None
 
 
 @dataclass
@@ -129,6 +204,7 @@ class Scores:
     per_function: dict[str, float]  # mean score of each function
     failures: int  # calls that raised, hung or returned a non-number
     per_sample: dict[str, list[float]]  # each function's score of each completion
+    calls: dict[str, Calls] = field(default_factory=dict)  # each called function's calls
 
 
 class RewardScorer:
@@ -137,8 +213,7 @@ class RewardScorer:
 
     def __init__(self, functions: dict[str, float], timeout_s: float, workers: int = 2):
         called = [spec for spec in functions if spec not in GIVEN]
-        for spec in called:
-            load_reward_fn(spec)  # a bad spec fails here, in the trainer, with what was wrong
+        self.batch = {spec for spec in called if takes_batches(load_reward_fn(spec))}  # a bad spec fails here
         self.functions, self.timeout_s = dict(functions), timeout_s
         self.pool = ProcessPool(
             max_workers=workers,
@@ -149,46 +224,57 @@ class RewardScorer:
 
     def one(self, spec: str, completions: list[str], answers: list[str]) -> list[float | None]:
         """One function's score per completion (None where it failed), in the same workers."""
-        futures = [
-            self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
-            for c, a in zip(completions, answers)
-        ]
-        return [_result(f) for f in futures]
+        return self._scores(spec, completions, answers, None)[0]
+
+    def _scores(
+        self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None
+    ) -> tuple[list[float | None], Calls]:
+        """``spec``'s score of each completion (None: failed) and its calls' record."""
+        if spec in self.batch:
+            columns = {"answer": answers, **(columns or {}), "completions": completions}
+            columns.setdefault("prompts", [""] * len(completions))
+            future = self.pool.schedule(
+                _call_batch, (spec, columns), timeout=self.timeout_s * len(completions)
+            )
+            values, error = _outcome(future)
+            outcomes = (
+                [(v, error) for v in values] if values is not None else [(None, error)] * len(completions)
+            )
+        else:
+            futures = [self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
+                       for c, a in zip(completions, answers)]  # fmt: skip
+            outcomes = [_outcome(f) for f in futures]
+        values = [v for v, _ in outcomes]
+        errors = [e or "returned None or NaN" for v, e in outcomes if v is None]
+        return values, Calls(len(values), len(errors), errors[0] if errors else None)
 
     def __call__(
         self,
         completions: list[str],
         answers: list[str],
         given: dict[str, list[float | None]] | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Scores:
         """Every function's score of every completion. ``given`` holds the scores computed
         elsewhere: ``env``, the episodes' own rewards (None, an episode that gave none, scores 0),
         ``model`` and ``judge``, a reward model's and a judge's (None, a sequence they did not
-        score: 0, a failure)."""
+        score: 0, a failure). ``columns``: what batch-form functions get besides the completions
+        (``prompts`` and the data rows' columns, a list each)."""
         given = given or {}
-        futures = {
-            spec: [
-                self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
-                for c, a in zip(completions, answers)
-            ]
-            for spec in self.functions
-            if spec not in GIVEN
-        }
         totals = [0.0] * len(completions)
-        per_function, per_sample, failures = {}, {}, 0
+        per_function, per_sample, calls, failures = {}, {}, {}, 0
         for spec, weight in self.functions.items():
-            values = (
-                given.get(spec, [None] * len(completions))
-                if spec in GIVEN
-                else [_result(f) for f in futures[spec]]
-            )
+            if spec in GIVEN:
+                values = given.get(spec, [None] * len(completions))
+            else:
+                values, calls[spec] = self._scores(spec, completions, answers, columns)
             if spec != ENV:
                 failures += sum(v is None for v in values)
             scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
             per_function[spec] = sum(scores) / max(len(scores), 1)
             per_sample[spec] = scores
-        return Scores(totals, per_function, failures, per_sample)
+        return Scores(totals, per_function, failures, per_sample, calls)
 
     def close(self) -> None:
         self.pool.stop()
@@ -201,11 +287,21 @@ class RewardScorer:
         self.close()
 
 
-def _result(future) -> float | None:
+def _outcome(future) -> tuple[Any, str | None]:
+    """A call's value, or None and what went wrong: the function's traceback, a timeout (its
+    worker killed), or a worker that died."""
+    from concurrent.futures import TimeoutError as CallTimeout
+
+    from pebble import ProcessExpired
+
     try:
-        return future.result()
-    except Exception:  # raised in the function, timed out (worker killed), or the worker died
-        return None
+        return future.result(), None
+    except CallTimeout:
+        return None, "did not return in time (reward.timeout_s); its worker was stopped"
+    except ProcessExpired as e:
+        return None, f"its worker process died ({e})"
+    except Exception as e:  # raised in the function: pebble carries the worker's traceback
+        return None, getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
 
 
 def soft_overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:

@@ -36,7 +36,7 @@ from rltrain.data import (
     split_held_out,
     tokenize_prompts,
 )
-from rltrain.rollout.rewards import GIVEN, JUDGE, MODEL, RewardScorer, load_reward_fn
+from rltrain.rollout.rewards import GIVEN, JUDGE, MODEL, RewardScorer, load_reward_fn, takes_batches
 from rltrain.run import checkpoint
 from rltrain.run.orchestrator import Orchestrator
 
@@ -91,6 +91,7 @@ def preflight(config: Config) -> Inputs:
         rows, held_out = load_rows(config.data), []
         if config.run.eval_every:
             rows, held_out = split_held_out(rows, config.data, config.eval)
+        check_reward_functions(config, rows[0])
         if config.env.name is not None:
             check_environment(config, rows[0], tokenizer)
             prompts = episode_prompts(rows, config.data)
@@ -103,6 +104,62 @@ def preflight(config: Config) -> Inputs:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def with_deadline(timeout_s: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a thread: its value, what it raised, or TimeoutError after
+    ``timeout_s`` (the user's code checked before any actor starts; a hung call is left behind)."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"did not return within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def check_reward_functions(config: Config, row: dict) -> None:
+    """Each reward function, called once on the first data row with its answer as the completion
+    (both forms: ``fn(completion, answer)``, and TRL's ``fn(prompts=, completions=, **columns)``),
+    returns a number; raises ValueError naming it otherwise."""
+    answer = str(row.get("answer", ""))
+    for spec in config.reward.functions:
+        if spec in GIVEN:
+            continue
+        fn = load_reward_fn(spec)
+        if takes_batches(fn):
+            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "answer")}
+            call = partial(
+                fn, prompts=[row.get("prompt", "")], completions=[answer], answer=[answer], **columns
+            )
+            form = "fn(prompts=[...], completions=[...], answer=[...], <other columns>=[...])"
+        else:
+            call, form = partial(fn, answer, answer), "fn(completion, answer)"
+        try:
+            value = with_deadline(config.reward.timeout_s, call)
+            number = [float(v) for v in value][0] if takes_batches(fn) else float(value)
+            if len(value if takes_batches(fn) else [value]) != 1:
+                raise ValueError(f"returned {len(value)} scores for 1 completion")
+        except Exception as e:
+            raise ValueError(
+                f"reward.functions: {spec}, called as {form} on the first data row with its answer as the "
+                f"completion, raised {first_line(e)}"
+            ) from None
+        if number != number:
+            raise ValueError(
+                f"reward.functions: {spec} returned NaN on the first data row with its answer as the completion"
+            )
 
 
 def check_environment(config: Config, row: dict, tokenizer) -> None:
@@ -124,7 +181,7 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
     except Exception as e:  # transformers: a tool without type hints or an Args: section
         raise ValueError(f"env.name: {env.name}'s tools have no JSON schema ({e})") from None
     try:
-        opening = instance.reset(row)
+        opening = with_deadline(config.env.step_timeout_s, instance.reset, row)
     except Exception as e:
         raise ValueError(
             f"env.name: {env.name}.reset(first row of data.source) raised {type(e).__name__}: {e}"
@@ -146,6 +203,7 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
             f"prompt for the first row ({len(prompt)} tokens, tool schemas and chat template included); "
             "every episode would end before its first turn"
         )
+    _check_step(config, instance, opening, row)
     probe = [*opening, {"role": "assistant", "content": "1"}]
     try:
         renderer.additions(probe, [{"role": "user", "content": "2"}])
@@ -155,6 +213,24 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
             renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
     except TemplateError as e:
         raise ValueError(f"env.render: {e}") from None
+
+
+def _check_step(config: Config, instance, opening: list[dict], row: dict) -> None:
+    """``step`` answers an assistant turn (the row's answer) with a Step, in time."""
+    from rltrain.envs import GYM_HINT, Step
+
+    turn = [*opening, {"role": "assistant", "content": str(row.get("answer", ""))}]
+    try:
+        step = with_deadline(config.env.step_timeout_s, instance.step, turn)
+    except Exception as e:
+        raise ValueError(
+            f"env.name: {config.env.name}.step(messages) raised {first_line(e)} on the "
+            "first row's opening and its answer as the assistant turn"
+        ) from None
+    if not isinstance(step, Step):
+        raise ValueError(
+            f"env.name: {config.env.name}.step returned {type(step).__name__}, not rltrain.envs.Step{GYM_HINT}"
+        )
 
 
 def _check_tools(config: Config) -> None:

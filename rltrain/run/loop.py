@@ -23,6 +23,7 @@ from rltrain.run import checkpoint
 from rltrain.run.eval import evaluate
 from rltrain.run.launch import Inputs, Run, preflight, start_run
 from rltrain.run.scoring import build_batch, with_distillation, with_gae
+from rltrain.run.user_code import UserCodeFailures
 
 if TYPE_CHECKING:
     from rltrain.run.tracking import Tracker
@@ -89,10 +90,12 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
     sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
     busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
+    user_code = UserCodeFailures(run.out, config.run.max_user_failure_steps)
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
             scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled
+            scored.metrics.update(user_code.check(step, scored.calls))  # its failures shown and bounded
             generate_s = time.perf_counter() - t0
             if not scored.completions:
                 skip(run, tracker, step, scored.metrics)
@@ -110,12 +113,8 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 metrics["distill/teacher_failures"] = 0.0
             trained = step
             metrics |= update(run, config, step, batch, scored.rewards)
-            sync_s = run.weight_sync.push(learners, generators, step)
-            if sync_unchecked and "rollout/mismatch_max" in metrics:  # (the policy was updated)
-                metrics["sync/probe_gap"] = first_sync_checked(
-                    run, batch, metrics["rollout/mismatch_max"], step
-                )
-                sync_unchecked = False
+            sync_s = push(run, step, batch, metrics, check=sync_unchecked)
+            sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
             step_s = time.perf_counter() - t0
             generated = sum(len(c.token_ids) for c in scored.completions)
             busy_now = generators.busy_seconds()
@@ -172,15 +171,22 @@ def update(run: Run, config: Config, step: int, batch, rewards) -> dict[str, flo
     return metrics
 
 
-def first_sync_checked(run: Run, probe, noise: float, step: int) -> float:
-    """The engines against the learners on the weights just synced (:func:`~rltrain.run.weight_sync.check_sync`):
-    a sync that leaves a parameter behind stops the run here, not after many off-policy steps."""
+def push(run: Run, step: int, probe, metrics: dict[str, float], check: bool) -> float:
+    """The weight sync after an update; returns its seconds. ``check``: the engines against the
+    learners on the weights just synced (:func:`~rltrain.run.weight_sync.check_sync`, logged as
+    ``sync/probe_gap``), so a sync that leaves a parameter behind stops the run here, not after many
+    off-policy steps; it needs the step's engine-learner gap (the policy was updated)."""
     from rltrain.run.weight_sync import SyncCheckFailed, check_sync
 
-    try:
-        return check_sync(run.learners, run.generators, probe, noise, step)
-    except SyncCheckFailed as e:
-        raise RunFailed(str(e)) from None
+    seconds = run.weight_sync.push(run.learners, run.generators, step)
+    if check and "rollout/mismatch_max" in metrics:
+        try:
+            metrics["sync/probe_gap"] = check_sync(
+                run.learners, run.generators, probe, metrics["rollout/mismatch_max"], step
+            )
+        except SyncCheckFailed as e:
+            raise RunFailed(str(e)) from None
+    return seconds
 
 
 def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:

@@ -20,7 +20,7 @@ from rltrain.loss.advantages import (
     whiten,
     zero_variance_groups,
 )
-from rltrain.rollout.rewards import ENV, RewardScorer, soft_overlong_penalty
+from rltrain.rollout.rewards import ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
 @dataclass
@@ -32,6 +32,8 @@ class ScoredGroups:
     rewards: torch.Tensor  # [len(completions)], shaped (overlong penalty included)
     metrics: dict[str, float]
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # each function's scores, [N]
+    # the user's code called for these groups (and for any filtered out): see user_code_calls
+    calls: dict[str, Calls] = field(default_factory=dict)
 
     def keep(self, groups: torch.Tensor, group_size: int) -> ScoredGroups:
         """The groups whose flag in ``groups`` ([G] bool) is True."""
@@ -43,6 +45,7 @@ class ScoredGroups:
             self.rewards[rows],
             self.metrics,
             {name: scores[rows] for name, scores in self.per_function.items()},
+            self.calls,
         )
 
     @staticmethod
@@ -53,6 +56,7 @@ class ScoredGroups:
             torch.cat([s.rewards for s in parts]),
             parts[0].metrics,
             {name: torch.cat([s.per_function[name] for s in parts]) for name in parts[0].per_function},
+            merge_calls([s.calls for s in parts]),
         )
 
 
@@ -90,7 +94,8 @@ def score(
         done = (model_scores or {}).get(name)
         given[name], more = done if done is not None else model_scorer(expanded, completions)
         model_metrics |= more
-    scores = scorer([c.text for c in completions], answers, given)
+    columns = batch_columns(expanded) if scorer.batch else None
+    scores = scorer([c.text for c in completions], answers, given, columns)
     rewards = torch.tensor(scores.rewards)
     alg, max_new = config.algorithm, config.rollout.max_new_tokens
     shaping = {}
@@ -117,7 +122,48 @@ def score(
         **episode_metrics(completions),
     }
     per_function = {name: torch.tensor(values) for name, values in scores.per_sample.items()}
-    return ScoredGroups(prompts, completions, rewards, metrics, per_function)
+    calls = user_code_calls(completions, scores.calls)
+    return ScoredGroups(prompts, completions, rewards, metrics, per_function, calls)
+
+
+def batch_columns(prompts: list[Prompt]) -> dict[str, list]:
+    """What a batch-form reward function gets besides the completions: each completion's prompt
+    text (``prompts``) and every other column of its data row, a list each."""
+    rows = [p.row or {} for p in prompts]
+    keys = [k for k in rows[0] if k not in ("prompt", "answer")] if rows else []
+    return {"prompts": [r.get("prompt", "") for r in rows], **{k: [r.get(k) for r in rows] for k in keys}}
+
+
+def user_code_calls(completions: list[Completion], reward_calls: dict[str, Calls]) -> dict[str, Calls]:
+    """The user's code a step called, by kind: each reward function (``reward function <spec>``),
+    an environment's ``reset`` and ``step`` (an episode's failure there ends it: calls are the
+    episodes that reached the method) and each tool that raised (calls: every tool call)."""
+    calls = {f"reward function {spec}": record for spec, record in reward_calls.items()}
+    if any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
+        reset_failed = [c for c in completions if "environment reset" in c.failures]
+        calls["environment reset"] = _calls(len(completions), reset_failed, "environment reset")
+        stepped = [c for c in completions if c not in reset_failed]
+        calls["environment step"] = _calls(len(stepped), stepped, "environment step")
+    tool_calls = sum(c.tool_calls for c in completions)
+    for kind in sorted({k for c in completions for k in c.failures if k.startswith("tool ")}):
+        calls[kind] = _calls(tool_calls, completions, kind)
+    return calls
+
+
+def _calls(called: int, completions: list[Completion], kind: str) -> Calls:
+    failed = [c.failures[kind] for c in completions if kind in c.failures]
+    return Calls(called, len(failed), failed[0] if failed else None)
+
+
+def merge_calls(parts: list[dict[str, Calls]]) -> dict[str, Calls]:
+    """The calls of several scorings of one step (dynamic sampling's refills), summed."""
+    merged: dict[str, Calls] = {}
+    for part in parts:
+        for kind, c in part.items():
+            m = merged.setdefault(kind, Calls())
+            m.called, m.failed = m.called + c.called, m.failed + c.failed
+            m.first_error = m.first_error or c.first_error
+    return merged
 
 
 def episode_metrics(completions: list[Completion]) -> dict[str, float]:

@@ -57,6 +57,8 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         parts = [f"{name} {fmt.format(metrics[key])}" for name, key, fmt in SUMMARY if key in metrics]
+        if failed := sum(v for k, v in metrics.items() if k.startswith("failures/")):
+            parts.append(f"user-code failures {failed:.0f}")
         if score := held_out_score(metrics):
             parts.append(f"held-out {metrics[score]:.0%} (tool {metrics['eval/tool_call_rate']:.0%})")
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))

@@ -1,0 +1,75 @@
+"""The user's own code failing, shown and bounded: reward functions, an environment's ``reset`` and
+``step``, and its tools.
+
+Each kind's first failure is printed once on the console (one line, with where its traceback went)
+and its traceback is kept in ``<output_dir>/errors/<kind>.txt``. Every step logs the failures of
+each kind (``failures/<kind>``), and the step line shows their sum. When every call of a reward
+function or an environment method fails for ``run.max_user_failure_steps`` steps in a row, the run
+stops with one line that names it and points to the traceback: a run whose reward is 0 for a bug,
+not for the policy, is not worth its compute. A tool that raises is the model's observation (it
+may have called it badly), so tools are shown and counted, never stopped for.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from rltrain.rollout.rewards import Calls
+
+
+class UserCodeFailed(RuntimeError):
+    """Every call of the user's code of one kind failed for too many steps."""
+
+
+def slug(kind: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", kind).strip("_")
+
+
+class UserCodeFailures:
+    def __init__(self, out: Path, max_failed_steps: int | None):
+        self.folder, self.max_failed_steps = out / "errors", max_failed_steps
+        self.saved: dict[str, Path] = {}  # kind -> its first traceback's file
+        self.streak: Counter[str] = Counter()  # kind -> steps in a row in which every call failed
+
+    def check(self, step: int, calls: dict[str, Calls]) -> dict[str, float]:
+        """The step's ``failures/<kind>`` metrics; a kind's first failure is shown and kept; raises
+        :class:`UserCodeFailed` once a reward function or environment method has failed every call
+        for ``max_failed_steps`` steps in a row."""
+        metrics = {}
+        for kind, c in calls.items():
+            if c.failed:
+                metrics[f"failures/{slug(kind)}"] = float(c.failed)
+                if kind not in self.saved and c.first_error:
+                    self._show(step, kind, c)
+            every = c.called > 0 and c.failed == c.called
+            self.streak[kind] = self.streak[kind] + 1 if every else 0
+            limit = self.max_failed_steps
+            if limit and self.streak[kind] >= limit and not kind.startswith("tool "):
+                where = f"; its first traceback: {self.saved[kind]}" if kind in self.saved else ""
+                raise UserCodeFailed(
+                    f"step {step}: every call of the {kind} failed for {self.streak[kind]} step(s) in a row "
+                    f"({c.failed} of {c.called} this step: {last_line(c.first_error)}){where}; stopping "
+                    f"(run.max_user_failure_steps={limit})"
+                )
+        return metrics
+
+    def _show(self, step: int, kind: str, c: Calls) -> None:
+        path = self.folder / f"{slug(kind)}.txt"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{kind}, first failure at step {step}:\n{c.first_error}\n")
+            self.saved[kind] = path
+            where = f"traceback: {path}"
+        except OSError as e:
+            where = f"its traceback could not be written: {e.strerror}"
+        print(f"rltrain: step {step}: the {kind} failed ({c.failed} of {c.called} calls): "
+              f"{last_line(c.first_error)} ({where})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def last_line(text: str | None) -> str:
+    """A traceback's last line (the exception), or the message itself."""
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no message"

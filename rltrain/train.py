@@ -19,7 +19,8 @@ import sys
 
 from rltrain.config import TINY_MODEL, ConfigError, describe, load_config
 from rltrain.run import checkpoint
-from rltrain.run.launch import connect_ray, preflight, quiet_console
+from rltrain.run.checks import preflight
+from rltrain.run.launch import connect_ray, quiet_console
 from rltrain.run.loop import RunFailed, train
 from rltrain.run.user_code import UserCodeFailed
 

@@ -379,7 +379,7 @@ def test_the_users_code_is_called_once_before_any_actor(case, capsys, tmp_path, 
 
 
 def test_a_trl_style_reward_function_passes_the_check_before_the_run(tmp_path):
-    from rltrain.run.launch import preflight
+    from rltrain.run.checks import preflight
 
     # TRL's (prompts, completions, **kwargs) used to pass the (completion, answer) check and then
     # fail every call of every step; it is called as a batch now, with the data's columns

@@ -43,7 +43,7 @@ def test_every_key_is_documented_for_help_config():
 def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in_one_line(
     tmp_path, monkeypatch
 ):
-    from rltrain.run.launch import preflight
+    from rltrain.run.checks import preflight
 
     monkeypatch.chdir(tmp_path)  # relative paths among the values land here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub name fails at once rather than after retries

@@ -15,7 +15,8 @@ import sys
 
 from rltrain.config import Config, ConfigError, load_config
 from rltrain.data import Prompt
-from rltrain.run.launch import connect_ray, preflight, quiet_console
+from rltrain.run.checks import preflight
+from rltrain.run.launch import connect_ray, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
 

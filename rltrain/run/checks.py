@@ -1,0 +1,345 @@
+"""Checks before anything starts: every input a run reads (config beyond its schema, data rows,
+model, lengths, the user's reward functions, tools and environment, output folder), each raising a
+one-line :class:`~rltrain.config.ConfigError` before any actor starts (:func:`preflight`). The
+user's own code is called once here, with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from rltrain.config import SFT_FROM_ENV, TINY_MODEL, Config, ConfigError
+from rltrain.data import (
+    Prompt,
+    episode_prompts,
+    first_line,
+    load_rows,
+    sft_examples,
+    split_held_out,
+    tokenize_prompts,
+)
+from rltrain.rollout.rewards import GIVEN, load_reward_fn, takes_batches
+from rltrain.run import checkpoint
+
+
+@dataclass
+class Inputs:
+    """What a run reads, checked by :func:`preflight` before any actor starts."""
+
+    out: Path
+    model_path: str
+    tokenizer: Any
+    prompts: list[Prompt]  # training prompts
+    rows: list[dict]  # their rows (the supervised warm-up's questions)
+    eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
+
+
+def preflight(config: Config) -> Inputs:
+    """Every check that needs more than the schema (reward and tool specs, output folder, model,
+    lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
+    for spec in config.reward.functions:
+        if spec in GIVEN:
+            continue  # the environment's reward or the reward model's: both are checked below
+        try:
+            load_reward_fn(spec)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions: {e}") from None
+    for key, source in [("data.source", config.data.source), ("eval.source", config.eval.source),
+                        ("sft_warmup.source", config.sft_warmup.source)]:  # fmt: skip
+        looks_local = source is not None and source.startswith(("/", "./", "../", "~"))
+        if looks_local and not Path(source).expanduser().exists():
+            raise ConfigError(f"{key}: {source!r} does not exist")
+    _check_tools(config)
+    _check_backend(config)
+    out = _output_folder(config)
+    model_path = resolve_model(config, out)
+    _check_model(config, model_path)
+    if config.run.resume:
+        config_json = Path(model_path).expanduser() / "config.json"
+        model_config = json.loads(config_json.read_text()) if config_json.is_file() else None
+        problem = checkpoint.resume_problem(out, model_config, config)
+        if problem:
+            raise ConfigError(f"run.resume: {problem}")
+    tokenizer = load_tokenizer(config, "model.name_or_path", model_path)
+    _check_scoring_models(config, tokenizer)
+    try:
+        rows, held_out = load_rows(config.data), []
+        if config.run.eval_every:
+            rows, held_out = split_held_out(rows, config.data, config.eval)
+        check_reward_functions(config, rows[0])
+        if config.env.name is not None:
+            check_environment(config, rows[0], tokenizer)
+            prompts = episode_prompts(rows, config.data)
+            eval_prompts = episode_prompts(held_out, config.data) if held_out else []
+        else:
+            prompts = tokenize_prompts(rows, tokenizer, config.data)
+            eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+        if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
+            sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def with_deadline(timeout_s: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a thread: its value, what it raised, or TimeoutError after
+    ``timeout_s`` (the user's code checked before any actor starts; a hung call is left behind)."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"did not return within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def check_reward_functions(config: Config, row: dict) -> None:
+    """Each reward function, called once on the first data row with its answer as the completion
+    (both forms: ``fn(completion, answer)``, and TRL's ``fn(prompts=, completions=, **columns)``),
+    returns a number; raises ValueError naming it otherwise."""
+    answer = str(row.get("answer", ""))
+    for spec in config.reward.functions:
+        if spec in GIVEN:
+            continue
+        fn = load_reward_fn(spec)
+        if takes_batches(fn):
+            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "answer")}
+            call = partial(
+                fn, prompts=[row.get("prompt", "")], completions=[answer], answer=[answer], **columns
+            )
+            form = "fn(prompts=[...], completions=[...], answer=[...], <other columns>=[...])"
+        else:
+            call, form = partial(fn, answer, answer), "fn(completion, answer)"
+        try:
+            value = with_deadline(config.reward.timeout_s, call)
+            number = [float(v) for v in value][0] if takes_batches(fn) else float(value)
+            if len(value if takes_batches(fn) else [value]) != 1:
+                raise ValueError(f"returned {len(value)} scores for 1 completion")
+        except Exception as e:
+            raise ValueError(
+                f"reward.functions: {spec}, called as {form} on the first data row with its answer as the "
+                f"completion, raised {first_line(e)}"
+            ) from None
+        if number != number:
+            raise ValueError(
+                f"reward.functions: {spec} returned NaN on the first data row with its answer as the completion"
+            )
+
+
+def check_environment(config: Config, row: dict, tokenizer) -> None:
+    """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row, and its
+    tools' schemas and the chat template's rendering of the additions work; raises ValueError
+    naming the key."""
+    from rltrain.envs import load_environment, tool_schemas
+    from rltrain.rollout.chat import ChatRenderer, TemplateError
+
+    env = config.env
+    try:
+        instance = load_environment(env.name)(**env.kwargs)
+    except TypeError as e:
+        raise ValueError(f"env.kwargs: {env.name} does not take {env.kwargs} ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"env.name: {e}") from None
+    try:
+        schemas = tool_schemas(instance.tools)
+    except Exception as e:  # transformers: a tool without type hints or an Args: section
+        raise ValueError(f"env.name: {env.name}'s tools have no JSON schema ({e})") from None
+    try:
+        opening = with_deadline(config.env.step_timeout_s, instance.reset, row)
+    except Exception as e:
+        raise ValueError(
+            f"env.name: {env.name}.reset(first row of data.source) raised {type(e).__name__}: {e}"
+        ) from None
+    if (
+        config.sft_warmup.steps
+        and config.sft_warmup.source == SFT_FROM_ENV
+        and not hasattr(instance, "demonstration")
+    ):
+        raise ValueError(f"sft_warmup.source=env: {env.name} has no demonstration(row) method")
+    renderer = ChatRenderer(tokenizer, schemas, env.render)
+    try:
+        prompt = renderer.opening(opening)
+    except TemplateError as e:
+        raise ValueError(f"env.render: {e}") from None
+    if len(prompt) > config.data.max_prompt_tokens:
+        raise ValueError(
+            f"data.max_prompt_tokens={config.data.max_prompt_tokens} is shorter than {env.name}'s opening "
+            f"prompt for the first row ({len(prompt)} tokens, tool schemas and chat template included); "
+            "every episode would end before its first turn"
+        )
+    _check_step(config, instance, opening, row)
+    probe = [*opening, {"role": "assistant", "content": "1"}]
+    try:
+        renderer.additions(probe, [{"role": "user", "content": "2"}])
+        if schemas:
+            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+            turn = [*opening, {"role": "assistant", "content": "", "tool_calls": [call]}]
+            renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
+    except TemplateError as e:
+        raise ValueError(f"env.render: {e}") from None
+
+
+def _check_step(config: Config, instance, opening: list[dict], row: dict) -> None:
+    """``step`` answers an assistant turn (the row's answer) with a Step, in time."""
+    from rltrain.envs import GYM_HINT, Step
+
+    turn = [*opening, {"role": "assistant", "content": str(row.get("answer", ""))}]
+    try:
+        step = with_deadline(config.env.step_timeout_s, instance.step, turn)
+    except Exception as e:
+        raise ValueError(
+            f"env.name: {config.env.name}.step(messages) raised {first_line(e)} on the "
+            "first row's opening and its answer as the assistant turn"
+        ) from None
+    if not isinstance(step, Step):
+        raise ValueError(
+            f"env.name: {config.env.name}.step returned {type(step).__name__}, not rltrain.envs.Step{GYM_HINT}"
+        )
+
+
+def _check_tools(config: Config) -> None:
+    tools = config.rollout.tools
+    if "python" in tools.enabled and tools.sandbox.require_isolation:
+        from rltrain.rollout.sandbox import isolation_problem
+
+        problem = isolation_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"rollout.tools.enabled: the python tool cannot be isolated on this machine ({problem}); "
+                "set rollout.tools.sandbox.require_isolation=false to run it with resource limits only"
+            )
+
+
+def _output_folder(config: Config) -> Path:
+    out = Path(config.run.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run.output_dir: {str(out)!r} is a file, expected a folder (or a new path)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write_test").write_text("")
+        (out / ".write_test").unlink()
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({e.strerror})") from None
+    return out
+
+
+def _model_config(config: Config, key: str, model_path: str):
+    """The transformers config of a local model folder or hub name (``key`` names it in errors),
+    whose context must hold the longest sequence."""
+    folder = Path(model_path).expanduser()
+    local = folder.is_dir()
+    if local and not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: {model_path!r} has no config.json (not a transformers model folder)")
+    from transformers import AutoConfig
+
+    try:  # a hub name: its config.json alone is fetched (and cached) now
+        model_config = AutoConfig.from_pretrained(
+            folder if local else model_path, trust_remote_code=config.model.trust_remote_code
+        )
+    except Exception as e:
+        if local:
+            raise ConfigError(f"{key}: cannot read {str(folder / 'config.json')!r} ({e})") from None
+        raise ConfigError(
+            f"{key}: {model_path!r} is no local model folder and cannot be loaded from the hub ({first_line(e)})"
+        ) from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and config.longest_sequence > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {config.longest_sequence} exceeds the "
+            f"context of {context} tokens of {key} (max_position_embeddings in {model_path})"
+        )
+    return model_config
+
+
+def load_tokenizer(config: Config, key: str, model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:  # a model folder without tokenizer files, say
+        raise ConfigError(f"{key}: cannot load the tokenizer of {model_path!r} ({first_line(e)})") from None
+
+
+def _check_scoring_models(config: Config, tokenizer) -> None:
+    """The teacher and the reward model score the policy's token ids as sampled: each must share
+    its tokenizer; the reward model must be a one-label sequence classifier with a chat template."""
+    judge = config.reward.judge
+    if (
+        judge is not None and judge.model is not None
+    ):  # a judge reads text: any tokenizer with a chat template
+        _model_config(config, "reward.judge.model", judge.model)
+        if load_tokenizer(config, "reward.judge.model", judge.model).chat_template is None:
+            raise ConfigError(
+                f"reward.judge.model: {judge.model!r} has no chat template to put the question in"
+            )
+    models = {"algorithm.teacher": config.algorithm.teacher, "reward.model": config.reward.model}
+    for key, path in models.items():
+        if path is None:
+            continue
+        model_config = _model_config(config, key, path)
+        theirs = load_tokenizer(config, key, path)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"{key}: the tokenizer of {path!r} differs from the policy's ({len(theirs)} vs "
+                f"{len(tokenizer)} tokens, or other ids); it must score the policy's token ids as sampled"
+            )
+        if key != "reward.model":
+            continue
+        architectures = getattr(model_config, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(
+                f"reward.model: {path!r} is {', '.join(architectures) or 'no known architecture'}, "
+                "expected a sequence-classification model (one score per sequence)"
+            )
+        if model_config.num_labels != 1:
+            raise ConfigError(
+                f"reward.model: {path!r} has {model_config.num_labels} labels, expected 1 (a score)"
+            )
+        if theirs.chat_template is None:
+            raise ConfigError(
+                f"reward.model: {path!r} has no chat template (it scores the prompt's chat rendering)"
+            )
+
+
+def _check_model(config: Config, model_path: str) -> None:
+    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    model_config = _model_config(config, "model.name_or_path", model_path)
+    sp = config.learner.sequence_parallel_size
+    if sp > 1 and model_config.num_attention_heads % sp:
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} does not divide the model's "
+            f"{model_config.num_attention_heads} attention heads"
+        )
+
+
+def _check_backend(config: Config) -> None:
+    if config.rollout.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.backend: 'vllm' is not installed (install vllm, or set rollout.backend=hf)"
+            )
+
+
+def resolve_model(config: Config, out: Path) -> str:
+    if config.model.name_or_path == TINY_MODEL:
+        from rltrain.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
+    return config.model.name_or_path

@@ -49,11 +49,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2
     try:
-        train(config, inputs)
+        out = train(config, inputs)
     except (RunFailed, UserCodeFailed, checkpoint.SaveFailed) as e:  # SaveFailed: the warm start's model
         print(f"rltrain: {e}", file=sys.stderr)
         return 1
+    print(outputs_line(out), flush=True)
     return 0
+
+
+OUTPUTS = {  # what a run folder may hold, in the order a reader wants it
+    "final_model": "final_model/ (loads with from_pretrained)",
+    "final_critic": "final_critic/",
+    "checkpoints": "checkpoints/ (resume with run.resume=true)",
+    "metrics.jsonl": "metrics.jsonl",
+    "tensorboard": "tensorboard/",
+    "curves.png": "curves.png",
+    "rollouts": "rollouts/",
+    "errors": "errors/ (tracebacks of your code)",
+    "config.yaml": "config.yaml",
+}
+
+
+def outputs_line(out) -> str:
+    """The run's last line: where its outputs are and what is there."""
+    present = [text for name, text in OUTPUTS.items() if (out / name).exists()]
+    return f"rltrain: done; outputs in {out}/: {', '.join(present)}"
 
 
 def help_config(args: argparse.Namespace) -> int:

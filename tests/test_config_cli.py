@@ -399,6 +399,16 @@ def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, 
     fails_with_one_line(argv, expected, capsys)
 
 
+def test_a_ray_address_where_nothing_answers_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    from dist_utils import free_port
+
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", "sft_warmup.steps=0"]
+    fails_with_one_line(argv, f"cannot join the Ray cluster at RAY_ADDRESS=127.0.0.1:{port} (ConnectionError: "
+                        f"nothing answers at 127.0.0.1:{port}: Connection refused)", capsys)  # fmt: skip
+
+
 def test_config_file_must_hold_a_mapping(tmp_path, capsys):
     path = tmp_path / "list.yaml"
     path.write_text("- model\n- learner\n")

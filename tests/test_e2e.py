@@ -88,6 +88,10 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path, r
         env=ray_cluster,
     )
     assert "step 3/3 reward" in done.stdout  # the per-step summary line
+    assert done.stdout.strip().splitlines()[-1] == (  # the last line: where everything is
+        f"rltrain: done; outputs in {out}/: final_model/ (loads with from_pretrained), checkpoints/ (resume "
+        "with run.resume=true), metrics.jsonl, tensorboard/, curves.png, config.yaml"
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
@@ -399,6 +403,38 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
     # since step 1 skipped its update: fresh, not a version old, so nothing is dropped and it trains
     assert rows[1]["rollout/staleness_max"] == 0 and rows[1]["rollout/stale_dropped"] == 0
     assert "train/skipped" not in rows[1] and rows[1]["train/tokens"] > 0
+
+
+def test_a_ray_instance_something_else_started_is_left_alone(tmp_path):
+    # ray.init() alone joins a local instance it finds running (its address file under RAY_TMPDIR)
+    # and then refuses num_cpus: "When connecting to an existing cluster, num_cpus and num_gpus must
+    # not be provided". A run without RAY_ADDRESS starts its own instead.
+    venv_bin = Path(sys.executable).parent
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen([str(venv_bin / "ray"), "start", "--head", "--block", "--num-cpus=1", f"--port={free_port()}",
+                             "--include-dashboard=false"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        address_file = Path(temp) / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 120
+        while (
+            not (address_file.exists() and address_file.read_text().strip()) and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
+        theirs = address_file.read_text().strip()
+        code = ("from rltrain.config import load_config; from rltrain.run.launch import connect_ray; import ray; "
+                "connect_ray(load_config(None, ['run.ray_num_cpus=4'])); print(ray.get_runtime_context().gcs_address)")  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        ours = done.stdout.strip().splitlines()[-1]
+        assert ours and ours != theirs
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
 
 
 def test_ray_job_submit_against_a_local_head(tmp_path):

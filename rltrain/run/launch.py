@@ -26,6 +26,7 @@ import torch
 from rltrain.config import Config, ConfigError, dump
 from rltrain.data import (
     PromptSampler,
+    first_line,
 )
 from rltrain.rollout.rewards import JUDGE, MODEL, RewardScorer
 from rltrain.run import checkpoint
@@ -40,27 +41,63 @@ def quiet_console() -> None:
 
 
 def connect_ray(config: Config) -> None:
-    """Join the cluster in RAY_ADDRESS, or start a local instance; then check the layout fits."""
+    """Join the cluster in RAY_ADDRESS, or start a local instance of the run's own (never one that
+    something else started); then check the layout fits. A cluster that cannot be reached or an
+    instance that does not start raises a one-line ConfigError."""
     import ray
 
-    if not os.environ.get("RAY_ADDRESS"):
-        have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
-        _check_fits(have_cpu, _local_gpus(), config)
-        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-        # Ray enables token authentication for a local instance by default and says so on every start;
-        # we keep the default and drop the notice
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
-            num_cpus=have_cpu,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=512 * 2**20,
-            logging_level=logging.WARNING,
-        )
-    else:
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        if not address:
+            have_cpu = config.run.ray_num_cpus or os.cpu_count() or 1
+            _check_fits(have_cpu, _local_gpus(), config)
+            os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+            # Ray enables token authentication for a local instance by default and says so on every
+            # start; we keep the default and drop the notice
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+                logging.ERROR
+            )
+            ray.init(
+                address="local",  # a new instance: ray.init() alone joins any running on this machine
+                num_cpus=have_cpu,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=512 * 2**20,
+                logging_level=logging.WARNING,
+            )
+            return
+        problem = _unreachable(address)
+        if problem:
+            raise ConnectionError(problem)
         ray.init(log_to_driver=False, logging_level=logging.WARNING)
-        resources = ray.cluster_resources()
-        _check_fits(resources.get("CPU", 0), resources.get("GPU", 0), config)
+    except ConfigError:
+        raise
+    except Exception as e:
+        where = (
+            f"cannot join the Ray cluster at RAY_ADDRESS={address}"
+            if address
+            else "cannot start a local Ray instance"
+        )
+        raise ConfigError(
+            f"{where} ({first_line(e)}); unset RAY_ADDRESS to start one of the run's own"
+        ) from None
+    resources = ray.cluster_resources()
+    _check_fits(resources.get("CPU", 0), resources.get("GPU", 0), config)
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing answers at a ``host:port`` RAY_ADDRESS (Ray itself retries for minutes), or None;
+    ``auto`` and ``ray://`` addresses are left to Ray."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
+            return None
+    except OSError as e:
+        return f"nothing answers at {address}: {e.strerror or e}"
 
 
 def _local_gpus() -> int:

@@ -530,3 +530,38 @@ def test_the_mismatch_guard_is_on_by_default_where_it_measures_the_engine_alone(
         match=r"^run.max_mismatch_kl: got 0; Input should be greater than 0; or Input should be 'auto'$",
     ):
         load_config(None, ["run.max_mismatch_kl=0"])
+
+
+def test_settings_that_do_not_fit_an_environment_are_refused_or_noted(tmp_path, capsys, monkeypatch):
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    # the demo's config with an environment added: its warm start answers in the tag format
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", "env.name=builtin:calculator",
+            "reward.functions={env: 1.0}"]  # fmt: skip
+    fails_with_one_line(argv, "sft_warmup.source=builtin:arithmetic warms up on the built-in task's tag-format "
+                        "calculator answers, but env.name=builtin:calculator speaks rollout.tool_parser=hermes", capsys)  # fmt: skip
+    from rltrain.run.checks import preflight
+
+    preflight(load_config("configs/cpu_demo.yaml", [f"run.output_dir={tmp_path}", "env.name=builtin:calculator",
+                                                    "reward.functions={env: 1.0}", "sft_warmup.steps=0"]))  # fmt: skip
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        "rltrain: note: rollout.tools.enabled=['calculator'] is not used with env.name=builtin:calculator: an "
+        "environment's tools are its own (Environment.tools)",
+        "rltrain: note: algorithm.overlong=soft_penalty adds up to -0.5 to the reward of long episodes of "
+        "builtin:calculator (shown as `overlong` in the step line and the rollouts); algorithm.overlong=none "
+        "leaves the environment's reward alone",
+    ]
+
+
+def test_the_readme_environment_plugs_into_the_shipped_config_without_a_word(tmp_path, capsys):
+    from test_example_ddp import readme_block
+
+    from rltrain.run.checks import preflight
+
+    (tmp_path / "countdown.py").write_text(readme_block("An environment in 20 lines"))
+    config = load_config("configs/cpu_env.yaml", [f"run.output_dir={tmp_path / 'run'}",
+                                                   f"env.name={tmp_path / 'countdown.py'}:Countdown"])  # fmt: skip
+    assert preflight(config).prompts
+    assert capsys.readouterr().err == ""

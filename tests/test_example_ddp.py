@@ -55,3 +55,12 @@ def test_the_readme_environment_plays_an_episode():
     wrong = env.step([{"role": "assistant", "content": "6"}])
     right = env.step([{"role": "assistant", "content": " 7 "}])
     assert (wrong.done, right.done, right.reward) == (False, True, 0.5)  # found on the 2nd try: 1/2
+
+
+def test_the_readme_reward_function_scores_through_its_file(tmp_path):
+    from rltrain.rollout.rewards import RewardScorer
+
+    (tmp_path / "myreward.py").write_text(readme_block("Your reward function"))
+    with RewardScorer({f"{tmp_path / 'myreward.py'}:brevity": 1.0}, timeout_s=5) as scorer:
+        scores = scorer(["so 42", "42", "41"], ["42", "42", "42"])
+    assert scores.rewards == [0.5, 1.0, 0.0]  # right in 2 words: 1/2; alone: 1; wrong: 0

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rltrain.config import SFT_FROM_ENV, TINY_MODEL, Config, ConfigError
+from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, TINY_MODEL, Config, ConfigError
 from rltrain.data import (
     Prompt,
     episode_prompts,
@@ -78,6 +78,8 @@ def preflight(config: Config) -> Inputs:
         else:
             prompts = tokenize_prompts(rows, tokenizer, config.data)
             eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+        if config.env.name is not None:
+            check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
             sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
     except ValueError as e:
@@ -192,6 +194,31 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
             renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
     except TemplateError as e:
         raise ValueError(f"env.render: {e}") from None
+
+
+def check_environment_fit(config: Config) -> None:
+    """Settings that do not fit an environment: a warm start on the built-in task's tag-format
+    examples where the environment speaks hermes is refused (ValueError); tag-format tools and the
+    overlong penalty get one line each on the console."""
+    import sys
+
+    name, parser = config.env.name, config.tool_parser
+    if config.sft_warmup.steps and config.sft_warmup.source == BUILTIN_TASK and parser == "hermes":
+        raise ValueError(
+            f"sft_warmup.source={BUILTIN_TASK} warms up on the built-in task's tag-format calculator answers, but "
+            f"env.name={name} speaks rollout.tool_parser=hermes: set sft_warmup.source=env (its demonstrations), "
+            "a file of your own, or sft_warmup.steps=0"
+        )
+    notes = []
+    if config.rollout.tools.enabled:
+        notes.append(f"rollout.tools.enabled={config.rollout.tools.enabled} is not used with env.name={name}: "
+                     "an environment's tools are its own (Environment.tools)")  # fmt: skip
+    if config.algorithm.overlong == "soft_penalty":
+        notes.append(f"algorithm.overlong=soft_penalty adds up to -{config.algorithm.overlong_penalty:g} to the "
+                     f"reward of long episodes of {name} (shown as `overlong` in the step line and the rollouts); "
+                     "algorithm.overlong=none leaves the environment's reward alone")  # fmt: skip
+    for note in notes:
+        print(f"rltrain: note: {note}", file=sys.stderr, flush=True)
 
 
 def _check_step(config: Config, instance, opening: list[dict], row: dict) -> None:

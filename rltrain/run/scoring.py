@@ -122,6 +122,8 @@ def score(
         **episode_metrics(completions),
     }
     per_function = {name: torch.tensor(values) for name, values in scores.per_sample.items()}
+    if alg.overlong == "soft_penalty":  # a sample's reward is the sum of these: the penalty shown too
+        per_function["overlong"] = penalties
     calls = user_code_calls(completions, scores.calls)
     return ScoredGroups(prompts, completions, rewards, metrics, per_function, calls)
 

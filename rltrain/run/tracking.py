@@ -27,6 +27,9 @@ class Tracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.out_dir, self.total = out_dir, config.run.steps
+        # what a step's reward is the sum of: each weighted function and the overlong penalty
+        penalty = ["overlong"] if config.algorithm.overlong == "soft_penalty" else []
+        self.components = [*config.reward.functions, *penalty]
         # a resumed run re-runs the steps after its checkpoint: their old rows go, in every log
         # (a fresh run logs its own step 0, the evaluation before training: an earlier run's goes too)
         truncate_metrics(out_dir / "metrics.jsonl", start_step if start_step else -1)
@@ -57,6 +60,13 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         parts = [f"{name} {fmt.format(metrics[key])}" for name, key, fmt in SUMMARY if key in metrics]
+        shown = [
+            f"{name} {metrics[f'reward/{name}']:.3f}"
+            for name in self.components
+            if f"reward/{name}" in metrics
+        ]
+        if len(self.components) > 1 and shown and parts and parts[0].startswith("reward "):
+            parts[0] += f" ({', '.join(shown)})"
         if failed := sum(v for k, v in metrics.items() if k.startswith("failures/")):
             parts.append(f"user-code failures {failed:.0f}")
         if score := held_out_score(metrics):

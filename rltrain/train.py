@@ -21,7 +21,7 @@ from rltrain.config import TINY_MODEL, ConfigError, describe, load_config
 from rltrain.run import checkpoint
 from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
-from rltrain.run.loop import RunFailed, train
+from rltrain.run.loop import Interrupted, RunFailed, train
 from rltrain.run.user_code import UserCodeFailed
 
 
@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RunFailed, UserCodeFailed, checkpoint.SaveFailed) as e:  # SaveFailed: the warm start's model
         print(f"rltrain: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # (the run saved what it trained)
+        print(f"rltrain: {e}" if isinstance(e, Interrupted) else "rltrain: interrupted", file=sys.stderr)
+        return 130
     print(outputs_line(out), flush=True)
     return 0
 

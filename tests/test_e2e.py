@@ -491,29 +491,50 @@ def wait_for_dashboard(url: str, timeout_s: float) -> None:
             time.sleep(1)
 
 
-def test_ctrl_c_saves_a_checkpoint_that_resumes(tmp_path, ray_cluster):
+# when the Ctrl-C comes: during a step (after the first row: step 2 generating or training), while
+# a checkpoint is written (every step saves one), and twice (the second while the save runs)
+CTRL_C = {
+    "during a step": ("run.checkpoint_every=0", lambda out: len(logged_rows(out)) >= 1, 1),
+    "while a checkpoint is written": (
+        "run.checkpoint_every=1",
+        lambda out: any(p.name.endswith(".partial") for p in (out / "checkpoints").glob("step_*")),
+        1,
+    ),
+    "twice": ("run.checkpoint_every=0", lambda out: len(logged_rows(out)) >= 2, 2),
+}
+
+
+@pytest.mark.parametrize("when", CTRL_C)
+def test_ctrl_c_saves_a_checkpoint_and_stops_whenever_it_comes(when, tmp_path, ray_cluster):
     out = tmp_path / "run"
+    every, ready, presses = CTRL_C[when]
     cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, HF,
-           "run.steps=200", "run.checkpoint_every=0", f"run.output_dir={out}"]  # fmt: skip
+           "run.steps=200", every, f"run.output_dir={out}"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **ray_cluster})  # fmt: skip
-    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    while not ((out / "metrics.jsonl").exists() and ready(out)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
     output = proc.communicate(timeout=300)[0]
-    assert proc.returncode != 0
+    assert proc.returncode == 130, output[-3000:]
     tag = (out / "checkpoints" / "latest").read_text()
     saved_step = int(tag.removeprefix("step_"))
-    assert f"interrupted: saving a checkpoint of step {saved_step}" in output
-    assert saved_step >= 2
-    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / tag / "hf")
+    assert saved_step >= 1 and output.rstrip().endswith(
+        f"rltrain: interrupted; the newest checkpoint is {tag}; resume with: python -m rltrain.train "
+        f"--config {out / 'config.yaml'} run.resume=true"
+    ), output[-2000:]
+    assert "Traceback" not in output
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / tag / "hf")  # complete, loadable
+    if when != "during a step":
+        return
     run_trainer(
         out, HF, f"run.steps={saved_step + 1}", "run.checkpoint_every=0", "run.resume=true", env=ray_cluster
     )
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    steps = [row["step"] for row in logged_rows(out)]
     assert steps[-1] == saved_step + 1
 
 

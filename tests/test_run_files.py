@@ -136,3 +136,25 @@ def test_deepspeeds_copy_of_its_recovery_scripts_is_a_recorded_write_too(tmp_pat
         engine._copy_recovery_script(str(gone))  # recorded, not raised
     assert len(errors) == 1 and errors[0].startswith(f"writing {gone} failed (No such file or directory; ")
     assert "_copy_recovery_script" not in vars(engine) and "save" not in vars(engine.checkpoint_engine)
+
+
+def test_ctrl_c_is_recorded_where_its_exception_could_be_lost_and_waits_for_a_save():
+    # (one during a save is recorded only too: test_e2e sends one while a checkpoint is written)
+    import os
+    import signal
+
+    from rltrain.run.loop import CtrlC
+
+    ctrl_c = CtrlC()
+    try:
+        with pytest.raises(KeyboardInterrupt):  # the first one raises where the loop is
+            os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # and is recorded: a swallowed exception is raised again
+            ctrl_c.check()
+        os.kill(os.getpid(), signal.SIGINT)  # a second one: the interrupted step's save is under way
+        assert ctrl_c.count == 2
+        with pytest.raises(KeyboardInterrupt), ctrl_c.deferred():  # a third stops at once
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        ctrl_c.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -9,9 +9,12 @@ Checks live in :mod:`rltrain.run.checks`, the Ray connection and the actors' sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -92,6 +95,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
     busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
     user_code = UserCodeFailures(run.out, config.run.max_user_failure_steps)
+    interrupt = CtrlC()
     try:
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
@@ -117,21 +121,19 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             sync_s = push(run, step, batch, metrics, check=sync_unchecked)
             sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
             step_s = time.perf_counter() - t0
-            generated = sum(len(c.token_ids) for c in scored.completions)
             busy_now = generators.busy_seconds()
             engines_busy_s, busy_s = busy_now - busy_s, busy_now
             last = step in (config.run.steps, config.run.stop_after)
             if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
                 metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
-            tracker.log(step, {**scored.metrics, **metrics, "time/generate_s": generate_s, "time/sync_s": sync_s,
-                               "time/step_s": step_s, "perf/tokens_per_s": generated / step_s,
-                               "perf/engine_busy_share": engines_busy_s / (step_s * generators.size),
-                               "perf/learner_busy_share": metrics.get("time/train_s", 0.0) / step_s,
-                               "train/sequences": float(len(batch))})  # fmt: skip
+            times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
+                     "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
+            tracker.log(step, step_row(scored, metrics, times, len(batch)))
             check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
-                if saved(config, run.out, step, partial(save_checkpoint, run, config, step)):
+                if saved(config, run.out, step, partial(save_checkpoint, run, config, step, interrupt)):
                     last_saved = step
+            interrupt.check()  # a Ctrl-C whose exception something swallowed, or one during the save
             if step == config.run.stop_after:
                 break
         if step == config.run.steps:
@@ -142,20 +144,80 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         # an update already issued completes on the learners before the save queued behind it
         # (actors run calls in order), so the checkpoint holds exactly `trained` steps
         if trained > last_saved:
-            tracker.bar.write(f"interrupted: saving a checkpoint of step {trained}")
-            saved(
-                config, run.out, trained, partial(save_checkpoint, run, config, trained), on_error="continue"
+            tracker.bar.write(
+                f"interrupted: saving a checkpoint of step {trained} (Ctrl-C again waits for it)"
             )
-        raise
+            write = partial(save_checkpoint, run, config, trained, interrupt)
+            last_saved = (
+                trained if saved(config, run.out, trained, write, on_error="continue") else last_saved
+            )
+        raise Interrupted(last_saved, run.out) from None
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
             error.stacks = write_stacks(run, step)
         run.shutdown()
         raise
     finally:
+        interrupt.restore()
         tracker.close()
     run.shutdown()
     return run.out
+
+
+def step_row(scored, metrics: dict[str, float], times: dict[str, float], sequences: int) -> dict[str, float]:
+    """A step's metrics row: scoring's, training's, the timings and the throughput."""
+    generated = sum(len(c.token_ids) for c in scored.completions)
+    step_s = times["time/step_s"]
+    return {**scored.metrics, **metrics, **times, "perf/tokens_per_s": generated / step_s,
+            "perf/learner_busy_share": metrics.get("time/train_s", 0.0) / step_s,
+            "train/sequences": float(sequences)}  # fmt: skip
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; ``step``: the newest checkpoint (0: none)."""
+
+    def __init__(self, step: int, out: Path):
+        super().__init__(step, out)
+        self.step, self.out = step, out
+
+    def __str__(self) -> str:
+        if not self.step:
+            return "interrupted before any step was trained; nothing to resume"
+        return f"interrupted; the newest checkpoint is step_{self.step}; {resume_hint(self.out)}"
+
+
+class CtrlC:
+    """Ctrl-C, always honoured. Its handler raises KeyboardInterrupt and records it; the loop checks
+    the record at every step's end, so an interrupt whose exception a library swallowed (Python
+    drops one raised inside a finalizer or a callback) still stops the run. While a checkpoint is
+    written (:meth:`deferred`) a Ctrl-C is recorded only, and so is a second one (the interrupted
+    step's save is under way): the save completes, then the run stops. A third stops at once."""
+
+    def __init__(self):
+        self.count, self.saving = 0, False
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGINT, self._on_sigint) if main else None
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.count += 1
+        if self.count >= 3 or (self.count == 1 and not self.saving):
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+
+    def check(self) -> None:
+        if self.count:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def update(run: Run, config: Config, step: int, batch, rewards) -> dict[str, float]:
@@ -218,9 +280,11 @@ def saved(
         return False
 
 
-def save_checkpoint(run: Run, config: Config, step: int) -> None:
+def save_checkpoint(run: Run, config: Config, step: int, interrupt: CtrlC | None = None) -> None:
+    """The checkpoint of ``step``; a Ctrl-C while it is written waits for it (``interrupt``)."""
     state = {"data": run.orchestrator.state(step)}
-    checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
+    with interrupt.deferred() if interrupt is not None else contextlib.nullcontext():
+        checkpoint.save(run.learners, run.out, step, state, run.critic, config.run.keep_checkpoints)
 
 
 def resume_hint(out: Path) -> str:

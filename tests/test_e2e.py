@@ -405,7 +405,7 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
     assert "train/skipped" not in rows[1] and rows[1]["train/tokens"] > 0
 
 
-def test_a_ray_instance_something_else_started_is_left_alone(tmp_path):
+def test_a_ray_instance_something_else_started_and_a_port_in_use_are_left_alone(tmp_path):
     # ray.init() alone joins a local instance it finds running (its address file under RAY_TMPDIR)
     # and then refuses num_cpus: "When connecting to an existing cluster, num_cpus and num_gpus must
     # not be provided". A run without RAY_ADDRESS starts its own instead.
@@ -424,7 +424,11 @@ def test_a_ray_instance_something_else_started_is_left_alone(tmp_path):
         ):
             time.sleep(0.5)
         theirs = address_file.read_text().strip()
-        code = ("from rltrain.config import load_config; from rltrain.run.launch import connect_ray; import ray; "
+        # Ray's default port held by something else too (where it is free to hold): the run's own
+        # instance takes free ports
+        code = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                "try:\n    s.bind(('0.0.0.0', 6379)); s.listen()\nexcept OSError:\n    pass\n"
+                "from rltrain.config import load_config; from rltrain.run.launch import connect_ray; import ray\n"
                 "connect_ray(load_config(None, ['run.ray_num_cpus=4'])); print(ray.get_runtime_context().gcs_address)")  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180

@@ -10,6 +10,11 @@ from rltrain.train import main
 
 CASES = {
     "unknown key": (["loss.masked_mean_denominater=token"], "loss.masked_mean_denominater: unknown key"),
+    # the engine would report nucleus-renormalized log-probs against the learner's full-softmax ones
+    "nucleus sampling": (
+        ["rollout.top_p=0.9"],
+        "rollout.top_p: got 0.9; top_p=0.9 is refused: the engine's log-probs",
+    ),
     "wrong type": (["learner.micro_batch_size=four"], "learner.micro_batch_size: got 'four'"),
     "bad denominator": (
         ["loss.masked_mean_denominator=tokens"],

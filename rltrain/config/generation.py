@@ -75,7 +75,19 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the learner uses it for log-probs too)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling."""
+    """Nucleus sampling; only 1 for now: the engine reports log-probs of the renormalized nucleus
+    while the learner's are of the whole distribution, so every ratio would carry a bias."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _whole_distribution(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(
+                f"top_p={value:g} is refused: the engine's log-probs would be those of the renormalized nucleus and "
+                "the learner's those of the whole distribution, a bias in every ratio; use 1.0"
+            )
+        return value
+
     max_staleness: int = Field(0, ge=0)
     """Generation runs up to this many policy versions ahead of training: the next k steps'
     prompts are generated while the current step trains (off-policy; see loss.rollout_correction).

@@ -313,7 +313,7 @@ def test_a_reward_function_that_fails_every_call_is_shown_once_and_stops_the_run
         "reward function reward_fns:raises_unless_right",
         "reward_function_reward_fns_raises_unless_right.txt",
     )
-    assert done.stderr.count(f"the {kind} failed") == 1  # its first failure, shown once
+    assert done.stderr.count(f"the {kind} failed (") == 1  # its first failure, shown once
     last = done.stderr.strip().splitlines()[-1]
     assert re.match(rf"rltrain: step 1: every call of the {kind} failed for 1 step\(s\) in a row \((\d+) of \1 "
                     r"this step: ValueError: cannot score .*\); its first traceback: .*errors/", last), last  # fmt: skip

@@ -141,7 +141,7 @@ class PolicyLearner(EngineLearner):
         it). Under sequence parallelism this rank decides on the tokens it owns, sequence ratios are
         summed over its group, and each sequence's token count and counting rank are redone."""
         keep = mb.response_mask.bool() & mb.tool_mask.bool()
-        sequence_sum = sequence_parallel.sequence_sum if self.sp > 1 else None
+        sequence_sum = sequence_parallel.group_sum if self.sp > 1 else None
         accept = correction_mask(mb.old_logprobs, mb.generator_logprobs, keep, correction, sequence_sum)
         mb = mb.replace(correction_mask=accept.to(mb.tool_mask.dtype))
         if self.sp == 1:

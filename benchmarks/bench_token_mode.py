@@ -26,7 +26,7 @@ class CountingLearner(PolicyLearner):
         self.config.loss.masked_mean_denominator = mode
 
     def train_step(self, groups):
-        totals_fn, totals_s = rltrain.learner.engine.group_token_totals, [0.0]
+        totals_fn, totals_s = rltrain.learner.engine.step_totals, [0.0]
 
         def timed_totals(*args, **kwargs):
             start = time.perf_counter()
@@ -35,12 +35,12 @@ class CountingLearner(PolicyLearner):
             finally:
                 totals_s[0] += time.perf_counter() - start
 
-        rltrain.learner.engine.group_token_totals = timed_totals
+        rltrain.learner.engine.step_totals = timed_totals
         try:
             with count_collectives() as calls:
                 metrics = super().train_step(groups)
         finally:
-            rltrain.learner.engine.group_token_totals = totals_fn
+            rltrain.learner.engine.step_totals = totals_fn
         return {**metrics, "collectives": float(sum(calls.values())), "token_totals_s": totals_s[0]}
 
 

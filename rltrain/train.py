@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rltrain: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # (the run saved what it trained)
-        print(f"rltrain: {e}" if isinstance(e, Interrupted) else "rltrain: interrupted", file=sys.stderr)
+        stopped = e if isinstance(e, Interrupted) else e.__context__  # a third Ctrl-C while it wound down
+        print(
+            f"rltrain: {stopped}" if isinstance(stopped, Interrupted) else "rltrain: interrupted",
+            file=sys.stderr,
+        )
         return 130
     print(outputs_line(out), flush=True)
     return 0

@@ -155,6 +155,10 @@ def test_ctrl_c_is_recorded_where_its_exception_could_be_lost_and_waits_for_a_sa
         assert ctrl_c.count == 2
         with pytest.raises(KeyboardInterrupt), ctrl_c.deferred():  # a third stops at once
             os.kill(os.getpid(), signal.SIGINT)
+        ctrl_c.restore()  # after a Ctrl-C it stays to the process's end: a late one waits too
+        assert signal.getsignal(signal.SIGINT) == ctrl_c._on_sigint
     finally:
-        ctrl_c.restore()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    quiet = CtrlC()  # a run that ends without one hands the handler back
+    quiet.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

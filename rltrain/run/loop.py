@@ -141,27 +141,32 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 if group is not None:
                     saved(config, run.out, step, partial(checkpoint.export_hf, group, run.out / folder))
     except KeyboardInterrupt:
-        # an update already issued completes on the learners before the save queued behind it
-        # (actors run calls in order), so the checkpoint holds exactly `trained` steps
-        if trained > last_saved:
-            tracker.bar.write(
-                f"interrupted: saving a checkpoint of step {trained} (Ctrl-C again waits for it)"
-            )
-            write = partial(save_checkpoint, run, config, trained, interrupt)
-            last_saved = (
-                trained if saved(config, run.out, trained, write, on_error="continue") else last_saved
-            )
-        raise Interrupted(last_saved, run.out) from None
+        raise Interrupted(
+            saved_on_interrupt(run, config, tracker, trained, last_saved, interrupt), run.out
+        ) from None
     except BaseException as error:
         if getattr(error, "timed_out", False):  # an actor hung: where every actor was, before the restart
             error.stacks = write_stacks(run, step)
         run.shutdown()
         raise
     finally:
-        interrupt.restore()
         tracker.close()
+        interrupt.restore()
     run.shutdown()
     return run.out
+
+
+def saved_on_interrupt(
+    run: Run, config: Config, tracker, trained: int, last_saved: int, interrupt: CtrlC
+) -> int:
+    """After a Ctrl-C: the checkpoint of the last issued update (an update already issued completes
+    on the learners before the save queued behind it, as actors run calls in order, so it holds
+    exactly ``trained`` steps); returns the newest checkpoint's step."""
+    if trained <= last_saved:
+        return last_saved
+    tracker.bar.write(f"interrupted: saving a checkpoint of step {trained} (Ctrl-C again waits for it)")
+    write = partial(save_checkpoint, run, config, trained, interrupt)
+    return trained if saved(config, run.out, trained, write, on_error="continue") else last_saved
 
 
 def step_row(scored, metrics: dict[str, float], times: dict[str, float], sequences: int) -> dict[str, float]:
@@ -216,7 +221,9 @@ class CtrlC:
             raise KeyboardInterrupt
 
     def restore(self) -> None:
-        if self.previous is not None:
+        """The previous handler again, unless a Ctrl-C came: then this one stays to the end of the
+        process, so a second one while the run winds down waits too (and a third stops at once)."""
+        if self.previous is not None and not self.count:
             signal.signal(signal.SIGINT, self.previous)
 
 

@@ -135,6 +135,14 @@ INPUTS = {
         lambda t: [f"model.name_or_path={(t / 'empty').mkdir() or t / 'empty'}"],
         "has no config.json (not a transformers model folder)",
     ),
+    "missing .gguf file": (
+        lambda t: [f"model.name_or_path={t / 'model.gguf'}"],
+        "model.gguf' is not a file (a .gguf checkpoint must be a local file)",
+    ),
+    ".gguf file that is not one": (
+        lambda t: [f"model.name_or_path={(t / 'm.gguf').write_text('not gguf') and t / 'm.gguf'}"],
+        "m.gguf' does not load:",
+    ),
     "lengths over max_model_len": (
         lambda t: ["data.max_prompt_tokens=500"],
         "data.max_prompt_tokens + rollout.max_new_tokens = 500 + 80 = 580 exceeds rollout.max_model_len=512",

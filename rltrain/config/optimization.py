@@ -71,8 +71,9 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     name_or_path: str = TINY_MODEL
-    """A local model directory, a Hugging Face hub name, or `builtin:tiny` (a ~100k-parameter Qwen2
-    model and byte-level tokenizer built locally, no download)."""
+    """A local model directory, a Hugging Face hub name, a local llama.cpp `.gguf` file (dequantized
+    to a Hugging Face folder once, in ~/.cache/rltrain/gguf), or `builtin:tiny` (a ~100k-parameter
+    Qwen2 model and byte-level tokenizer built locally, no download)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False
@@ -82,7 +83,10 @@ class ModelConfig(Section):
     @classmethod
     def _local_path_exists(cls, value: str) -> str:
         looks_local = value.startswith(("/", "./", "../", "~")) or os.sep * 2 in value
-        if looks_local and not Path(value).expanduser().is_dir():
+        if value.lower().endswith(".gguf"):
+            if not Path(value).expanduser().is_file():
+                raise ValueError(f"{value!r} is not a file (a .gguf checkpoint must be a local file)")
+        elif looks_local and not Path(value).expanduser().is_dir():
             raise ValueError(f"{value!r} is not a directory (give a local model folder or a hub name)")
         return value
 

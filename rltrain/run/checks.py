@@ -22,6 +22,7 @@ from rltrain.data import (
     split_held_out,
     tokenize_prompts,
 )
+from rltrain.pretrained import model_folder
 from rltrain.rollout.rewards import GIVEN, load_reward_fn, takes_batches
 from rltrain.run import checkpoint
 
@@ -369,4 +370,7 @@ def resolve_model(config: Config, out: Path) -> str:
         from rltrain.tiny_model import build_tiny_model
 
         return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
-    return config.model.name_or_path
+    try:
+        return model_folder(config.model.name_or_path)
+    except (ImportError, OSError, ValueError) as e:  # a .gguf that does not convert
+        raise ConfigError(f"model.name_or_path: {config.model.name_or_path!r} does not load: {e}") from None

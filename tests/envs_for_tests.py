@@ -87,3 +87,17 @@ class StepRaisesOnWrongAnswersEnv(Environment):
         if messages[-1]["content"].strip() != self.answer:
             raise KeyError("no such move")
         return Step(reward=1.0, done=True)
+
+
+class TwoUsersEnv(Environment):
+    """A row whose answer is "twice" answers a turn with two user messages in a row (templates that
+    require alternating roles raise on it); any other row ends after its first turn."""
+
+    def reset(self, row):
+        self.twice = row["answer"] == "twice"
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, messages):
+        if self.twice:
+            return Step([{"role": "user", "content": "one"}, {"role": "user", "content": "two"}], reward=0.0)
+        return Step(reward=1.0, done=True)

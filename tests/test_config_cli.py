@@ -262,6 +262,14 @@ ENVIRONMENTS = {
         lambda t: ["rollout.tool_parser=hermes"],
         "rollout.tool_parser=hermes needs an environment",
     ),
+    "a tool parser of vLLM's, misspelled": (
+        lambda t: [*GUESS, "rollout.tool_parser=lama3_json"],
+        "rollout.tool_parser: unknown parser 'lama3_json' (did you mean 'llama3_json'? built in: hermes, tag; vLLM's: ",
+    ),
+    "a tool parser whose format's tokens the tokenizer lacks": (
+        lambda t: [*GUESS, "rollout.tool_parser=llama3_json"],
+        "rollout.tool_parser=llama3_json: RuntimeError: Llama3JsonToolParser could not locate the bot token '<|python_tag|>'",
+    ),
     "warm-up on demonstrations without an environment": (
         lambda t: ["sft_warmup.source=env"],
         "sft_warmup.source=env: the environment's demonstrations need env.name",
@@ -269,7 +277,7 @@ ENVIRONMENTS = {
     "template that rewrites earlier turns": (
         _rewriting_model,
         (
-            "env.render: the chat template of ",
+            "env.render=full: the chat template of ",
             "changes earlier turns when a user message is added",
             "env.render=last_turn",
         ),

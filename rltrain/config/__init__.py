@@ -135,9 +135,10 @@ class Config(Section):
             raise ValueError("sft_warmup.source=env: the environment's demonstrations need env.name")
         if "env" in self.reward.functions and self.env.name is None:
             raise ValueError("reward.functions: `env` is the environment's reward; it needs env.name")
-        if self.env.name is None and self.rollout.tool_parser == "hermes":
+        parser = self.rollout.tool_parser
+        if self.env.name is None and parser not in (None, "tag"):
             raise ValueError(
-                "rollout.tool_parser=hermes needs an environment (env.name=builtin:calculator gives "
+                f"rollout.tool_parser={parser} needs an environment (env.name=builtin:calculator gives "
                 "the built-in task with native calls); without one, rollout.tools uses the tag format"
             )
 

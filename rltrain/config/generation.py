@@ -109,11 +109,12 @@ class RolloutConfig(Section):
     """vLLM GPU memory share."""
     tools: ToolsConfig = ToolsConfig()
     """Tool use during generation."""
-    tool_parser: Literal["hermes", "tag"] | None = None
+    tool_parser: str | None = None
     """How tool calls are written: `hermes` (Qwen2.5/Hermes JSON in <tool_call></tool_call>, results
-    as `tool` messages through the chat template) or `tag` (<tool:NAME>ARGUMENT</tool>, results
-    inline as <result>...</result>); null: hermes with an environment, tag without. Without an
-    environment only `tag` is available."""
+    as `tool` messages through the chat template), `tag` (<tool:NAME>ARGUMENT</tool>, results
+    inline as <result>...</result>), or the name of one of vLLM's tool parsers (`llama3_json` for
+    Llama 3.x, `mistral`, `qwen3_xml`, `deepseek_v3`, ...; results as `tool` messages); null:
+    hermes with an environment, tag without. Without an environment only `tag` is available."""
 
     @model_validator(mode="before")
     @classmethod

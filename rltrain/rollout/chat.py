@@ -7,11 +7,14 @@ masks and token totals must be those of the ids the policy produced).
 
 What the template adds after a turn is a difference of two renderings: the conversation through
 the assistant turn, and the same conversation with the new messages and the generation prompt. The
-first must be a prefix of the second. A template that re-renders earlier turns (Qwen3 drops
-earlier reasoning once a new user message arrives) fails that check: the run stops with
-:class:`TemplateError`, unless ``env.render`` is ``last_turn``, which renders the new messages after
-a one-message stand-in for the history (the policy then trains on a context the template itself
-would not build; verl and others do the same).
+first must be a prefix of the second, and the turn itself must render after its context as the
+policy saw it. A template that re-renders earlier turns (Qwen3 drops earlier reasoning once a new
+user message arrives; Hermes-3 ends a tool message with a newline only when another message
+follows it) fails that check with :class:`TemplateError`, unless ``env.render`` is ``last_turn``,
+which renders the new messages after a stand-in for the history (a user message and the turn's
+tool calls; the policy then trains on a context the template itself would not build; verl and
+others do the same). A template error ends its episode, never the run; preflight probes a
+realistic conversation first and names the mode to use.
 """
 
 from __future__ import annotations
@@ -20,11 +23,41 @@ from typing import Any, Literal
 
 Messages = list[dict[str, Any]]
 PLACEHOLDER_USER = {"role": "user", "content": "."}
-PLACEHOLDER_ASSISTANT = {"role": "assistant", "content": "."}
+TEMPLATE = "chat template"  # the failure's kind: an episode it ends is counted and shown, the run goes on
 
 
 class TemplateError(ValueError):
-    """The chat template does not keep the rendered prefix of a conversation unchanged."""
+    """The chat template does not keep the rendered prefix of a conversation unchanged, or raised."""
+
+
+def call_id(n: int) -> str:
+    """The ``n``-th tool call's id in an episode: 9 alphanumeric characters, the form Mistral's
+    templates require (others ignore ids or take any string)."""
+    return f"call{n:05d}"
+
+
+def with_call_ids(messages: Messages) -> Messages:
+    """``messages`` with an id on every tool call that has none (numbered in order) and, on each tool
+    message without one, the id of the call it answers (the k-th tool message after an assistant
+    turn answers its k-th call; one past them gets a fresh id). Messages that have ids keep them."""
+    out, pending, made = [], [], 0
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                if not call.get("id"):
+                    call, made = {**call, "id": call_id(made)}, made + 1
+                calls.append(call)
+            message, pending = {**message, "tool_calls": calls}, [c["id"] for c in calls]
+        elif message.get("role") == "tool" and not message.get("tool_call_id"):
+            if pending:
+                message = {**message, "tool_call_id": pending.pop(0)}
+            else:
+                message, made = {**message, "tool_call_id": call_id(made)}, made + 1
+        elif message.get("role") != "tool":
+            pending = []
+        out.append(message)
+    return out
 
 
 class ChatRenderer:
@@ -38,9 +71,18 @@ class ChatRenderer:
         self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+        """The template's ids; a template that raises (Mistral's role alternation, its tool-call
+        ids) raises :class:`TemplateError` with the template's own message."""
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as e:  # jinja's raise_exception, or a template that reads a missing field
+            roles = "/".join(m.get("role", "?") for m in messages)
+            raise TemplateError(
+                f"the chat template of {self.name} raised {type(e).__name__} on {roles} messages: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}"
+            ) from None
         if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -52,20 +94,62 @@ class ChatRenderer:
     def additions(self, history: Messages, new: Messages) -> list[int]:
         """The ids that follow an assistant turn ended by its end-of-turn token (``history[-1]``):
         the rest of that turn's rendering (Qwen's newline after ``<|im_end|>``), the ``new``
-        messages, and the generation prompt of the next assistant turn."""
+        messages, and the generation prompt of the next assistant turn.
+
+        ``full``: the template must render the turn after its context as the policy saw it (the
+        context with its generation prompt, then the turn) and keep that prefix once ``new`` is
+        added; a template that rewrites either raises :class:`TemplateError`, as
+        :meth:`conversation` does. ``last_turn``: ``new`` follows a stand-in for the history, a
+        user message and the turn with its tool calls but no text (roles still alternate, tool
+        messages answer calls)."""
         if self.history == "last_turn":
-            tail = self._tail([PLACEHOLDER_USER, PLACEHOLDER_ASSISTANT])
-            return tail + self._difference([PLACEHOLDER_USER], new)
+            return self._after_stand_in(history[-1], new)
+        self._turn(history[:-1], history[-1])  # the turn as the policy saw it, or TemplateError
         return self._tail(history) + self._difference(history, new)
+
+    def _after_stand_in(self, turn: dict[str, Any], new: Messages) -> list[int]:
+        """``last_turn``: what the template writes after a stand-in for the history (a user message
+        and ``turn``'s tool calls with no text), once ``new`` follows: everything past the stand-in
+        turn's end-of-turn token. Where the template moves a block on (Mistral writes the tools
+        before the last user message), the additions carry it, as the template would."""
+        base = [PLACEHOLDER_USER, self._stand_in(turn)]
+        ends_before = self.render(base[:1], add_generation_prompt=False).count(self.eos)
+        after = self.render(base + new, add_generation_prompt=True)
+        ends = [i for i, t in enumerate(after) if t == self.eos]
+        if len(ends) <= ends_before:
+            raise TemplateError(
+                f"the chat template of {self.name} does not end an assistant turn with the end-of-turn "
+                f"token {self.tokenizer.decode([self.eos])!r} (the tokenizer's eos_token)"
+            )
+        return after[ends[ends_before] + 1 :]
+
+    @staticmethod
+    def _stand_in(turn: dict[str, Any]) -> dict[str, Any]:
+        stand_in = {"role": "assistant", "content": ""}  # empty: a template that drops or rewrites
+        # earlier turns (their reasoning, or their text) has nothing to change here
+        if turn.get("tool_calls"):  # tool messages must answer calls (and Mistral checks their ids)
+            stand_in["tool_calls"] = turn["tool_calls"]
+        return stand_in
 
     def _tail(self, history: Messages) -> list[int]:
         """What the template writes after the last end-of-turn token of ``history``."""
         ids = self.render(history, add_generation_prompt=False)
         return ids[len(ids) - ids[::-1].index(self.eos) :] if self.eos in ids else []
 
+    def _turn(self, context: Messages, turn: dict[str, Any]) -> list[int]:
+        """The assistant ``turn``'s ids after ``context`` and its generation prompt, through its
+        end-of-turn token: what the policy would have sampled."""
+        ids = self._extension(context, True, [turn], False)
+        return ids[: len(ids) - len(self._tail([*context, turn]))]
+
     def _difference(self, base: Messages, new: Messages) -> list[int]:
-        before = self.render(base, add_generation_prompt=False)
-        after = self.render(base + new, add_generation_prompt=True)
+        return self._extension(base, False, new, True)
+
+    def _extension(self, base: Messages, base_prompt: bool, new: Messages, new_prompt: bool) -> list[int]:
+        """``render(base + new)`` past ``render(base)``; a template whose rendering of ``base``
+        changes once ``new`` follows it raises :class:`TemplateError`."""
+        before = self.render(base, add_generation_prompt=base_prompt)
+        after = self.render(base + new, add_generation_prompt=new_prompt)
         if after[: len(before)] != before:
             at = next(i for i, (a, b) in enumerate(zip(before, after + [None] * len(before))) if a != b)
             raise TemplateError(
@@ -78,10 +162,13 @@ class ChatRenderer:
         return after[len(before) :]
 
     def conversation(self, messages: Messages) -> tuple[list[int], list[int], list[int]]:
-        """A written conversation (a warm-up example) as ``(prompt ids, completion ids, mask)``: the
-        template's own tokens, built turn by turn as an episode builds them; mask 1 on the
-        assistant turns through their end-of-turn token, 0 on everything the template and the
-        other roles add."""
+        """A written conversation (a warm-up example) as ``(prompt ids, completion ids, mask)``:
+        exactly what an episode builds, under either ``env.render``, if the policy sampled each
+        assistant turn as the template renders it after its context (the opening messages for the
+        first turn; the history, or under ``last_turn`` the stand-in user message, for later ones).
+        Mask 1 on the assistant turns through their end-of-turn token, 0 on everything the template
+        and the other roles add. Tool calls without ids get them (:func:`with_call_ids`)."""
+        messages = with_call_ids(messages)
         first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
         if first is None:
             raise ValueError("a conversation needs an assistant message")
@@ -89,10 +176,8 @@ class ChatRenderer:
         ids, mask = list(prompt), [0] * len(prompt)
         j = first
         while j < len(messages):
-            turn = self.render(messages[: j + 1], add_generation_prompt=False)
-            if turn[: len(ids)] != ids:
-                self._difference(messages[:j], [messages[j]])  # raises with the details
-            sampled = turn[len(ids) : len(turn) - len(self._tail(messages[: j + 1]))]
+            context = messages[:j] if j == first or self.history == "full" else [PLACEHOLDER_USER]
+            sampled = self._turn(context, messages[j])
             ids, mask = ids + sampled, mask + [1] * len(sampled)
             k = j + 1
             while k < len(messages) and messages[k]["role"] != "assistant":
@@ -109,3 +194,36 @@ class ChatRenderer:
     def _generation_prompt(self) -> list[int]:
         with_prompt = self.render([PLACEHOLDER_USER], add_generation_prompt=True)
         return with_prompt[len(self.render([PLACEHOLDER_USER], add_generation_prompt=False)) :]
+
+
+REASONING = "<think>\nLet me work it out.\n</think>\n\n"
+
+
+def probe_conversation(opening: Messages, tool: str | None) -> Messages:
+    """What an episode goes through, after its ``opening`` messages: reasoning in every assistant
+    turn, a call of ``tool`` and its result (a tool message that is not last), an answer, a second
+    user turn and its answer."""
+    messages = list(opening)
+    if tool is not None:
+        call = {"type": "function", "function": {"name": tool, "arguments": {}}}
+        messages += [
+            {"role": "assistant", "content": REASONING, "tool_calls": [call]},
+            {"role": "tool", "name": tool, "content": "3"},
+        ]
+    return messages + [
+        {"role": "assistant", "content": REASONING + "It is 3."},
+        {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": REASONING + "Then 4."},
+    ]
+
+
+def render_problem(tokenizer, tools: list[dict] | None, opening: Messages, history: str) -> str | None:
+    """Why episodes that open with ``opening`` would fail under ``env.render=history`` with this
+    template (it raises or rewrites their history), or None: :func:`probe_conversation` built as a
+    warm-up example is, an episode is built the same way."""
+    tool = tools[0]["function"]["name"] if tools else None
+    try:
+        ChatRenderer(tokenizer, tools, history).conversation(probe_conversation(opening, tool))  # type: ignore[arg-type]
+    except TemplateError as e:
+        return str(e)
+    return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import ChatRenderer
+from rltrain.rollout.chat import TEMPLATE, ChatRenderer, TemplateError, call_id
 from rltrain.rollout.env_host import EnvHost
 from rltrain.rollout.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
 from rltrain.rollout.tools import SEED_STRIDE, GenerateFn
@@ -52,8 +52,9 @@ class Episodes:
 
         rc, env = config.rollout, config.env
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))
-        self.renderer = ChatRenderer(tokenizer, tool_schemas(self.host.tools), env.render)
-        self.parser = get_parser(config.tool_parser)
+        schemas = tool_schemas(self.host.tools)
+        self.renderer = ChatRenderer(tokenizer, schemas, env.render)
+        self.parser = get_parser(config.tool_parser, tokenizer, schemas)
         self.encode = encode  # inline (tag) tool results
         self.limits = EpisodeLimits(
             rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens, env.max_turns,
@@ -71,7 +72,13 @@ class _Episode:
         self.key, self.seed, self.rounds = key, seed, 0
         self.c = Completion()
         self.turn_text = ""  # the assistant turn being generated (inline tool results included)
+        self.turn_ids: list[int] = []  # its sampled ids
         self.live = True
+        self.ids_made = 0
+
+    def next_call_id(self) -> str:
+        self.ids_made += 1
+        return call_id(self.ids_made - 1)
 
     def count(self, kind: str, tool: bool = True) -> None:
         """A failed call of this kind; ``tool``: it was a tool call (``tool_errors`` too)."""
@@ -97,6 +104,7 @@ class _Episode:
     def take(self, seg: Segment) -> None:
         self.c.take(seg)
         self.turn_text += seg.text
+        self.turn_ids += seg.token_ids
         self.rounds += 1
 
     def add(self, ids: list[int], limits: EpisodeLimits) -> None:
@@ -111,7 +119,11 @@ class _Episode:
         self.c.messages.append(turn.message())
         self.c.text = turn.content
         self.c.turns += 1
-        self.turn_text = ""
+        self.turn_text, self.turn_ids = "", []
+
+    def read(self, parser: ToolParser) -> ParsedTurn:
+        """The turn being generated, as the parser reads it (its text, or its sampled ids)."""
+        return parser.parse_ids(self.turn_ids) if parser.reads_ids else parser.parse(self.turn_text)
 
 
 def run_episodes(
@@ -133,7 +145,11 @@ def run_episodes(
             e.fail(f"env_{status}", failure=("environment reset", value))
             continue
         e.c.messages = list(value)
-        e.c.prompt_ids = renderer.opening(e.c.messages)
+        try:
+            e.c.prompt_ids = renderer.opening(e.c.messages)
+        except TemplateError as error:
+            e.fail("template", failure=(TEMPLATE, str(error)))
+            continue
         if len(e.c.prompt_ids) > limits.max_prompt_tokens:
             e.fail("prompt_too_long")
     try:
@@ -153,7 +169,7 @@ def run_episodes(
             for e, seg in zip(live, segments):
                 e.take(seg)
                 if seg.finish_reason == "length" or e.room(limits) <= 0:
-                    e.close_turn(parser.parse(e.turn_text))
+                    e.close_turn(e.read(parser))
                     e.end("length")
             live = [e for e in live if e.live]
             _after_turns(live, host, renderer, parser, encode, limits)
@@ -165,10 +181,12 @@ def run_episodes(
 
 def _after_turns(live, host, renderer, parser, encode, limits) -> None:
     """Tool calls, then ``step`` for the turns that called none; what they add is appended."""
-    turns = {e.key: parser.parse(e.turn_text) for e in live}
+    turns = {e.key: e.read(parser) for e in live}
     calling = {}
     for e in live:
         turn = turns[e.key]
+        for call in turn.calls:  # the tool messages answer them by id (Mistral's templates check)
+            call.id = call.id or e.next_call_id()
         # an inline (tag) turn that stopped at its call's stop string goes on, with the call's
         # result or its error: "no tool calls left", or what is malformed (it has no end-of-turn
         # token yet, so it cannot be handed on as a finished turn)
@@ -227,12 +245,14 @@ def _run_tools(
         turn = turns[e.key]
         for kind, message in turn.errors:
             e.count(kind)
-            results[e.key].append({"role": "tool", "name": "error", "content": message})
+            results[e.key].append(
+                {"role": "tool", "name": "error", "content": message, "tool_call_id": e.next_call_id()}
+            )
         allowed = max(0, limits.max_tool_calls - e.c.tool_calls)
         queues[e.key] = turn.calls[:allowed]
         for call in turn.calls[allowed:]:
             e.count("limit")
-            results[e.key].append({"role": "tool", "name": call.name, "content": NO_CALLS_LEFT})
+            results[e.key].append(_tool_message(call, NO_CALLS_LEFT))
     by_key = {e.key: e for e in calling_episodes}
     while any(queues.values()):
         batch = [(key, queue.pop(0)) for key, queue in queues.items() if queue]
@@ -252,11 +272,22 @@ def _run_tools(
                 e.count(kind)
             if trace is not None:
                 e.c.failures.setdefault(f"tool {call.name}", trace)
-            results[key].append({"role": "tool", "name": call.name, "content": output})
+            results[key].append(_tool_message(call, output))
     return results
 
 
+def _tool_message(call: ToolCall, content: str) -> dict:
+    return {"role": "tool", "name": call.name, "content": content, "tool_call_id": call.id}
+
+
 def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: EpisodeLimits) -> None:
-    ids = renderer.additions(e.c.messages, messages)
+    """What a tool or the environment added, in the template's tokens; a template that raises or
+    rewrites the history ends this episode alone (counted as ``template``, its message shown once)."""
+    try:
+        ids = renderer.additions(e.c.messages, messages)
+    except TemplateError as error:
+        e.c.messages += messages
+        e.fail("template", failure=(TEMPLATE, str(error)))
+        return
     e.c.messages += messages
     e.add(ids, limits)

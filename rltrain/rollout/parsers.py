@@ -8,6 +8,10 @@ A parser reads one assistant turn's text and returns its calls and any malformed
   as ``tool`` messages rendered by the chat template.
 - ``tag``: ``<tool:NAME>ARGUMENT</tool>``; generation stops at ``</tool>``, the result is appended
   inline as ``<result>...</result>`` and the same turn goes on.
+- any other name: that parser of vLLM's registry (``vllm.tool_parsers``: ``llama3_json``,
+  ``mistral``, ``qwen3_xml``, ``deepseek_v3``, ...), results as ``tool`` messages. It reads the
+  turn's sampled ids decoded with their special tokens (Mistral's ``[TOOL_CALLS]`` is one), less
+  the end-of-turn token; the ids themselves stay as sampled.
 
 A malformed call is never a crash: it becomes an error message to the model and is counted by kind
 (``bad_json``, ``bad_call``, ``unclosed``; running a call adds ``unknown_tool``, ``bad_arguments``,
@@ -28,6 +32,7 @@ NO_CALLS_LEFT = "error: no tool calls left"
 class ToolCall:
     name: str
     arguments: dict[str, Any] | str  # keyword arguments (hermes) or one string (tag)
+    id: str | None = None  # as the model wrote it (Mistral), else made by the episode
 
 
 @dataclass
@@ -44,6 +49,7 @@ class ParsedTurn:
         if self.calls:
             msg["tool_calls"] = [
                 {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                | ({"id": c.id} if c.id else {})
                 for c in self.calls
             ]
         return msg
@@ -52,6 +58,7 @@ class ParsedTurn:
 class ToolParser(Protocol):
     stop: ClassVar[list[str]]  # stop strings that end a generation round (kept in the output)
     inline_results: ClassVar[bool]  # results appended raw inside the turn (True) or as tool messages
+    reads_ids: ClassVar[bool]  # parse_ids(the turn's sampled ids) instead of parse(its text)
 
     def parse(self, text: str) -> ParsedTurn: ...
 
@@ -63,6 +70,7 @@ class ToolParser(Protocol):
 class HermesParser:
     stop: ClassVar[list[str]] = []
     inline_results: ClassVar[bool] = False
+    reads_ids: ClassVar[bool] = False
     CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str) -> ParsedTurn:
@@ -105,6 +113,7 @@ class HermesParser:
 class TagParser:
     stop: ClassVar[list[str]] = ["</tool>"]
     inline_results: ClassVar[bool] = True
+    reads_ids: ClassVar[bool] = False
     CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>\s*$", re.DOTALL)
 
     def parse(self, text: str) -> ParsedTurn:
@@ -119,10 +128,72 @@ class TagParser:
         return f"<result>{output}</result>"
 
 
-PARSERS: dict[str, type] = {"hermes": HermesParser, "tag": TagParser}
+class VllmParser:
+    """One of vLLM's tool parsers, by its registered name, on whole turns."""
+
+    stop: ClassVar[list[str]] = []
+    inline_results: ClassVar[bool] = False
+    reads_ids: ClassVar[bool] = True
+
+    def __init__(self, name: str, tokenizer, tools: list[dict] | None = None):
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers import ToolParserManager
+
+        self.tokenizer = tokenizer
+        self.parser = ToolParserManager.get_tool_parser(name)(tokenizer)  # some check the vocabulary
+        self.request = ChatCompletionRequest(
+            model="rltrain", messages=[{"role": "user", "content": ""}], tools=tools or None
+        )
+        self.turn_ends = set(tokenizer.all_special_ids)
+
+    def parse_ids(self, ids: list[int]) -> ParsedTurn:
+        """The turn's calls, read from its ids decoded with special tokens, less the end-of-turn
+        token(s) that close it."""
+        end = len(ids)
+        while end and ids[end - 1] in self.turn_ends:
+            end -= 1
+        return self.parse(self.tokenizer.decode(ids[:end], skip_special_tokens=False))
+
+    def parse(self, text: str) -> ParsedTurn:
+        info = self.parser.extract_tool_calls(text, self.request)
+        if not info.tools_called:
+            return ParsedTurn(text.strip())
+        turn = ParsedTurn((info.content or "").strip())
+        for call in info.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except json.JSONDecodeError as e:
+                turn.errors.append(
+                    ("bad_json", f"error: the tool call's arguments are not valid JSON ({e.msg})")
+                )
+                continue
+            if not isinstance(arguments, dict):
+                turn.errors.append(("bad_call", "error: a tool call's arguments are an object"))
+                continue
+            # an id the model wrote (Mistral) is kept; one the parser made up is replaced by the episode's
+            turn.calls.append(ToolCall(call.function.name, arguments, call.id if call.id in text else None))
+        return turn
+
+    def format_result(self, output: str) -> str:
+        raise NotImplementedError("results are tool messages")
 
 
-def get_parser(name: str) -> ToolParser:
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool parser {name!r} (parsers: {', '.join(PARSERS)})")
-    return PARSERS[name]()
+BUILT_IN: dict[str, type] = {"hermes": HermesParser, "tag": TagParser}
+
+
+def registered_parsers() -> list[str]:
+    """The parser names ``rollout.tool_parser`` takes: the built-in ones, then vLLM's."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        return list(BUILT_IN)
+    return [*BUILT_IN, *(n for n in ToolParserManager.list_registered() if n not in BUILT_IN)]
+
+
+def get_parser(name: str, tokenizer=None, tools: list[dict] | None = None) -> ToolParser:
+    """The parser ``name``: built in, or vLLM's (which needs the policy's ``tokenizer``)."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]()
+    if tokenizer is None or name not in registered_parsers():
+        raise ValueError(f"unknown tool parser {name!r} (built in: {', '.join(BUILT_IN)}; or one of vLLM's)")
+    return VllmParser(name, tokenizer, tools)

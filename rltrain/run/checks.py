@@ -6,6 +6,7 @@ user's own code is called once here, with a deadline.
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +24,7 @@ from rltrain.data import (
     tokenize_prompts,
 )
 from rltrain.pretrained import model_folder
+from rltrain.rollout.parsers import BUILT_IN, get_parser, registered_parsers
 from rltrain.rollout.rewards import GIVEN, load_reward_fn, takes_batches
 from rltrain.run import checkpoint
 
@@ -149,7 +151,7 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
     tools' schemas and the chat template's rendering of the additions work; raises ValueError
     naming the key."""
     from rltrain.envs import load_environment, tool_schemas
-    from rltrain.rollout.chat import ChatRenderer, TemplateError
+    from rltrain.rollout.chat import ChatRenderer, TemplateError, render_problem
 
     env = config.env
     try:
@@ -186,15 +188,18 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
             "every episode would end before its first turn"
         )
     _check_step(config, instance, opening, row)
-    probe = [*opening, {"role": "assistant", "content": "1"}]
     try:
-        renderer.additions(probe, [{"role": "user", "content": "2"}])
-        if schemas:
-            call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
-            turn = [*opening, {"role": "assistant", "content": "", "tool_calls": [call]}]
-            renderer.additions(turn, [{"role": "tool", "name": call["function"]["name"], "content": "3"}])
-    except TemplateError as e:
-        raise ValueError(f"env.render: {e}") from None
+        get_parser(config.tool_parser, tokenizer, schemas)
+    except Exception as e:  # vLLM's parsers check the tokenizer for their format's tokens
+        raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
+    problem = render_problem(tokenizer, schemas, opening, env.render)
+    if problem is not None:
+        other = "last_turn" if env.render == "full" else "full"
+        if render_problem(tokenizer, schemas, opening, other) is not None:
+            fix = "; neither env.render mode renders it"
+        else:
+            fix = "" if f"env.render={other}" in problem else f"; set env.render={other}, which renders it"
+        raise ValueError(f"env.render={env.render}: {problem}{fix}")
 
 
 def check_environment_fit(config: Config) -> None:
@@ -204,10 +209,10 @@ def check_environment_fit(config: Config) -> None:
     import sys
 
     name, parser = config.env.name, config.tool_parser
-    if config.sft_warmup.steps and config.sft_warmup.source == BUILTIN_TASK and parser == "hermes":
+    if config.sft_warmup.steps and config.sft_warmup.source == BUILTIN_TASK and parser != "tag":
         raise ValueError(
             f"sft_warmup.source={BUILTIN_TASK} warms up on the built-in task's tag-format calculator answers, but "
-            f"env.name={name} speaks rollout.tool_parser=hermes: set sft_warmup.source=env (its demonstrations), "
+            f"env.name={name} speaks rollout.tool_parser={parser}: set sft_warmup.source=env (its demonstrations), "
             "a file of your own, or sft_warmup.steps=0"
         )
     notes = []
@@ -241,6 +246,16 @@ def _check_step(config: Config, instance, opening: list[dict], row: dict) -> Non
 
 
 def _check_tools(config: Config) -> None:
+    parser = config.rollout.tool_parser
+    if parser is not None and parser not in BUILT_IN:
+        known = registered_parsers()
+        if parser not in known:
+            close = difflib.get_close_matches(parser, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"rollout.tool_parser: unknown parser {parser!r} ({hint}built in: {', '.join(BUILT_IN)}; "
+                f"vLLM's: {', '.join(n for n in known if n not in BUILT_IN)})"
+            )
     tools = config.rollout.tools
     if "python" in tools.enabled and tools.sandbox.require_isolation:
         from rltrain.rollout.sandbox import isolation_problem

@@ -20,6 +20,7 @@ from rltrain.loss.advantages import (
     whiten,
     zero_variance_groups,
 )
+from rltrain.rollout.chat import TEMPLATE
 from rltrain.rollout.rewards import ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
@@ -139,13 +140,16 @@ def batch_columns(prompts: list[Prompt]) -> dict[str, list]:
 def user_code_calls(completions: list[Completion], reward_calls: dict[str, Calls]) -> dict[str, Calls]:
     """The user's code a step called, by kind: each reward function (``reward function <spec>``),
     an environment's ``reset`` and ``step`` (an episode's failure there ends it: calls are the
-    episodes that reached the method) and each tool that raised (calls: every tool call)."""
+    episodes that reached the method), the chat template where it raised or rewrote an episode's
+    history, and each tool that raised (calls: every tool call)."""
     calls = {f"reward function {spec}": record for spec, record in reward_calls.items()}
     if any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
         reset_failed = [c for c in completions if "environment reset" in c.failures]
         calls["environment reset"] = _calls(len(completions), reset_failed, "environment reset")
         stepped = [c for c in completions if c not in reset_failed]
         calls["environment step"] = _calls(len(stepped), stepped, "environment step")
+    if any(TEMPLATE in c.failures for c in completions):  # calls: the episodes
+        calls[TEMPLATE] = _calls(len(completions), completions, TEMPLATE)
     tool_calls = sum(c.tool_calls for c in completions)
     for kind in sorted({k for c in completions for k in c.failures if k.startswith("tool ")}):
         calls[kind] = _calls(tool_calls, completions, kind)

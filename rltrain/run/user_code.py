@@ -7,7 +7,8 @@ each kind (``failures/<kind>``), and the step line shows their sum. When every c
 function or an environment method fails for ``run.max_user_failure_steps`` steps in a row, the run
 stops with one line that names it and points to the traceback: a run whose reward is 0 for a bug,
 not for the policy, is not worth its compute. A tool that raises is the model's observation (it
-may have called it badly), so tools are shown and counted, never stopped for.
+may have called it badly), so tools are shown and counted, never stopped for; so is a chat template
+that raises or rewrites an episode's history (that episode ends with finish reason ``error``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from rltrain.rollout.chat import TEMPLATE
 from rltrain.rollout.rewards import Calls
+
+# a tool's failure is the model's observation; a chat template's ends its episode alone
+NEVER_STOPS = ("tool ", TEMPLATE)
 
 
 class UserCodeFailed(RuntimeError):
@@ -47,7 +52,7 @@ class UserCodeFailures:
             every = c.called > 0 and c.failed == c.called
             self.streak[kind] = self.streak[kind] + 1 if every else 0
             limit = self.max_failed_steps
-            if limit and self.streak[kind] >= limit and not kind.startswith("tool "):
+            if limit and self.streak[kind] >= limit and not kind.startswith(NEVER_STOPS):
                 where = f"; its first traceback: {self.saved[kind]}" if kind in self.saved else ""
                 raise UserCodeFailed(
                     f"step {step}: every call of the {kind} failed for {self.streak[kind]} step(s) in a row "

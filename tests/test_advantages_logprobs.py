@@ -99,3 +99,71 @@ def test_group_statistics_are_computed_in_float64():
     # rewards 0 and 1e-7 on top of 1e4: float32 cannot hold 1e4 + 1e-7, float64 can
     rewards = torch.tensor([1e4, 1e4 + 1e-7], dtype=torch.float64)
     assert grpo_advantages(rewards, 2, normalize_std=False).tolist() == pytest.approx([-5e-8, 5e-8], rel=1e-3)
+
+
+def test_nucleus_truncation_gives_the_renormalized_log_probs_the_engine_reports():
+    # probabilities 0.5, 0.3, 0.15, 0.05, top_p 0.8: ascending, the running sums are 0.05, 0.2, 0.5, 1;
+    # those at most 1 - 0.8 = 0.2 go (0.05 and 0.15), so 0.5 and 0.3 stay and sum to 0.8
+    from rltrain.loss.logprobs import Truncation
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()[None]  # [1, 1, 4]
+    nucleus = Truncation(top_p=0.8)
+    for token, expected in [(0, math.log(0.5 / 0.8)), (1, math.log(0.3 / 0.8))]:
+        got = token_logprobs(logits, torch.tensor([[token]]), truncation=nucleus).item()
+        assert got == pytest.approx(expected, abs=1e-6)
+        # the whole distribution's log-prob is off by log(0.8) = -0.223: the bias of a ratio of the two
+        assert token_logprobs(logits, torch.tensor([[token]])).item() - got == pytest.approx(
+            math.log(0.8), abs=1e-6
+        )
+    # top_k=1 keeps 0.5 alone (log-prob 0); min_p=0.5 keeps p >= 0.25: 0.5 and 0.3, as top_p=0.8 did
+    assert token_logprobs(
+        logits, torch.tensor([[0]]), truncation=Truncation(top_k=1)
+    ).item() == pytest.approx(0.0, abs=1e-6)
+    got = token_logprobs(logits, torch.tensor([[1]]), truncation=Truncation(min_p=0.5)).item()
+    assert got == pytest.approx(math.log(0.3 / 0.8), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings", [{"top_p": 0.9}, {"top_k": 7}, {"top_k": 20, "top_p": 0.7}, {"min_p": 0.1, "top_p": 0.95}]
+)
+def test_truncated_log_probs_keep_the_sampled_token_and_match_a_masked_log_softmax_with_gradients(settings):
+    from rltrain.loss.logprobs import Truncation, token_logprobs_and_entropy, truncation_keep
+
+    g = torch.Generator().manual_seed(0)
+    logits = (2 * torch.randn(3, 5, 50, generator=g)).requires_grad_(True)
+    targets = torch.randint(0, 50, (3, 5), generator=g)
+    truncation, temperature = Truncation(**settings), 0.7
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, targets, temperature, truncation=truncation, max_chunk_bytes=800
+    )
+    # reference: the same kept set through a plain masked log-softmax
+    z = logits.detach().reshape(-1, 50) / temperature
+    keep = truncation_keep(z, targets.reshape(-1), truncation)
+    assert keep.sum(-1).min() >= 1 and keep.gather(-1, targets.reshape(-1, 1)).all()
+    ref_logits = logits.clone().detach().requires_grad_(True)
+    masked = (ref_logits.reshape(-1, 50) / temperature).masked_fill(~keep, float("-inf")).log_softmax(-1)
+    ref = masked.gather(-1, targets.reshape(-1, 1)).reshape(3, 5)
+    assert torch.allclose(logprobs, ref, atol=1e-5)
+    p = masked.exp()
+    assert torch.allclose(entropy, -(p * masked.nan_to_num(neginf=0.0)).sum(-1).reshape(3, 5), atol=1e-5)
+    logprobs.sum().backward()
+    ref.sum().backward()
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-5)
+    assert (keep.sum(-1) < 50).any()  # the settings truncate something here
+
+
+@pytest.mark.slow
+def test_the_kept_set_is_vllms():
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from rltrain.loss.logprobs import Truncation, truncation_keep
+
+    z = 3 * torch.randn(64, 300, generator=torch.Generator().manual_seed(1))
+    for k, p in [(10, None), (None, 0.9), (40, 0.8), (300, 0.5)]:
+        theirs = apply_top_k_top_p_pytorch(
+            z.clone(),
+            None if k is None else torch.full((64,), k),
+            None if p is None else torch.full((64,), p),
+        )
+        mine = truncation_keep(z, theirs.argmax(-1), Truncation(top_k=k or 0, top_p=p or 1.0))
+        assert torch.equal(mine, theirs > float("-inf")), (k, p)

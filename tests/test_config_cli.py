@@ -10,11 +10,7 @@ from rltrain.train import main
 
 CASES = {
     "unknown key": (["loss.masked_mean_denominater=token"], "loss.masked_mean_denominater: unknown key"),
-    # the engine would report nucleus-renormalized log-probs against the learner's full-softmax ones
-    "nucleus sampling": (
-        ["rollout.top_p=0.9"],
-        "rollout.top_p: got 0.9; top_p=0.9 is refused: the engine's log-probs",
-    ),
+    "min_p of 1": (["rollout.min_p=1"], "rollout.min_p: got 1"),
     "wrong type": (["learner.micro_batch_size=four"], "learner.micro_batch_size: got 'four'"),
     "bad denominator": (
         ["loss.masked_mean_denominator=tokens"],

@@ -302,6 +302,37 @@ def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_mod
         assert reply == tokenizer.decode(greedy, skip_special_tokens=True).rstrip("\ufffd")
 
 
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_sampled_log_probs_are_those_of_the_truncated_distribution_on_both_sides(
+    backend, ray_local, tiny_model_path
+):
+    from rltrain.loss.logprobs import Truncation
+
+    rollout = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "max_new_tokens": 24}
+    config = Config.model_validate({"rollout": {"backend": backend, **rollout}})
+    generators = GeneratorPool(config, tiny_model_path)
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    try:
+        completions = generators.collect(generators.submit(prompts, seeds=[1, 2]))
+    finally:
+        generators.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    truncation = Truncation(top_k=40, top_p=0.9, min_p=0.02)
+    for seq, completion in zip(prompts, completions):
+        ids = torch.tensor([seq + completion.token_ids])
+        truncated = sequence_logprobs(model, ids, torch.ones_like(ids), 0.8, truncation=truncation)[0][
+            0, len(seq) :
+        ]
+        whole = sequence_logprobs(model, ids, torch.ones_like(ids), 0.8)[0][0, len(seq) :]
+        engine = torch.tensor(completion.logprobs)
+        gap, whole_gap = (engine - truncated).abs().max().item(), (engine - whole).abs().max().item()
+        print(
+            f"{backend}: max |engine - learner| log-prob {gap:.2e}; against the whole distribution {whole_gap:.2e}"
+        )
+        assert gap < 1e-4
+        assert whole_gap > 1e-2  # truncation changed these log-probs: a learner without it would be biased
+
+
 def test_a_reward_function_that_fails_every_call_is_shown_once_and_stops_the_run(tmp_path, ray_cluster):
     # raises_unless_right passes the check before the run (called with the answer as the completion)
     # and raises on whatever the random model writes: every call of step 1 fails

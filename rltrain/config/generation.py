@@ -75,18 +75,14 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (the learner uses it for log-probs too)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; only 1 for now: the engine reports log-probs of the renormalized nucleus
-    while the learner's are of the whole distribution, so every ratio would carry a bias."""
-
-    @field_validator("top_p")
-    @classmethod
-    def _whole_distribution(cls, value: float) -> float:
-        if value < 1:
-            raise ValueError(
-                f"top_p={value:g} is refused: the engine's log-probs would be those of the renormalized nucleus and "
-                "the learner's those of the whole distribution, a bias in every ratio; use 1.0"
-            )
-        return value
+    """Nucleus sampling: the least likely tokens whose probabilities sum to at most 1 - top_p are
+    never sampled. The learner's log-probs are those of the same truncated, renormalized
+    distribution (as are the engine's), so ratios carry no bias from it."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the top_k most likely tokens only (0: all); the learner's log-probs follow."""
+    min_p: float = Field(0.0, ge=0, lt=1)
+    """Drop tokens less likely than min_p x the most likely one (0: off); applied before top_k and
+    top_p, as vLLM does; the learner's log-probs follow."""
 
     max_staleness: int = Field(0, ge=0)
     """Generation runs up to this many policy versions ahead of training: the next k steps'

@@ -11,7 +11,7 @@ from rltrain.config import Config
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.loss.logprobs import Truncation, sequence_logprobs
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
 
 
@@ -54,14 +54,21 @@ class PolicyLearner(EngineLearner):
 
     def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
         """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
-        sequence-parallel packed row."""
+        sequence-parallel packed row. Without an explicit ``temperature``, of the distribution the
+        engine sampled from (``rollout.temperature`` and its top_k/top_p/min_p)."""
+        sampling = temperature is None and self.TEMPERATURE is None  # the engine's distribution
         temperature = temperature or self.TEMPERATURE or self.config.rollout.temperature
+        rc = self.config.rollout
+        truncation = Truncation(rc.top_k, rc.top_p, rc.min_p) if sampling else None
         packed = self.lc.packing
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
-                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank
-            )
-        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed)
+                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
+                truncation,
+            )  # fmt: skip
+        return sequence_logprobs(
+            model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed, truncation
+        )
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's

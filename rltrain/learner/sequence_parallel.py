@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.attention import document_attention, register_attention
-from rltrain.loss.logprobs import pack_sequences, token_logprobs_and_entropy
+from rltrain.loss.logprobs import Truncation, pack_sequences, token_logprobs_and_entropy
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None
@@ -150,6 +150,7 @@ def sequence_logprobs(
     with_entropy: bool,
     sp: int,
     rank: int,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rltrain.loss.logprobs.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
     ``[B, T]`` log-probs (and entropy) on this rank's :func:`owned_positions`, 0 elsewhere.
@@ -168,7 +169,7 @@ def sequence_logprobs(
     part = row_slice(length, sp, rank)
     targets_1N = F.pad(ids_1L, (0, part.stop + 1 - length))[:, part.start + 1 : part.stop + 1]
     logprobs_1N, entropy_1N = token_logprobs_and_entropy(
-        logits_1NV, targets_1N, temperature, with_entropy=with_entropy
+        logits_1NV, targets_1N, temperature, with_entropy=with_entropy, truncation=truncation
     )
     # packed index j = part.start + 1 + n; a document's first token is predicted by the previous
     # document and gets 0, as in the single-rank packed layout

@@ -15,6 +15,7 @@ import torch
 
 from rltrain.batch import Segment
 from rltrain.config import RolloutConfig
+from rltrain.loss.logprobs import Truncation, sequence_logprobs, truncation_keep
 
 
 class GeneratorBackend(Protocol):
@@ -75,8 +76,8 @@ class VLLMBackend:
             enforce_eager=not cuda,
             max_model_len=rc.max_model_len,
             seed=seed,
-            # log-probs after temperature: the distribution the tokens were sampled from, which the
-            # truncated importance-sampling correction compares against the learner
+            # log-probs after temperature, min_p, top_k and top_p: the distribution the tokens were
+            # sampled from, which the learner's log-probs reproduce (rltrain.loss.logprobs.Truncation)
             logprobs_mode="processed_logprobs",
             **(
                 {"gpu_memory_utilization": rc.gpu_memory_utilization}
@@ -97,7 +98,10 @@ class VLLMBackend:
 
         if greedy:
             return SamplingParams(temperature=0.0, **kwargs)
-        return SamplingParams(temperature=self.rc.temperature, top_p=self.rc.top_p, **kwargs)
+        rc = self.rc
+        return SamplingParams(
+            temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, min_p=rc.min_p, **kwargs
+        )
 
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
@@ -193,6 +197,7 @@ class HFBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        self.truncation = Truncation(rc.top_k, rc.top_p, rc.min_p)
         if torch.cuda.is_available():
             self.model.cuda()
 
@@ -200,10 +205,16 @@ class HFBackend:
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
     ) -> list[Segment]:
+        from transformers import LogitsProcessorList
+
         eos = self.tokenizer.eos_token_id
         segments = []
+        # sampled from the very distribution whose log-probs are reported: the temperature and
+        # truncation are one processor (transformers' own warpers apply top_k, top_p and min_p in
+        # another order than vLLM's)
         sampling = {"do_sample": False} if greedy else {
-            "do_sample": True, "temperature": self.rc.temperature, "top_p": self.rc.top_p, "top_k": 0}  # fmt: skip
+            "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+            "logits_processor": LogitsProcessorList([_SamplingProcessor(self.rc)])}  # fmt: skip
         for prompt, m, seed in zip(prompts, max_tokens, seeds):
             torch.manual_seed(seed)
             ids = torch.tensor([prompt], device=self.model.device)
@@ -219,7 +230,7 @@ class HFBackend:
             )[0, len(prompt) :].tolist()
             if eos in out:
                 out = out[: out.index(eos) + 1]
-            logprobs = self._logprobs(prompt + out, self.rc.temperature)[len(prompt) :]
+            logprobs = self._logprobs(prompt + out, self.rc.temperature, self.truncation)[len(prompt) :]
             text = decode(self.tokenizer, out)
             stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
             segments.append(Segment(out, logprobs, text, "stop" if stopped or len(out) < m else "length"))
@@ -235,12 +246,27 @@ class HFBackend:
         return [self._logprobs(seq, 1.0) for seq in sequences]
 
     @torch.no_grad()
-    def _logprobs(self, sequence: list[int], temperature: float) -> list[float]:
-        from rltrain.loss.logprobs import sequence_logprobs
-
+    def _logprobs(self, sequence: list[int], temperature: float, truncation=None) -> list[float]:
         ids = torch.tensor([sequence], device=self.model.device)
-        logprobs, _ = sequence_logprobs(self.model, ids, torch.ones_like(ids), temperature)
+        logprobs, _ = sequence_logprobs(
+            self.model, ids, torch.ones_like(ids), temperature, truncation=truncation
+        )
         return logprobs[0].float().tolist()
+
+
+class _SamplingProcessor:
+    """transformers logits processor: logits / temperature with the truncated tokens at -inf."""
+
+    def __init__(self, rc: RolloutConfig):
+        self.temperature, self.truncation = rc.temperature, Truncation(rc.top_k, rc.top_p, rc.min_p)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        z = scores.float() / self.temperature
+        if self.truncation:
+            # (no target to keep: this picks the set the token is then sampled from)
+            keep = truncation_keep(z, z.argmax(-1), self.truncation)
+            z = z.masked_fill(~keep, float("-inf"))
+        return z
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:

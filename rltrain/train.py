@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 OUTPUTS = {  # what a run folder may hold, in the order a reader wants it
     "final_model": "final_model/ (loads with from_pretrained)",
+    "final_adapter": "final_adapter/ (the LoRA adapter; loads onto the base model with peft)",
     "final_critic": "final_critic/",
     "checkpoints": "checkpoints/ (resume with run.resume=true)",
     "metrics.jsonl": "metrics.jsonl",

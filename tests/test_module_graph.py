@@ -74,8 +74,9 @@ def test_the_layers_point_down():
             "rltrain.remote",
             "rltrain.data",
             "rltrain.envs",
+            "rltrain.adapters",
         },
-        "learner": {"learner", "loss", "config", "rltrain.batch", "rltrain.remote"},
+        "learner": {"learner", "loss", "config", "rltrain.batch", "rltrain.remote", "rltrain.adapters"},
         "config": {"config"},
     }
     wrong = [f"{module} -> {dep}" for module, deps in graph.items() if layer(module) in allowed

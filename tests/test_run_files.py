@@ -54,7 +54,9 @@ class Writer:
     test_learner): writes a file per call, or returns the error a rank reported."""
 
     def __init__(self, fail_on: str | None = None):
-        self.fail_on = fail_on
+        from rltrain.config import Config
+
+        self.fail_on, self.config = fail_on, Config()
 
     def save_checkpoint(self, root, tag, client_state):
         (root / tag).mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ from rltrain.config.optimization import (
     Denominator,
     FrozenLearnerConfig,
     LearnerConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     RolloutCorrectionConfig,
@@ -107,6 +108,7 @@ class Config(Section):
         self._check_sequence_parallel()
         self._check_critic()
         self._check_env()
+        self._check_lora()
         self._check_scorers()
         return self
 
@@ -146,6 +148,22 @@ class Config(Section):
     def tool_parser(self) -> str:
         """The parser in use: ``rollout.tool_parser`` or its default."""
         return self.rollout.tool_parser or ("hermes" if self.env.name else "tag")
+
+    def _check_lora(self) -> None:
+        rank = self.model.lora.rank
+        if not rank:
+            return
+        if self.rollout.inflight_updates and self.rollout.backend == "vllm":
+            raise ValueError(
+                f"model.lora.rank={rank} with rollout.inflight_updates: vLLM binds an adapter to a request "
+                "when it starts, so a request's tokens after an update would be stamped with a version that "
+                "did not sample them; set rollout.inflight_updates=false (rollout.max_staleness still overlaps)"
+            )
+        if self.learner.sequence_parallel_size > 1:
+            raise ValueError(
+                f"model.lora.rank={rank} with learner.sequence_parallel_size={self.learner.sequence_parallel_size} "
+                "is not supported yet (adapters are tested under ZeRO 0-3 and packing); use 1"
+            )
 
     def _check_critic(self) -> None:
         gae = self.algorithm.advantage == "gae"
@@ -379,6 +397,7 @@ __all__ = [
     "LearnerConfig",
     "LossConfig",
     "ModelConfig",
+    "LoraConfig",
     "RewardConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",

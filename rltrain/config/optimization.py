@@ -69,6 +69,22 @@ class Section(BaseModel):
     )
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0)
+    """LoRA rank on the policy's learners (0: off, every weight is trained). With a rank, only the
+    adapters get gradients and optimizer state, the reference is the same model with its adapters
+    off, and engines take each policy version as an adapter (never merged into their base)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: an adapter adds alpha / rank x B @ A to its weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (engines sample without it)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """The modules that get adapters (by name): the attention and MLP projections."""
+
+
 class ModelConfig(Section):
     name_or_path: str = TINY_MODEL
     """A local model directory, a Hugging Face hub name, a local llama.cpp `.gguf` file (dequantized
@@ -78,6 +94,8 @@ class ModelConfig(Section):
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (rank 0: off)."""
 
     @field_validator("name_or_path")
     @classmethod

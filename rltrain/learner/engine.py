@@ -131,12 +131,11 @@ class EngineLearner(LearnerState):
         model = self._build_model()
         if self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone
         if lc.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(
-                model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
-            )
+            optimizer = torch.optim.AdamW(trained, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         else:
-            optimizer = torch.optim.SGD(model.parameters(), lr=lc.lr)
+            optimizer = torch.optim.SGD(trained, lr=lc.lr)
         scheduler = get_scheduler(
             lc.lr_schedule,
             optimizer,

@@ -22,6 +22,8 @@ from rltrain.loss.logprobs import token_outputs
 class FrozenLearner(EngineLearner):
     """An :class:`EngineLearner` that only runs :meth:`per_token`."""
 
+    trains_adapters = False
+
     def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
         import deepspeed
 

@@ -99,13 +99,23 @@ class LearnerGroup:
                     out[idx] = values
         return out
 
-    def gathered_state_ref(self) -> ray.ObjectRef:
-        """Rank 0's full weights as an object reference, gathered with every rank taking part
-        (ZeRO-3); the weights stay in the object store, so they can go to generators directly."""
-        refs = [actor.gathered_state_dict.remote() for actor in self.actors]
+    def gathered_state_ref(self, adapters_only: bool = False) -> ray.ObjectRef:
+        """Rank 0's full weights (``adapters_only``: its LoRA adapters) as an object reference,
+        gathered with every rank taking part (ZeRO-3); the weights stay in the object store, so
+        they can go to generators directly."""
+        method = "adapter_state_dict" if adapters_only else "gathered_state_dict"
+        refs = [getattr(actor, method).remote() for actor in self.actors]
         self._gather(refs[1:])  # None each (cheap to fetch); rank 0's weights stay in the store
         ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
         return refs[0]
+
+    def sent_bytes(self) -> int:
+        """The size of the weights or adapters rank 0 gathered last."""
+        return gather([self.actors[0].get_sent_bytes.remote()], self.names[:1], self.timeout_s)[0]
+
+    def save_adapter(self, out_dir: str | Path) -> str | None:
+        """Rank 0 writes the LoRA adapter as a peft folder; why it could not, or None."""
+        return next((e for e in self._all("save_adapter", str(out_dir)) if e), None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return gather([self.gathered_state_ref()], self.names[:1], self.timeout_s)[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rltrain import adapters
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner import sequence_parallel
@@ -42,15 +43,34 @@ class PolicyLearner(EngineLearner):
         )  # fmt: skip
         self.ref_model = None
 
+    trains_adapters = True  # with model.lora.rank
+
+    @property
+    def has_reference(self) -> bool:
+        return self.config.loss.kl_beta > 0 or self.config.algorithm.kl_in_reward > 0
+
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        if self.config.loss.kl_beta > 0 or self.config.algorithm.kl_in_reward > 0:
+        if self.lora_rank:  # the reference is this model with its adapters off: no second copy
+            model = self._load_model(AutoModelForCausalLM)
+            with torch.random.fork_rng():  # the same adapters on every rank and in every layout
+                torch.manual_seed(self.config.run.seed)
+                return adapters.wrap(model, self.config.model.lora)
+        if self.has_reference:
             # the frozen reference lives beside the policy on every learner: its forward runs on the
             # rank's own shard only, so no extra actors and no transfer of log-probs are needed
             device = "cuda" if self.use_cuda else "cpu"
             self.ref_model = self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
         return self._load_model(AutoModelForCausalLM)
+
+    def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        """The reference policy's log-probs: the frozen copy's, or with LoRA the policy's own with
+        its adapters off."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, mb)[0]
+        with self.engine.module.disable_adapter():
+            return self._logprobs(self.engine, mb)[0]
 
     def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
         """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, or this rank's share of a
@@ -73,14 +93,14 @@ class PolicyLearner(EngineLearner):
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's
         (at temperature 1, as an engine scores a prompt: the weight sync's check)."""
-        if self.ref_model is None and not own:
+        if not self.has_reference and not own:
             raise RuntimeError(
                 "no reference model on the learners (loss.kl_beta and algorithm.kl_in_reward are 0)"
             )
         if own:
             logprobs_BT = self._logprobs(self.engine, mb, temperature=1.0)[0]
         else:
-            logprobs_BT = self._logprobs(self.ref_model, mb)[0]
+            logprobs_BT = self._reference_logprobs(mb)
         # under sequence parallelism each rank holds the tokens it owns (0 elsewhere): the group's
         # sum is every token's log-prob, which the driver reads from the group's first rank
         return sequence_parallel.group_sum(logprobs_BT) if self.sp > 1 else logprobs_BT
@@ -132,8 +152,8 @@ class PolicyLearner(EngineLearner):
             new_group = []
             for mb in group:
                 changes = {}
-                if self.ref_model is not None:
-                    changes["ref_logprobs"], _ = self._logprobs(self.ref_model, mb)
+                if self.has_reference:
+                    changes["ref_logprobs"] = self._reference_logprobs(mb)
                 if needs_old:
                     changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
                 mb = mb.replace(**changes)

@@ -5,8 +5,8 @@ The files a learner section writes beside its DeepSpeed state (the driver's side
 the atomic save and ``latest``, is :mod:`rltrain.run.checkpoint`):
 
 - ``layout.json``: the layout that wrote it (:func:`layout`);
-- ``layout_free.pt``: with ``run.layout_free_checkpoints``, every parameter's fp32 weights and
-  optimizer moments, whole and by name.
+- ``layout_free.pt``: with ``run.layout_free_checkpoints``, every trained parameter's fp32 weights
+  and optimizer moments, whole and by name (with LoRA, the adapters').
 
 A rank whose write fails records the error instead of raising it, goes on through the save's
 collectives with its peers, and every rank then learns whether any failed.
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rltrain import adapters
 
 LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
 LAYOUT_FREE = (
@@ -122,16 +124,21 @@ class LearnerState:
     """The weights-and-files half of :class:`~rltrain.learner.engine.EngineLearner` (which sets
     ``engine``, ``lc``, ``rank``, ``config``, ``model_path`` and ``optimizer_steps``)."""
 
-    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (None elsewhere), by every name the model's own state dict has:
-        a tied output head is sent as ``lm_head.weight`` too (``named_parameters()`` names a shared
-        parameter once, and an engine that reloads in place kept its first head). Under ZeRO-3
-        every rank must call this together."""
+    trains_adapters = False  # the policy's learners with model.lora.rank (PolicyLearner)
+    sent_bytes = 0  # of the last weights or adapters gathered
+
+    def _gathered(self, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor] | None:
+        """The module's parameters that ``keep`` names, whole, on rank 0 (None elsewhere), by every
+        name the model's own state dict has: a tied output head is sent as ``lm_head.weight`` too
+        (``named_parameters()`` names a shared parameter once, and an engine that reloads in place
+        kept its first head). Under ZeRO-3 every rank must call this together."""
         import deepspeed
 
         state: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}  # a shared parameter is gathered once, sent under each name
         for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+            if not keep(name):
+                continue
             if id(param) in first_name:
                 if self.rank == 0:
                     state[name] = state[first_name[id(param)]]
@@ -140,17 +147,53 @@ class LearnerState:
             with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
                 if self.rank == 0:
                     state[name] = param.detach().to("cpu", copy=True)
+        self.sent_bytes = sum(t.numel() * t.element_size() for t in state.values())
         return state if self.rank == 0 else None
 
+    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (None elsewhere) by the base model's names; with LoRA, each
+        adapted weight merged with its adapter. Under ZeRO-3 every rank must call this together."""
+        state = self._gathered()
+        if state is not None and self.lora_rank:
+            state = adapters.merged(state, self.config.model.lora)
+        return state
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA adapters alone on rank 0, by peft's file names: what an adapter sync sends."""
+        state = self._gathered(adapters.is_adapter)
+        return None if state is None else {adapters.file_name(k): v for k, v in state.items()}
+
+    def get_sent_bytes(self) -> int:
+        return self.sent_bytes
+
+    @property
+    def lora_rank(self) -> int:
+        return self.config.model.lora.rank if self.trains_adapters else 0
+
     def save_hf(self, out_dir: str) -> str | None:
-        """The model in Hugging Face format, written by rank 0; why it could not be, or None."""
+        """The model in Hugging Face format (with LoRA: merged), written by rank 0; why it could
+        not be, or None."""
         from transformers import AutoTokenizer
 
         state = self.gathered_state_dict()
         if self.rank == 0:
+            module = self.engine.module
             try:
-                self.engine.module.save_pretrained(out_dir, state_dict=state)
+                (module.get_base_model() if self.lora_rank else module).save_pretrained(
+                    out_dir, state_dict=state
+                )
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+            except (OSError, RuntimeError) as e:
+                return write_failure(e, out_dir)
+        return None
+
+    def save_adapter(self, out_dir: str) -> str | None:
+        """The LoRA adapter as a peft folder (loads onto the base model with ``PeftModel``), written
+        by rank 0; why it could not be, or None."""
+        state = self.adapter_state_dict()
+        if self.rank == 0:
+            try:
+                adapters.write_adapter(Path(out_dir), state, self.config.model.lora, self.model_path)
             except (OSError, RuntimeError) as e:
                 return write_failure(e, out_dir)
         return None
@@ -167,7 +210,9 @@ class LearnerState:
         state = {"client": client_state, "rng": rng, "optimizer_steps": self.optimizer_steps}
         with recorded_deepspeed_write_errors(self.engine) as errors:
             # no DeepSpeed `latest` file: rltrain.run.checkpoint moves its own pointer once a save is complete
-            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False)
+            # with LoRA: the adapters and their optimizer state, not the frozen base (it is the model's)
+            self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"rltrain": state}, save_latest=False,
+                                        exclude_frozen_parameters=self.lora_rank > 0)  # fmt: skip
         free = self._layout_free_state() if self.config.run.layout_free_checkpoints else None  # all ranks
         folder = Path(ckpt_dir) / tag
         if self.rank == 0 and not errors:
@@ -194,8 +239,9 @@ class LearnerState:
             self._load_layout_free(state)
             return state["client"]
         path, state = self.engine.load_checkpoint(
-            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+            ckpt_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=self.lora_rank == 0,  # with LoRA it holds the adapters alone
+        )  # fmt: skip
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {ckpt_dir}")
         ours = state["rltrain"]
@@ -213,6 +259,10 @@ class LearnerState:
     def _moment_keys(self) -> list[str]:
         return ["exp_avg", "exp_avg_sq"] if self.lc.optimizer == "adamw" else []  # plain SGD keeps none
 
+    def _trained_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The parameters the optimizer updates, by name (with LoRA, the adapters)."""
+        return ((n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad)
+
     def _layout_free_state(self) -> dict[str, Any] | None:
         """Every parameter's fp32 weights and optimizer moments, whole and by name, the optimizer's
         step count and the schedule, on rank 0 (None elsewhere). Every rank takes part: gathering a
@@ -223,7 +273,7 @@ class LearnerState:
         keys = self._moment_keys() if any(inner.state.values()) else []  # none before a first step
         weights, moments = {}, {k: {} for k in keys}
         keep = self.rank == 0  # every rank gathers; rank 0 alone keeps a copy
-        for name, p in self.engine.module.named_parameters():
+        for name, p in self._trained_parameters():
             whole = safe_get_full_fp32_param(p)  # None without ZeRO: the parameter is whole
             if keep:
                 weights[name] = (p.detach() if whole is None else whole).float().cpu().clone()
@@ -248,7 +298,7 @@ class LearnerState:
         if state["moments"]:
             self._create_optimizer_state()
         zero3 = self.lc.zero_stage == 3
-        for name, p in self.engine.module.named_parameters():
+        for name, p in self._trained_parameters():
             whole = state["weights"][name]
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=zero3), torch.no_grad():
                 p.copy_(whole.to(p.dtype).view_as(p))  # the model's copy

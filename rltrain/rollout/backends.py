@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from rltrain import adapters
+from rltrain.adapters import is_adapter
 from rltrain.batch import Segment
 from rltrain.config import RolloutConfig
 from rltrain.loss.logprobs import Truncation, sequence_logprobs, truncation_keep
@@ -61,7 +65,7 @@ def _finish(c) -> str:
 
 
 class VLLMBackend:
-    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int):
+    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int, lora=None):
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
         # __main__ guard and ~20 s on CPU)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -79,6 +83,7 @@ class VLLMBackend:
             # log-probs after temperature, min_p, top_k and top_p: the distribution the tokens were
             # sampled from, which the learner's log-probs reproduce (rltrain.loss.logprobs.Truncation)
             logprobs_mode="processed_logprobs",
+            **_lora_options(lora, rc),
             **(
                 {"gpu_memory_utilization": rc.gpu_memory_utilization}
                 if cuda
@@ -92,6 +97,7 @@ class VLLMBackend:
         # which costs a third of the generation time of a small model on CPU.
         self._detokenize = bool(stop)
         self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
+        self.adapters = AdapterFolders(lora, _lora_slots(rc)) if lora is not None else None
 
     def _params(self, greedy: bool = False, **kwargs):
         from vllm import SamplingParams
@@ -107,7 +113,9 @@ class VLLMBackend:
         self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
     ) -> list[Segment]:
         params = [self._request_params(greedy, m, s) for m, s in zip(max_tokens, seeds)]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+        )
         segments = []
         for out in outputs:
             c = out.outputs[0]
@@ -141,7 +149,9 @@ class VLLMBackend:
             params = self._request_params(greedy, m, seed)
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
             request_id = f"inflight-{next(self._request_ids)}"  # the outputs' name for it
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            engine.add_request(
+                request_id, {"prompt_token_ids": prompt}, params, lora_request=self.lora_request
+            )
             segments[request_id] = Segment([], [], "", "length")
         try:
             while engine.has_unfinished_requests():
@@ -161,7 +171,20 @@ class VLLMBackend:
             seg.text = seg.text if self._detokenize else decode(self.tokenizer, seg.token_ids)
         return list(segments.values())
 
+    @property
+    def lora_request(self):
+        """The adapter of the newest policy version (None before the first: the base, which a
+        fresh adapter leaves unchanged)."""
+        return None if self.adapters is None else self.adapters.request
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        named_tensors = list(named_tensors)
+        if self.adapters is not None and all(is_adapter(name) for name, _ in named_tensors):
+            # a LoRA adapter: served over the unchanged base from its folder; requests of older
+            # versions still in flight keep theirs (each prefix is cached per adapter)
+            for request in self.adapters.add(dict(named_tensors)):
+                self.llm.llm_engine.remove_lora(request.lora_int_id)
+            return
         # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
         # cached prefixes were computed with the old weights (with requests in flight the reset
         # waits: GeneratorActor resets again before the next call)
@@ -179,7 +202,12 @@ class VLLMBackend:
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         params = self._params(max_tokens=1, prompt_logprobs=0)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": s} for s in sequences],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
         result = []
         for seq, out in zip(sequences, outputs):
             entries = out.prompt_logprobs  # first entry is None (no prefix)
@@ -190,10 +218,12 @@ class VLLMBackend:
 class HFBackend:
     """transformers ``generate``: slower, for environments without vLLM."""
 
-    def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], trust_remote_code: bool):
+    def __init__(
+        self, model_path: str, rc: RolloutConfig, stop: list[str], trust_remote_code: bool, lora=None
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.rc, self.stop = rc, stop
+        self.rc, self.stop, self.lora = rc, stop, lora
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
@@ -237,7 +267,15 @@ class HFBackend:
         return segments
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_state_dict(dict(named_tensors), strict=True)
+        state = dict(named_tensors)
+        if self.lora is not None and all(map(is_adapter, state)):  # a LoRA adapter, through peft
+            from peft import set_peft_model_state_dict
+
+            if not hasattr(self.model, "disable_adapter"):
+                self.model = adapters.wrap(self.model, self.lora).eval()
+            set_peft_model_state_dict(self.model, state)
+            return
+        self.model.load_state_dict(state, strict=True)
 
     def parameter_names(self) -> list[str]:
         return _parameter_names(self.model)
@@ -267,6 +305,49 @@ class _SamplingProcessor:
             keep = truncation_keep(z, z.argmax(-1), self.truncation)
             z = z.masked_fill(~keep, float("-inf"))
         return z
+
+
+class AdapterFolders:
+    """A vLLM engine's LoRA adapters on local disk, one folder per version, as many as it keeps
+    loaded (``max_loras``): the newest, and the older ones rollouts in flight may still use."""
+
+    def __init__(self, lora, slots: int):
+        import tempfile
+
+        self.lora, self.slots = lora, slots
+        self.root = Path(tempfile.mkdtemp(prefix="rltrain-adapters-"))
+        self.loaded: list[Any] = []  # LoRARequests, oldest first
+        self.count = 0
+
+    @property
+    def request(self):
+        return self.loaded[-1] if self.loaded else None
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
+        """Write the adapter and make it the newest; returns the requests dropped (their folders removed)."""
+        from vllm.lora.request import LoRARequest
+
+        self.count += 1  # vLLM's adapter ids start at 1
+        folder = adapters.write_adapter(self.root / f"adapter_{self.count}", tensors, self.lora)
+        self.loaded.append(LoRARequest(f"policy-{self.count}", self.count, str(folder)))
+        dropped, self.loaded = self.loaded[: -self.slots], self.loaded[-self.slots :]
+        for request in dropped:
+            shutil.rmtree(request.lora_path, ignore_errors=True)
+        return dropped
+
+
+def _lora_slots(rc: RolloutConfig) -> int:
+    """Adapters an engine keeps loaded: the newest and one per version rollouts in flight may use
+    (``rollout.max_staleness``, and one more with in-flight updates)."""
+    return rc.max_staleness + 2
+
+
+def _lora_options(lora, rc: RolloutConfig) -> dict[str, Any]:
+    if lora is None:
+        return {}
+    slots = _lora_slots(rc)
+    return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_rank(lora.rank),
+            "max_loras": slots, "max_cpu_loras": slots}  # fmt: skip
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from rltrain.adapters import is_adapter
 from rltrain.batch import Completion, Segment
 from rltrain.config import Config
 from rltrain.remote import gather, where
@@ -35,7 +36,7 @@ class GeneratorActor:
     (:meth:`VLLMBackend.generate_inflight`) or two chunks (:mod:`rltrain.rollout.inflight`).
     """
 
-    def __init__(self, config: Config, model_path: str, engine_index: int):
+    def __init__(self, config: Config, model_path: str, engine_index: int, lora: bool = False):
         from transformers import AutoTokenizer
 
         rc = config.rollout
@@ -51,10 +52,12 @@ class GeneratorActor:
             self.stop = self.episodes.parser.stop
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(
-                model_path, rc, self.stop, config.run.seed + engine_index
+                model_path, rc, self.stop, config.run.seed + engine_index, config.model.lora if lora else None
             )
         else:
-            self.backend = HFBackend(model_path, rc, self.stop, config.model.trust_remote_code)
+            self.backend = HFBackend(
+                model_path, rc, self.stop, config.model.trust_remote_code, config.model.lora if lora else None
+            )
         self.version = 0
         self._engine = threading.RLock()  # the backend runs one call at a time
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None  # weights not taken yet
@@ -161,6 +164,8 @@ class GeneratorActor:
     def weights_not_loaded(self) -> list[str]:
         """The engine's parameters that no name of the last weights it took loads (all of them
         before any sync)."""
+        if self._loaded_names and all(map(is_adapter, self._loaded_names)):
+            return []  # an adapter over an unchanged base: no base weight is meant to arrive
         with self._engine:
             return unsent(self.backend.parameter_names(), self._loaded_names)
 
@@ -168,13 +173,14 @@ class GeneratorActor:
 class GeneratorPool:
     """``rollout.num_engines`` generator actors; requests are spread evenly over them."""
 
-    def __init__(self, config: Config, model_path: str):
+    def __init__(self, config: Config, model_path: str, lora: bool = False):
+        """``lora``: the engines take the policy's LoRA adapters (``model.lora``), not full weights."""
         rc = config.rollout
         # in-flight weights and the busy-time probe answer beside a rollout in progress
         actor_cls = ray.remote(concurrency_groups={"weights": 1})(GeneratorActor).options(
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )
-        self.actors = [actor_cls.remote(config, model_path, i) for i in range(rc.num_engines)]
+        self.actors = [actor_cls.remote(config, model_path, i, lora) for i in range(rc.num_engines)]
         self.names = [f"generator {i}" for i in range(rc.num_engines)]
         self.size, self.inflight = rc.num_engines, rc.inflight_updates
         self.timeout_s = config.run.actor_timeout_s

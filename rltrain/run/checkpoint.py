@@ -60,6 +60,9 @@ class SaveFailed(RuntimeError):
     """A checkpoint or export could not be written; the message names it, why, and what is left."""
 
 
+ADAPTER = "adapter"  # a LoRA run's checkpoint: the adapter as a peft folder, where others have hf/
+
+
 def save(
     learners: LearnerGroup,
     out_dir: Path,
@@ -78,7 +81,10 @@ def save(
         _write(
             partial / TRAINER_STATE, lambda path: path.write_text(json.dumps({"step": step, **trainer_state}))
         )
-        _check(learners.save_hf(partial / "hf"))
+        if learners.config.model.lora.rank:  # the adapter over the run's base model, not a merged copy
+            _check(learners.save_adapter(partial / ADAPTER))
+        else:
+            _check(learners.save_hf(partial / "hf"))
         if critic is not None:
             _check(critic.save_checkpoint(partial, CRITIC, {"step": step}))
             _check(critic.save_hf(partial / "critic_hf"))
@@ -100,12 +106,36 @@ def save(
     return final
 
 
-def export_hf(learners: LearnerGroup, folder: Path) -> None:
-    """The policy (or critic) in Hugging Face format; :class:`SaveFailed` when it cannot be written."""
+def _adapter_problem(folder: Path, config) -> str | None:
+    """A checkpoint of LoRA adapters resumes a run with adapters of the same rank, and only such."""
+    rank = config.model.lora.rank if config is not None else None
+    if not (folder / ADAPTER).is_dir():
+        if not (folder / "hf").is_dir():
+            return f"checkpoint {folder} is incomplete or damaged (no hf/ or {ADAPTER}/ folder)"
+        return (
+            f"checkpoint {folder} holds full weights; model.lora.rank={rank} trains adapters"
+            if rank
+            else None
+        )
     try:
-        _check(learners.save_hf(folder))
-    except SaveFailed as e:
-        raise SaveFailed(f"{folder} was not written: {e}") from None
+        saved = json.loads((folder / ADAPTER / "adapter_config.json").read_text())["r"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"checkpoint {folder} is incomplete or damaged ({ADAPTER}/adapter_config.json: {type(e).__name__})"
+    if rank is not None and saved != rank:
+        return f"checkpoint {folder} holds LoRA adapters of rank {saved}; the run has model.lora.rank={rank}"
+    return None
+
+
+def export_hf(learners: LearnerGroup, folder: Path, adapter: Path | None = None) -> None:
+    """The policy (or critic) in Hugging Face format (with LoRA merged), and with ``adapter`` the
+    LoRA adapter alone as a peft folder there; :class:`SaveFailed` when one cannot be written."""
+    for target, save in ((folder, learners.save_hf), (adapter, learners.save_adapter)):
+        if target is None:
+            continue
+        try:
+            _check(save(target))
+        except SaveFailed as e:
+            raise SaveFailed(f"{target} was not written: {e}") from None
 
 
 def _check(error: str | None) -> None:
@@ -166,8 +196,11 @@ def resume_problem(out_dir: Path, model_config: dict[str, Any] | None, config=No
         json.loads((folder / TRAINER_STATE).read_text())
     except (OSError, ValueError) as e:
         return f"checkpoint {folder} is incomplete or damaged ({TRAINER_STATE}: {type(e).__name__})"
+    problem = _adapter_problem(folder, config)
+    if problem is not None:
+        return problem
     try:
-        saved = json.loads((folder / "hf" / "config.json").read_text())
+        saved = json.loads((folder / "hf" / "config.json").read_text()) if (folder / "hf").is_dir() else {}
     except (OSError, ValueError) as e:
         return f"checkpoint {folder} is incomplete or damaged (hf/config.json: {type(e).__name__})"
     for key in SHAPE_KEYS if model_config is not None else ():

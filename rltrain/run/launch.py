@@ -177,7 +177,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     # ray, deepspeed and vllm load here, not at import: --help stays instant
     from rltrain.learner.group import LearnerGroup
     from rltrain.rollout import GeneratorPool
-    from rltrain.run.weight_sync import ObjectStoreSync
+    from rltrain.run.weight_sync import weight_sync
 
     out = inputs.out
     dump(config, out / "config.yaml")
@@ -189,7 +189,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     try:  # a failure while starting still stops what did start
         # engines first: they load in their own actors (not waited for here) while the learner
         # groups below set up one after another
-        parts["generators"] = GeneratorPool(config, inputs.model_path)
+        parts["generators"] = GeneratorPool(config, inputs.model_path, lora=config.model.lora.rank > 0)
         judge = config.reward.judge
         if judge is not None and judge.model is not None:
             parts["judge_engines"] = GeneratorPool(config, judge.model)
@@ -222,7 +222,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
         config, sampler, parts["generators"], scorer, model_scorers(config, inputs, parts)
     )
     run = Run(out, inputs.tokenizer, orchestrator, scorer, parts["learners"], parts["generators"],
-              ObjectStoreSync(), start_step=0, critic=parts.get("critic"), teacher=parts.get("teacher"),
+              weight_sync(config), start_step=0, critic=parts.get("critic"), teacher=parts.get("teacher"),
               reward_model=parts.get("reward_model"), judge_engines=parts.get("judge_engines"))  # fmt: skip
     try:
         record_placement(run)

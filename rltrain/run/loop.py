@@ -86,7 +86,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     from rltrain.run.tracking import Tracker, write_rollouts
 
     run = start_run(config, inputs)
-    learners, generators, orchestrator = run.learners, run.generators, run.orchestrator
+    generators, orchestrator = run.generators, run.orchestrator
     tracker = Tracker(run.out, config, run.start_step)
     env = config.env.name is not None  # episodes of an environment
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
@@ -137,9 +137,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if step == config.run.stop_after:
                 break
         if step == config.run.steps:
-            for group, folder in ((learners, "final_model"), (run.critic, "final_critic")):
-                if group is not None:
-                    saved(config, run.out, step, partial(checkpoint.export_hf, group, run.out / folder))
+            export_final(run, config, step)
     except KeyboardInterrupt:
         raise Interrupted(
             saved_on_interrupt(run, config, tracker, trained, last_saved, interrupt), run.out
@@ -249,6 +247,7 @@ def push(run: Run, step: int, probe, metrics: dict[str, float], check: bool) -> 
     from rltrain.run.weight_sync import SyncCheckFailed, check_sync
 
     seconds = run.weight_sync.push(run.learners, run.generators, step)
+    metrics["sync/seconds"], metrics["sync/bytes"] = seconds, float(run.learners.sent_bytes())
     if check and "rollout/mismatch_max" in metrics:
         try:
             metrics["sync/probe_gap"] = check_sync(
@@ -257,6 +256,17 @@ def push(run: Run, step: int, probe, metrics: dict[str, float], check: bool) -> 
         except SyncCheckFailed as e:
             raise RunFailed(str(e)) from None
     return seconds
+
+
+def export_final(run: Run, config: Config, step: int) -> None:
+    """``final_model/`` (with LoRA merged, and the adapter alone in ``final_adapter/``) and
+    ``final_critic/``."""
+    adapter = run.out / "final_adapter" if config.model.lora.rank else None
+    saved(
+        config, run.out, step, partial(checkpoint.export_hf, run.learners, run.out / "final_model", adapter)
+    )
+    if run.critic is not None:
+        saved(config, run.out, step, partial(checkpoint.export_hf, run.critic, run.out / "final_critic"))
 
 
 def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:

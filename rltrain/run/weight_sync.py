@@ -1,11 +1,13 @@
 """Weight sync from the learners to the generators, behind one interface, and its check.
 
-``ObjectStoreSync`` (the one implemented): learner rank 0 gathers the full weights (under ZeRO-3
+``ObjectStoreSync``: learner rank 0 gathers the full weights (under ZeRO-3
 every rank takes part in the gather), puts them in the Ray object store once, and every engine
 reloads them in place through its model's checkpoint loader. The weights go by every name the
 model's state dict has, a tied output head included. It works on CPU and GPU alike; on GPU a
 broadcast over NCCL between learner rank 0 and the engines would skip the host copy, and belongs
 behind this same interface.
+
+``AdapterSync`` (with ``model.lora.rank``): the same path with the LoRA adapters alone.
 
 :func:`check_sync`: after a run's first sync, every engine and the learners score the same probe
 sequences; a gap beyond the numerical noise measured before the update stops the run with one line
@@ -42,11 +44,28 @@ class WeightSync(Protocol):
 
 
 class ObjectStoreSync:
+    """The full weights through the object store (see the module docstring)."""
+
+    adapters_only = False
+
     def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()
         # the reference goes to the engines without a round trip through the driver
-        generators.load_weights(learners.gathered_state_ref(), version)
+        generators.load_weights(learners.gathered_state_ref(self.adapters_only), version)
         return time.perf_counter() - start
+
+
+class AdapterSync(ObjectStoreSync):
+    """``model.lora``: the LoRA adapters alone (megabytes, not the base model's gigabytes). A vLLM
+    engine serves each version as a LoRA adapter over its unchanged base, keeping the versions
+    that rollouts still in flight need; the transformers backend loads it through peft."""
+
+    adapters_only = True
+
+
+def weight_sync(config) -> WeightSync:
+    """The sync for the run: adapters with ``model.lora.rank``, else the full weights."""
+    return AdapterSync() if config.model.lora.rank else ObjectStoreSync()
 
 
 def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch) -> float:

@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="keep each seed's run folder here")
     args, overrides = parser.parse_known_args()
     results, curves = {}, {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -86,8 +86,9 @@ def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) ->
 
 
 def _settings(config: Config, model_path: str) -> str:
-    """What the warmed-up model depends on: the warm-up section, the start model, data, seed, and
-    how the loss is aggregated (the warm-up's loss follows `loss.aggregation`)."""
+    """What the warmed-up model depends on: the warm-up section, the start model, data, seed, how
+    the loss is aggregated (the warm-up's loss follows `loss.aggregation`) and, with LoRA, the
+    adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
     aggregation = [loss.aggregation, loss.masked_mean_axis, norm]
@@ -100,4 +101,6 @@ def _settings(config: Config, model_path: str) -> str:
     ]
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
+    if config.model.lora.rank:  # (a run without adapters keeps the key it had before they came)
+        parts.append(config.model.lora.model_dump())
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

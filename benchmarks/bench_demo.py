@@ -6,7 +6,9 @@ explained variance over the last ten steps.
     python benchmarks/bench_demo.py [--seeds 0 1 2] [--config configs/cpu_demo.yaml ...] [overrides ...]
 
 Several configs (``--config configs/cpu_demo.yaml configs/cpu_ppo.yaml``: GRPO against PPO with the
-same warm start, reward and generation budget) run seed by seed, one after another, in one table.
+same warm start, reward and generation budget) run seed by seed, one after another, in one table;
+so do variants of each, named sets of overrides (``--variant full: --variant "lora r32:model.lora.rank=32
+learner.lr=3e-3"``: full fine-tuning against LoRA on the same seeds).
 
 Each seed is one `python -m rltrain.train --config configs/cpu_demo.yaml run.seed=S` run, as
 `make demo` starts it: the seed changes the model's initialization, the warm-up examples' order and
@@ -73,20 +75,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--config", nargs="+", default=["configs/cpu_demo.yaml"])
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME:OVERRIDES",
+        help="a named set of overrides (space-separated) run on every config and seed; repeatable",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
+    variants = [v.split(":", 1) for v in args.variant] or [["", ""]]
     tmp = Path(tempfile.mkdtemp(prefix="bench-demo-"))
     rows = []
     for config in args.config:
-        results = {}
-        for seed in args.seeds:
-            results[seed] = run_demo(config, seed, args.overrides, tmp / f"{Path(config).stem}-seed{seed}")
-            print(f"done: {config} seed {seed}", file=sys.stderr, flush=True)
-        keys = list(next(iter(results.values())))
-        mean = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-        name = Path(config).stem
-        rows += [[f"{name} seed {s}", *(shown(k, r[k]) for k in keys)] for s, r in results.items()]
-        rows.append([f"{name} mean", *(shown(k, mean[k]) for k in keys)])
+        for variant, extra in variants:
+            name = " ".join(filter(None, [Path(config).stem, variant]))
+            results = {}
+            for seed in args.seeds:
+                folder = tmp / f"{name.replace(' ', '-')}-seed{seed}"
+                results[seed] = run_demo(config, seed, [*args.overrides, *extra.split()], folder)
+                print(f"done: {name} seed {seed}", file=sys.stderr, flush=True)
+            keys = list(next(iter(results.values())))
+            mean = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+            rows += [[f"{name} seed {s}", *(shown(k, r[k]) for k in keys)] for s, r in results.items()]
+            rows.append([f"{name} mean", *(shown(k, mean[k]) for k in keys)])
     print(
         f"{' vs '.join(args.config)} {' '.join(args.overrides)}; held-out: greedy (accuracy, or an environment's success)"
     )

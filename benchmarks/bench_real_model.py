@@ -4,6 +4,11 @@ held-out accuracy before RL and after, per seed and on average, the run's wall t
 ``rollout/mismatch_max`` over the run; writes the held-out curves to ``--plot``.
 
     python benchmarks/bench_real_model.py [--seeds 0 1] [--steps 24] [--plot docs/real_model_curves.png] [overrides ...]
+    python benchmarks/bench_real_model.py --label "LoRA r32" --out runs/real --plot docs/real_model_lora_curves.png \
+        model.lora.rank=32 model.lora.alpha=32 learner.lr=1e-4
+
+``--out`` keeps each run's folder there (``<label> seed <S>``); ``--plot`` then draws every run
+folder under ``--out``, earlier invocations' (say, full fine-tuning's) beside this one's.
 
 Each seed is one ``python -m rltrain.train`` run on ``configs/cpu_demo.yaml`` with the model's own
 chat template (no warm start, no tools), reward ``math`` (math-verify on the answer), lr 1e-5 and
@@ -39,6 +44,12 @@ SETTINGS = [
 ]
 
 
+def held_out(run_folder: Path) -> list[dict]:
+    """The logged held-out evaluations of a run."""
+    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval/accuracy" in r]
+
+
 def run(seed: int, steps: int, overrides: list[str], out: Path) -> tuple[dict, list[dict]]:
     from rltrain.pretrained import smollm2_gguf
 
@@ -52,7 +63,7 @@ def run(seed: int, steps: int, overrides: list[str], out: Path) -> tuple[dict, l
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/accuracy" in r]
+    evals = held_out(out)
     mismatch = [r["rollout/mismatch_max"] for r in rows if "rollout/mismatch_max" in r]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     figures = {
@@ -74,16 +85,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="keep each seed's run folder here")
+    parser.add_argument("--label", default="full", help="this invocation's runs' name (table, plot)")
     args, overrides = parser.parse_known_args()
     results, curves = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
+        root = args.out or Path(scratch)
         for seed in args.seeds:
-            results[f"seed {seed}"], curves[seed] = run(
-                seed, args.steps, overrides, Path(scratch) / f"s{seed}"
-            )
-            print(f"seed {seed}: {results[f'seed {seed}']}", flush=True)
+            name = f"{args.label} seed {seed}"
+            results[name], curves[name] = run(seed, args.steps, overrides, root / name)
+            print(f"{name}: {results[name]}", flush=True)
+        if args.out:  # every run kept there, earlier ones included
+            curves = {folder.name: held_out(folder) for folder in sorted(args.out.iterdir())}
     keys = list(next(iter(results.values())))
-    results["mean"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+    results[f"{args.label} mean"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
     print(table(["", *keys], [[name, *(f"{r[k]:.3g}" for k in keys)] for name, r in results.items()]))
     if args.plot:
         import matplotlib
@@ -92,13 +106,8 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        for seed, evals in curves.items():
-            ax.plot(
-                [r["step"] for r in evals],
-                [r["eval/accuracy"] for r in evals],
-                marker="o",
-                label=f"seed {seed}",
-            )
+        for name, evals in curves.items():
+            ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=name)
         ax.set(xlabel="step", ylabel="held-out accuracy", title="GRPO on SmolLM2-135M-Instruct (2 CPU cores)")
         ax.legend()
         fig.tight_layout()

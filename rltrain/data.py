@@ -220,8 +220,20 @@ def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, st
 
 def chat_prompt(text: str, tokenizer, config: DataConfig) -> list[int]:
     """A question as the model sees it: the chat template with the generation prompt."""
-    messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-    return chat_ids([*messages, {"role": "user", "content": text}], tokenizer)
+    return chat_prompts([text], tokenizer, config)[0]
+
+
+def chat_prompts(texts: list[str], tokenizer, config: DataConfig) -> list[list[int]]:
+    """:func:`chat_prompt` of each question, rendered one by one and encoded in one batch (as the
+    template's own tokenization does: its text already holds the special tokens)."""
+    system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    rendered = [
+        tokenizer.apply_chat_template(
+            [*system, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        for text in texts
+    ]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"] if rendered else []
 
 
 def chat_ids(messages: list[dict], tokenizer) -> list[int]:
@@ -234,8 +246,7 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
 
 def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Prompt]:
     prompts = []
-    for i, row in enumerate(rows):
-        ids = chat_prompt(row["prompt"], tokenizer, config)
+    for i, (row, ids) in enumerate(zip(rows, chat_prompts([r["prompt"] for r in rows], tokenizer, config))):
         if len(ids) > config.max_prompt_tokens:
             raise ValueError(
                 f"data: prompt {i} has {len(ids)} tokens, over data.max_prompt_tokens={config.max_prompt_tokens}"

@@ -69,19 +69,21 @@ def build_tiny_model(
     hidden_size: int = DEFAULT_HIDDEN_SIZE,
     num_layers: int = 2,
     tie_word_embeddings: bool = False,
+    family: str = "qwen2",
 ) -> Path:
     """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder.
     ``tie_word_embeddings``: the output head shares the input embeddings, as most pretrained
-    checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma)."""
+    checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma). ``family``: ``qwen2`` or ``llama`` (the
+    architecture engines build for it; vLLM's Llama, for one, takes LoRA on its output head)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
     from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,

@@ -156,6 +156,72 @@ def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_kee
     assert sum(gaps[1]) / len(gaps[1]) > 1e-2, sum(gaps[1]) / len(gaps[1])
 
 
+@pytest.mark.slow
+def test_inflight_adapters_reach_a_vllm_engine_between_chunks_and_every_token_keeps_its_version(
+    ray_local, tmp_path
+):
+    """vLLM binds a LoRA adapter to a request when the request starts: with adapters an engine
+    takes in-flight updates between chunks, each chunk a request of the newest adapter. The model
+    is a Llama that ties its output head to its embeddings, as SmolLM2 does (vLLM gave that head a
+    LoRA layer, whose prompt log-probs, which the sync check reads, failed on CPU)."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rltrain import adapters
+    from rltrain.config import Config
+    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.rollout import GeneratorPool
+    from rltrain.tiny_model import build_tiny_model
+
+    tiny_model_path = str(build_tiny_model(tmp_path / "llama", tie_word_embeddings=True, family="llama"))
+
+    config = Config.model_validate(
+        {
+            "model": {"lora": {"rank": 8}},
+            "rollout": {"max_new_tokens": 360, "inflight_updates": True, "inflight_chunk_tokens": 4},
+        }
+    )
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    torch.manual_seed(0)
+    policy = adapters.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_path), config.model.lora).eval()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # B = 0 leaves the base's function: give the adapter one
+                p.normal_(0, 0.5)
+    adapter = {adapters.file_name(k): v for k, v in policy.state_dict().items() if adapters.is_adapter(k)}
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41, 42], [9, 9, 9, 9]] * 2
+    generators = GeneratorPool(config, tiny_model_path, lora=True)
+    try:
+        generators.collect(generators.submit(prompts[:1], seeds=[0]))  # the engine is up
+        refs = generators.submit(prompts, seeds=list(range(1, 9)))
+        time.sleep(0.2)  # the rollout is generating: the adapter arrives between two of its chunks
+        generators.load_weights(ray.put(adapter), 1)
+        completions = generators.collect(refs)
+        sequences = [p + c.token_ids for p, c in zip(prompts, completions)]
+        engine_scores = generators.prompt_logprobs(sequences)  # with the newest adapter
+    finally:
+        generators.shutdown()
+    assert [c for c in completions if set(c.versions) == {0, 1}], [c.versions for c in completions]
+    gaps = {0: [], 1: []}  # |engine - the model of the token's version| per token
+    for prompt, c in zip(prompts, completions):
+        assert c.versions == sorted(c.versions)  # versions only move forward within a request
+        ids = torch.tensor([prompt + c.token_ids])
+        by_version = {
+            v: sequence_logprobs(m, ids, torch.ones_like(ids), temperature=1.0)[0][0][len(prompt) :]
+            for v, m in [(0, base), (1, policy)]
+        }
+        for t, version in enumerate(c.versions):
+            gaps[version].append(abs(c.logprobs[t] - by_version[version][t].item()))
+    # each chunk is a fresh request of one adapter (its prefix cached per adapter): every token's
+    # log-prob is that of the weights its version names, the base's before the update, the adapted
+    # model's after it
+    assert max(gaps[0]) < 1e-4 and max(gaps[1]) < 1e-4, (max(gaps[0]), max(gaps[1]))
+    for seq, scores in zip(sequences, engine_scores):
+        ids = torch.tensor([seq])
+        ours = sequence_logprobs(policy, ids, torch.ones_like(ids), temperature=1.0)[0][0]
+        assert (torch.tensor(scores[1:]) - ours[1:]).abs().max() < 1e-4  # (position 0 has no prefix)
+
+
 def test_where_versions_mix_the_mismatch_is_measured_on_the_tokens_the_current_weights_sampled():
     from rltrain.batch import collate
     from rltrain.losses import policy_loss

@@ -582,3 +582,11 @@ def test_the_readme_environment_plugs_into_the_shipped_config_without_a_word(tmp
                                                    f"env.name={tmp_path / 'countdown.py'}:Countdown"])  # fmt: skip
     assert preflight(config).prompts
     assert capsys.readouterr().err == ""
+
+
+def test_lora_takes_in_flight_updates_and_refuses_sequence_parallelism_in_one_line():
+    # vLLM binds an adapter to a request when it starts: with adapters it takes in-flight updates
+    # between chunks (tests/test_async.py), so the combination is accepted
+    assert load_config(None, ["model.lora.rank=8", "rollout.inflight_updates=true"]).model.lora.rank == 8
+    with pytest.raises(ConfigError, match=r"^model.lora.rank=8 with learner.sequence_parallel_size=2 is not"):
+        load_config(None, ["model.lora.rank=8", "learner.sequence_parallel_size=2", "learner.num_learners=2"])

@@ -153,12 +153,6 @@ class Config(Section):
         rank = self.model.lora.rank
         if not rank:
             return
-        if self.rollout.inflight_updates and self.rollout.backend == "vllm":
-            raise ValueError(
-                f"model.lora.rank={rank} with rollout.inflight_updates: vLLM binds an adapter to a request "
-                "when it starts, so a request's tokens after an update would be stamped with a version that "
-                "did not sample them; set rollout.inflight_updates=false (rollout.max_staleness still overlaps)"
-            )
         if self.learner.sequence_parallel_size > 1:
             raise ValueError(
                 f"model.lora.rank={rank} with learner.sequence_parallel_size={self.learner.sequence_parallel_size} "

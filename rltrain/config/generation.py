@@ -93,11 +93,11 @@ class RolloutConfig(Section):
     inflight_updates: bool = False
     """New weights reach the engines without waiting for the requests in flight: vLLM takes them
     between two decode steps and keeps its requests (their seeds and KV caches); the transformers
-    backend between chunks of `inflight_chunk_tokens`, each request going on from its sampled
-    prefix. Each token keeps the log-prob and version it was sampled with (useful with
+    backend (and vLLM serving LoRA adapters, which it binds to a request when it starts) between
+    chunks of `inflight_chunk_tokens`, each request going on from its sampled prefix. Each token keeps the log-prob and version it was sampled with (useful with
     max_staleness >= 1; where updates land then depends on timing, so runs are not bit-reproducible)."""
     inflight_chunk_tokens: int = Field(16, ge=1)
-    """With inflight_updates and the transformers backend: tokens a request generates between two
+    """With inflight_updates, the transformers backend or LoRA adapters: tokens a request generates between two
     chances to take new weights."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM CPU KV cache size."""

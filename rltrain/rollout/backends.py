@@ -346,8 +346,11 @@ def _lora_options(lora, rc: RolloutConfig) -> dict[str, Any]:
     if lora is None:
         return {}
     slots = _lora_slots(rc)
+    # only the modules the adapters target get vLLM's LoRA layers: left open, a tied output head
+    # would get one too, and its logits path fails on prompt log-probs (the sync check's)
     return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_rank(lora.rank),
-            "max_loras": slots, "max_cpu_loras": slots}  # fmt: skip
+            "max_loras": slots, "max_cpu_loras": slots,
+            "lora_target_modules": list(lora.target_modules)}  # fmt: skip
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:

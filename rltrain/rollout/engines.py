@@ -33,7 +33,8 @@ class GeneratorActor:
     and stamps it on every token it samples. Without ``rollout.inflight_updates`` new weights wait
     for every rollout submitted before them, so which weights sample a step is a function of the
     run's seed; with it they are taken between two decode steps of the rollout in progress
-    (:meth:`VLLMBackend.generate_inflight`) or two chunks (:mod:`rltrain.rollout.inflight`).
+    (:meth:`VLLMBackend.generate_inflight`) or two chunks (:mod:`rltrain.rollout.inflight`: the
+    transformers backend, and vLLM serving LoRA adapters).
     """
 
     def __init__(self, config: Config, model_path: str, engine_index: int, lora: bool = False):
@@ -97,12 +98,13 @@ class GeneratorActor:
 
         if not rc.inflight_updates:
             return stamped(prompts, max_tokens, seeds)
-        if isinstance(self.backend, VLLMBackend):  # new weights between decode steps
+        if isinstance(self.backend, VLLMBackend) and self.backend.adapters is None:  # between decode steps
             with self._engine:
                 self._take_weights()
                 self.backend.reset_stale_prefixes()  # no request of this call reuses older weights' KV
                 return self.backend.generate_inflight(prompts, max_tokens, seeds, greedy, self._between_steps)
-        # otherwise between chunks, each request going on from its sampled prefix
+        # otherwise between chunks, each request going on from its sampled prefix (vLLM binds a
+        # LoRA adapter to a request when it starts: each chunk is a request of the newest adapter)
         detokenize = functools.partial(decode, self.tokenizer)
         return generate_in_chunks(
             stamped, prompts, max_tokens, seeds, rc.inflight_chunk_tokens, self.stop, detokenize

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import SFT_FROM_ENV, Config
-from rltrain.data import chat_prompt, sft_examples, tokenize_completion
+from rltrain.data import chat_prompts, sft_examples, tokenize_completion
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
 from rltrain.run import checkpoint
@@ -37,13 +37,9 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     if sft.source == SFT_FROM_ENV:
         encoded = demonstrations(config, rows, tokenizer)
     else:
-        encoded = [
-            (
-                chat_prompt(e["prompt"], tokenizer, config.data),
-                *tokenize_completion(e["completion"], tokenizer),
-            )
-            for e in sft_examples(sft, rows, config.run.seed)
-        ]
+        examples = sft_examples(sft, rows, config.run.seed)
+        prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)
+        encoded = [(p, *tokenize_completion(e["completion"], tokenizer)) for p, e in zip(prompts, examples)]
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:

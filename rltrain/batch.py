@@ -45,6 +45,11 @@ class Completion:
     # per token: the policy version (training steps behind the weights) of the engine when the token
     # was sampled; an inserted token carries the version of the sampled token before it
     versions: list[int] = field(default_factory=list)
+    # a black-box agent's episode (rltrain.rollout.gateway): its returned reward, its calls, and the
+    # training sequences split off before this one (the agent changed its history), same reward
+    agent_reward: float | None = None
+    calls: list[dict] = field(default_factory=list)
+    earlier: list[Completion] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:

@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rltrain.config import Config
 from rltrain.data import Prompt, episode_rows
 from rltrain.envs import GuessEnv
+from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
+from rltrain.rollout.agents import AgentRunner
 from rltrain.rollout.chat import ChatRenderer
 from rltrain.run.diagnostics import layout_config, relative_difference, update_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
@@ -56,18 +58,34 @@ def guessing_model(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def episodes(guessing_model):
+    """The guessing game's episodes on vLLM: the environment's, then the same engine serving the
+    game written as a black-box agent through the gateway (half of them restate their history
+    once, so they split into two training sequences)."""
     config = Config.model_validate({**ENV, "algorithm": {"group_size": 4}})
     actor = GeneratorActor(config, guessing_model, engine_index=0)
     rows = episode_rows(4, seed=3)
     completions = actor.rollout([r for r in rows for _ in range(4)], seeds=list(range(16)))
-    del actor  # the engine's KV cache
     prompts = [Prompt(i, [], r["answer"], r) for i, r in enumerate(rows)]
     rewards = torch.tensor([c.env_reward or 0.0 for c in completions])
-    return config, ScoredGroups(prompts, completions, rewards, {})
+    agent = Config.model_validate({**ENV, "env": {}, "agent": {"entrypoint": "gateway_agents:run"},
+                                   "reward": {"functions": {"agent": 1.0}}, "algorithm": {"group_size": 4}})  # fmt: skip
+    runner = AgentRunner(agent, actor.tokenizer)
+    try:
+        agents = [{**r, "mode": "guess", "rewrite": j % 2} for r in rows for j in range(4)]
+        through_gateway = runner.run(actor.generate, agents, seeds=list(range(16)))
+    finally:
+        runner.server.stop()
+    del actor  # the engine's KV cache
+    gateway_rewards = torch.tensor([c.agent_reward or 0.0 for c in through_gateway])
+    return (
+        config,
+        ScoredGroups(prompts, completions, rewards, {}),
+        ScoredGroups(prompts, through_gateway, gateway_rewards, {}),
+    )
 
 
 def test_vllm_episodes_have_environment_tokens_between_sampled_turns(episodes):
-    _, scored = episodes
+    _, scored, _ = episodes
     multi = [c for c in scored.completions if c.turns >= 2]
     assert len(multi) >= 4, [c.turns for c in scored.completions]
     for c in multi:
@@ -77,9 +95,30 @@ def test_vllm_episodes_have_environment_tokens_between_sampled_turns(episodes):
         assert c.messages[0]["role"] == "user" and c.messages[1]["role"] == "assistant"
 
 
+def test_gateway_episodes_on_vllm_are_token_in_token_out_and_split_where_the_agent_rewrote(
+    episodes, guessing_model
+):
+    _, _, gateway = episodes
+    model = AutoModelForCausalLM.from_pretrained(guessing_model)
+    splits = [c for c in gateway.completions if c.earlier]
+    assert len(splits) >= 4 and all(c.errors["gateway_splits"] == 1 for c in splits)
+    sequences = [s for c in gateway.completions for s in [*c.earlier, c]]
+    assert sum(s.turns >= 2 for s in sequences) >= 2  # replies, then the agent's messages, then replies
+    for s in sequences:
+        # the engine's log-prob of every sampled token is the model's on the sequence as recorded:
+        # the ids the policy sampled, not a re-encoding of their text
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        ours = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0][0][len(s.prompt_ids) :]
+        sampled = torch.tensor(s.tool_mask).bool()
+        assert (torch.tensor(s.logprobs)[sampled] - ours[sampled]).abs().max() < 1e-4
+        assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.tool_mask) if not m)
+
+
 def test_token_mode_update_on_episodes_is_layout_invariant(episodes, guessing_model, ray_local):
-    config, scored = episodes
-    batch = build_batch(scored, config, pad_id=0)
+    # the environment's episodes and the gateway's (split ones included) in one batch
+    config, scored, gateway = episodes
+    batch = build_batch(ScoredGroups.concat([scored, gateway]), config, pad_id=0)
+    assert len(batch) == 32 + sum(len(c.earlier) for c in gateway.completions)  # split: 2 sequences
     assert (batch.response_mask * (1 - batch.tool_mask)).sum() > 0  # masked tokens inside completions
 
     def update(learners, micro_batch, zero, denominator="token", budget=None):

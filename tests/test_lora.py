@@ -4,6 +4,7 @@ alone that resume exactly (and on another layout), and the two exports."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,9 +72,16 @@ def test_the_adapters_update_is_the_same_over_layouts_in_token_mode(zero_stage, 
 
 def test_a_lora_run_syncs_adapters_to_vllm_resumes_exactly_and_exports_both(tmp_path, ray_cluster):
     env = {**TESTS_ON_PATH, **ray_cluster}
-    common = ["run.steps=3", "model.lora.rank=8", "loss.kl_beta=0.01"]  # (the reference: adapters off)
+    # (the reference: adapters off); a warm start of 3 steps trains adapters too, exported merged
+    common = ["run.steps=3", "model.lora.rank=8", "loss.kl_beta=0.01", "sft_warmup.steps=3"]
     run_trainer(tmp_path / "straight", *common, "run.checkpoint_every=2", env=env)
     rows = logged_rows(tmp_path / "straight")
+    tiny, warm = (AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / name).state_dict()
+                  for name in ("tiny_model", "sft_model"))  # fmt: skip
+    assert torch.equal(warm["model.embed_tokens.weight"], tiny["model.embed_tokens.weight"])  # frozen
+    assert not torch.equal(
+        warm["model.layers.0.self_attn.q_proj.weight"], tiny["model.layers.0.self_attn.q_proj.weight"]
+    )
     # the engine samples with the adapter the learners trained: their log-probs agree at every step
     assert max(r["rollout/mismatch_max"] for r in rows) < 1e-4 and rows[0]["sync/probe_gap"] < 1e-4
     full_bytes = sum(
@@ -94,9 +102,13 @@ def test_a_lora_run_syncs_adapters_to_vllm_resumes_exactly_and_exports_both(tmp_
         and not (step_2 / "hf").exists()
     )
 
-    # final_adapter/ on the base model computes what final_model/ (merged) does
+    # final_adapter/ on the base model it names (the warm start's) computes what final_model/ (merged) does
     straight = tmp_path / "straight"
-    base = AutoModelForCausalLM.from_pretrained(straight / "tiny_model")
+    named = json.loads((straight / "final_adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ]
+    assert Path(named) == straight / "sft_model"
+    base = AutoModelForCausalLM.from_pretrained(named)
     adapted, merged = (
         PeftModel.from_pretrained(base, straight / "final_adapter"),
         AutoModelForCausalLM.from_pretrained(straight / "final_model"),

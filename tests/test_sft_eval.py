@@ -192,3 +192,14 @@ def test_the_warm_starts_learning_rate_schedule_reaches_its_learners_and_its_cac
     assert _settings(decaying, "m") != _settings(
         Config.model_validate({"sft_warmup": {"steps": 750}}), "m"
     )  # another schedule trains another model: a cached constant-rate warm start is not reused
+
+
+def test_a_full_fine_tuning_warm_start_under_lora_is_the_one_a_run_without_lora_has():
+    from rltrain.config import Config
+    from rltrain.run.warm_start import _settings
+
+    plain = Config()
+    adapters = Config.model_validate({"model": {"lora": {"rank": 8}}})
+    full = Config.model_validate({"model": {"lora": {"rank": 8}}, "sft_warmup": {"lora": False}})
+    # sft_warmup.lora=false trains every weight: the same model as without LoRA, reused from its cache
+    assert _settings(full, "m") == _settings(plain, "m") != _settings(adapters, "m")

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
 from rltrain.config.generation import (
+    AgentConfig,
     DataConfig,
     EnvConfig,
     EvalConfig,
@@ -62,6 +63,9 @@ class Config(Section):
     reward: RewardConfig = RewardConfig()
     env: EnvConfig = EnvConfig()
     """Multi-turn environments: each rollout is an episode (rltrain.envs)."""
+    agent: AgentConfig = AgentConfig()
+    """Black-box agents through an OpenAI-compatible gateway: each rollout is an episode of the
+    user's own agent code (rltrain.rollout.gateway)."""
     critic: CriticConfig | None = None
     """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
     sft_warmup: SFTWarmupConfig = SFTWarmupConfig()
@@ -137,17 +141,50 @@ class Config(Section):
             raise ValueError("sft_warmup.source=env: the environment's demonstrations need env.name")
         if "env" in self.reward.functions and self.env.name is None:
             raise ValueError("reward.functions: `env` is the environment's reward; it needs env.name")
+        self._check_agent()
         parser = self.rollout.tool_parser
-        if self.env.name is None and parser not in (None, "tag"):
+        if self.env.name is None and self.agent.entrypoint is None and parser not in (None, "tag"):
             raise ValueError(
                 f"rollout.tool_parser={parser} needs an environment (env.name=builtin:calculator gives "
                 "the built-in task with native calls); without one, rollout.tools uses the tag format"
             )
 
     @property
+    def episodic(self) -> bool:
+        """Each rollout is an episode opened from a data row: an environment's, or a black-box agent's."""
+        return self.env.name is not None or self.agent.entrypoint is not None
+
+    @property
     def tool_parser(self) -> str:
         """The parser in use: ``rollout.tool_parser`` or its default."""
-        return self.rollout.tool_parser or ("hermes" if self.env.name else "tag")
+        return self.rollout.tool_parser or ("hermes" if self.env.name or self.agent.entrypoint else "tag")
+
+    def _check_agent(self) -> None:
+        agent = self.agent.entrypoint
+        if "agent" in self.reward.functions and agent is None:
+            raise ValueError(
+                "reward.functions: `agent` is the agent's returned reward; it needs agent.entrypoint"
+            )
+        if agent is None:
+            return
+        if self.env.name is not None:
+            raise ValueError(
+                f"agent.entrypoint={agent} and env.name={self.env.name}: an episode is one or the other"
+            )
+        if self.rollout.tool_parser == "tag":
+            raise ValueError(
+                "rollout.tool_parser=tag with agent.entrypoint: the gateway returns tool calls as OpenAI "
+                "tool_calls, whose results come back as tool messages; use hermes or one of vLLM's parsers"
+            )
+        if self.rollout.tools.enabled:
+            raise ValueError(
+                "rollout.tools.enabled with agent.entrypoint: the agent runs its own tools; remove rollout.tools"
+            )
+        if self.algorithm.advantage == "gae":
+            raise ValueError(
+                "agent.entrypoint with algorithm.advantage=gae is not supported yet (an episode may split "
+                "into several sequences); use grpo, rloo or dr_grpo"
+            )
 
     def _check_lora(self) -> None:
         rank = self.model.lora.rank

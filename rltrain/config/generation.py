@@ -59,6 +59,22 @@ class EnvConfig(Section):
     context the template would not build itself)."""
 
 
+class AgentConfig(Section):
+    entrypoint: str | None = None
+    """A black-box agent each rollout is an episode of: `module:function` or `path/to/file.py:function`
+    naming `async def run(row: dict, base_url: str, api_key: str, model: str) -> float`, the user's
+    agent (any OpenAI-compatible client) pointed at the gateway beside each generator; it returns
+    the episode's reward (`agent` in reward.functions). Its calls are recorded token-in/token-out
+    (rltrain.rollout.gateway)."""
+    max_calls: int = Field(32, ge=1)
+    """Chat completions per episode; later calls are refused (HTTP 429) and counted."""
+    timeout_s: float = Field(300.0, gt=0)
+    """An agent still running after this long is cancelled: its episode ends with finish reason
+    `error` and is counted; the run goes on."""
+    concurrency: int = Field(64, ge=1)
+    """Episodes in flight per generator (their requests share each engine call)."""
+
+
 class RolloutConfig(Section):
     backend: Literal["vllm", "hf"] = "vllm"
     """Generator: vLLM engines, or transformers `generate` where vLLM is unavailable."""
@@ -255,6 +271,10 @@ class SFTWarmupConfig(Section):
     """Shape of the warm-up's learning rate over its steps (no warm-up of the rate)."""
     tool_fraction: float = Field(0.5, ge=0, le=1)
     """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
+    lora: bool = True
+    """With model.lora.rank: the warm start trains the adapters (true; RL then starts from their
+    merged result with fresh adapters) or every weight (false: the full fine-tuning warm start, as
+    when a model is made from scratch, such as the demo's)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -34,10 +34,17 @@ class SFTLearner(PolicyLearner):
             }
         )
 
+    @property
+    def lora_rank(self) -> int:
+        """The adapters' rank where the warm start trains adapters (``sft_warmup.lora``), else 0."""
+        return self.config.model.lora.rank if self.config.sft_warmup.lora else 0
+
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return self._load_model(AutoModelForCausalLM)
+        if self.lora_rank:  # the warm start trains adapters as RL does (exported merged)
+            return super()._build_model()
+        return self._load_model(AutoModelForCausalLM)  # no reference: the warm start has no KL
 
     def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
         return groups

@@ -47,10 +47,14 @@ class GeneratorActor:
         )
         self.tools = ToolRunner.from_config(rc.tools) if rc.tools.enabled else None
         self.stop = [STOP] if self.tools else []
-        self.episodes = None
+        self.episodes, self.agents = None, None
         if config.env.name is not None:
             self.episodes = Episodes(config, self.tokenizer, self.encode)
             self.stop = self.episodes.parser.stop
+        elif config.agent.entrypoint is not None:
+            from rltrain.rollout.agents import AgentRunner
+
+            self.agents = AgentRunner(config, self.tokenizer)
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(
                 model_path, rc, self.stop, config.run.seed + engine_index, config.model.lora if lora else None
@@ -75,6 +79,8 @@ class GeneratorActor:
             with contextlib.nullcontext() if rc.inflight_updates else self._engine:  # else one version
                 if self.episodes is not None:
                     return self.episodes.run(generate, requests, seeds)
+                if self.agents is not None:
+                    return self.agents.run(generate, requests, seeds)
                 return generate_with_tools(
                     generate, self.encode, requests, rc.max_new_tokens, self.tools, rc.tools.max_calls, seeds
                 )

@@ -78,7 +78,8 @@ BUILTIN: dict[str, RewardFn] = {
 ENV = "env"  # the environment's reward: computed by its episodes, not by a function
 MODEL = "model"  # reward.model's score: computed by its actors
 JUDGE = "judge"  # reward.judge's verdict: computed by generator engines
-GIVEN = (ENV, MODEL, JUDGE)  # scores computed outside the reward workers, handed to RewardScorer
+AGENT = "agent"  # a black-box agent's returned reward (rltrain.rollout.gateway)
+GIVEN = (ENV, MODEL, JUDGE, AGENT)  # scores computed outside the reward workers, handed to RewardScorer
 
 
 def import_attribute(spec: str, not_a_spec: str):
@@ -141,6 +142,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     what was wrong."""
     if spec == ENV:
         raise ValueError("`env` is the environment's reward, not a function")
+    if spec == AGENT:
+        raise ValueError("`agent` is the agent's returned reward, not a function")
     if spec in (MODEL, JUDGE):
         raise ValueError(f"`{spec}` is reward.{spec}'s score, not a function")
     if spec in BUILTIN:

@@ -74,8 +74,11 @@ def preflight(config: Config) -> Inputs:
         if config.run.eval_every:
             rows, held_out = split_held_out(rows, config.data, config.eval)
         check_reward_functions(config, rows[0])
+        if config.agent.entrypoint is not None:
+            check_agent(config, tokenizer)
         if config.env.name is not None:
             check_environment(config, rows[0], tokenizer)
+        if config.episodic:
             prompts = episode_prompts(rows, config.data)
             eval_prompts = episode_prompts(held_out, config.data) if held_out else []
         else:
@@ -88,6 +91,22 @@ def preflight(config: Config) -> Inputs:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def check_agent(config: Config, tokenizer) -> None:
+    """``agent.entrypoint`` imports as ``async def run(row, base_url, api_key, model)``, and the
+    tool parser is built for the policy's tokenizer."""
+    from rltrain.rollout.agents import load_agent
+    from rltrain.rollout.parsers import get_parser
+
+    try:
+        load_agent(config.agent.entrypoint)
+    except ValueError as e:
+        raise ValueError(f"agent.entrypoint: {e}") from None
+    try:
+        get_parser(config.tool_parser, tokenizer)
+    except Exception as e:  # noqa: BLE001  (a vLLM parser whose tokens the tokenizer lacks)
+        raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
 
 
 def with_deadline(timeout_s: float, fn, *args, **kwargs):

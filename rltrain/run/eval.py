@@ -24,16 +24,18 @@ EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request id
 def evaluate(generators, prompts: list[Prompt], scorer, env: bool = False) -> dict[str, float]:
     """``eval/accuracy`` (math-verify against the reference), ``eval/tool_call_rate`` (completions
     that called a tool), ``eval/tool_errors``, ``eval/response_length`` on ``prompts``; with an
-    environment (``env``: the prompts are its rows) ``eval/success`` (episodes whose environment
-    reward is positive), ``eval/env_reward`` and ``eval/turns`` in place of the accuracy."""
+    environment or an agent (``env``: the prompts are its rows) ``eval/success`` (episodes whose
+    reward is positive), ``eval/env_reward`` (an agent's: ``eval/agent_reward``) and ``eval/turns``
+    in place of the accuracy."""
     requests = [p.row if env else p.token_ids for p in prompts]
     completions = generators.collect(generators.submit(requests, [EVAL_SEED] * len(prompts), greedy=True))
     n = len(completions)
     if env:
-        rewards = [c.env_reward or 0.0 for c in completions]
+        agent = any(c.agent_reward is not None or c.calls for c in completions)
+        rewards = [(c.agent_reward if agent else c.env_reward) or 0.0 for c in completions]
         quality = {
             "eval/success": sum(r > 0 for r in rewards) / n,
-            "eval/env_reward": sum(rewards) / n,
+            "eval/agent_reward" if agent else "eval/env_reward": sum(rewards) / n,
             "eval/turns": sum(c.turns for c in completions) / n,
         }
     else:
@@ -88,7 +90,7 @@ def score_model(config: Config, inputs) -> dict[str, float]:
     generators = GeneratorPool(config, inputs.model_path)
     try:
         with RewardScorer({"math": 1.0}, config.reward.timeout_s, config.reward.workers) as scorer:
-            return evaluate(generators, inputs.eval_prompts, scorer, env=config.env.name is not None)
+            return evaluate(generators, inputs.eval_prompts, scorer, env=config.episodic)
     finally:
         generators.shutdown()
 

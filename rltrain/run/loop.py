@@ -88,7 +88,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     run = start_run(config, inputs)
     generators, orchestrator = run.generators, run.orchestrator
     tracker = Tracker(run.out, config, run.start_step)
-    env = config.env.name is not None  # episodes of an environment
+    env = config.episodic  # episodes of an environment or an agent
     if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
         tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued

@@ -58,8 +58,8 @@ def submit(generators, prompts: list[Prompt], config: Config, step: int, round_:
 
 
 def request(prompt: Prompt, config: Config) -> list[int] | dict:
-    """What a generator takes for a prompt: its token ids, or with an environment its data row."""
-    return prompt.row if config.env.name else prompt.token_ids
+    """What a generator takes for a prompt: its token ids, or with an environment or an agent its data row."""
+    return prompt.row if config.episodic else prompt.token_ids
 
 
 def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, step: int,

@@ -21,7 +21,8 @@ from rltrain.loss.advantages import (
     zero_variance_groups,
 )
 from rltrain.rollout.chat import TEMPLATE
-from rltrain.rollout.rewards import ENV, Calls, RewardScorer, soft_overlong_penalty
+from rltrain.rollout.gateway import GATEWAY
+from rltrain.rollout.rewards import AGENT, ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
 @dataclass
@@ -89,7 +90,10 @@ def score(
     n = config.algorithm.group_size
     expanded = per_completion(prompts, n)
     answers = [p.answer for p in expanded]
-    given: dict[str, list[float | None]] = {ENV: [c.env_reward for c in completions]}
+    given: dict[str, list[float | None]] = {
+        ENV: [c.env_reward for c in completions],
+        AGENT: [c.agent_reward for c in completions],
+    }
     model_metrics: dict[str, float] = {}
     for name, model_scorer in (model_scorers or {}).items():
         done = (model_scores or {}).get(name)
@@ -143,7 +147,9 @@ def user_code_calls(completions: list[Completion], reward_calls: dict[str, Calls
     episodes that reached the method), the chat template where it raised or rewrote an episode's
     history, and each tool that raised (calls: every tool call)."""
     calls = {f"reward function {spec}": record for spec, record in reward_calls.items()}
-    if any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
+    if any(c.calls or c.agent_reward is not None or AGENT in c.failures for c in completions):
+        calls[AGENT] = _calls(len(completions), completions, AGENT)  # a black-box agent's episodes
+    elif any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
         reset_failed = [c for c in completions if "environment reset" in c.failures]
         calls["environment reset"] = _calls(len(completions), reset_failed, "environment reset")
         stepped = [c for c in completions if c not in reset_failed]
@@ -179,7 +185,13 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     errors = Counter()
     for c in completions:
         errors.update(c.errors)
-    metrics = {f"rollout/tool_errors/{kind}": float(count) for kind, count in sorted(errors.items())}
+    metrics = {
+        f"rollout/{kind}" if kind.startswith(GATEWAY) else f"rollout/tool_errors/{kind}": float(count)
+        for kind, count in sorted(errors.items())
+    }
+    if any(c.calls for c in completions):  # a black-box agent's episodes (rltrain.rollout.gateway)
+        metrics["rollout/gateway_calls"] = sum(len(c.calls) for c in completions) / len(completions)
+        metrics.setdefault("rollout/gateway_splits", 0.0)
     turns = sum(c.turns for c in completions)
     if turns == 0:
         return metrics
@@ -234,9 +246,27 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
     prompt_ids = sequence_prompts(per_completion(scored.prompts, alg.group_size), scored.completions)
-    exclude = [c.truncated for c in scored.completions] if alg.overlong == "filter" else None
     group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
-    return collate(prompt_ids, scored.completions, group, pad_id, exclude, version)
+    prompt_ids, completions, group = training_sequences(prompt_ids, scored.completions, group)
+    exclude = [c.truncated for c in completions] if alg.overlong == "filter" else None
+    return collate(prompt_ids, completions, group, pad_id, exclude, version)
+
+
+def training_sequences(
+    prompt_ids: list[list[int]], completions: list[Completion], advantages_N: torch.Tensor
+) -> tuple[list[list[int]], list[Completion], torch.Tensor]:
+    """Every training sequence: a black-box agent's episode that split (it changed its history)
+    is several, the ones split off first (``Completion.earlier``), each with its own prompt and the
+    episode's advantage. Others are one each."""
+    if not any(c.earlier for c in completions):
+        return prompt_ids, completions, advantages_N
+    prompts, sequences, episode = [], [], []
+    for i, (prompt, last) in enumerate(zip(prompt_ids, completions)):
+        for part in [*last.earlier, last]:
+            prompts.append(part.prompt_ids if part is not last else prompt)
+            sequences.append(part)
+            episode.append(i)
+    return prompts, sequences, advantages_N[episode]
 
 
 def with_gae(

@@ -90,7 +90,8 @@ def write_rollouts(path: Path, scored) -> None:
     """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.run.scoring.ScoredGroups`
     with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
     token ids, the mask (1 = sampled by the policy), log-probs, the policy version of each token,
-    rewards per function, finish reason, turns. Written atomically."""
+    rewards per function, finish reason, turns; a black-box agent's episode also its calls and
+    the training sequences it split off. Written atomically."""
     group = len(scored.completions) // max(len(scored.prompts), 1)
     lines = []
     for i, c in enumerate(scored.completions):
@@ -114,6 +115,13 @@ def write_rollouts(path: Path, scored) -> None:
             "tool_calls": c.tool_calls,
             "errors": c.errors,
         }
+        if c.calls:  # a black-box agent's episode: its chat completions, and sequences split off
+            record["calls"] = c.calls
+            record["earlier_sequences"] = [
+                {"prompt_ids": e.prompt_ids, "completion_ids": e.token_ids, "completion_mask": e.tool_mask,
+                 "completion_logprobs": e.logprobs, "completion_versions": e.versions}
+                for e in c.earlier
+            ]  # fmt: skip
         lines.append(json.dumps(record))
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, "".join(line + "\n" for line in lines))

@@ -19,10 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 from rltrain.rollout.chat import TEMPLATE
-from rltrain.rollout.rewards import Calls
+from rltrain.rollout.rewards import AGENT, Calls
 
-# a tool's failure is the model's observation; a chat template's ends its episode alone
-NEVER_STOPS = ("tool ", TEMPLATE)
+# a tool's failure is the model's observation; a chat template's or a black-box agent's ends its
+# episode alone
+NEVER_STOPS = ("tool ", TEMPLATE, AGENT)
 
 
 class UserCodeFailed(RuntimeError):

@@ -89,7 +89,7 @@ def _settings(config: Config, model_path: str) -> str:
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
     aggregation = [loss.aggregation, loss.masked_mean_axis, norm]
     parts = [
-        config.sft_warmup.model_dump(),
+        config.sft_warmup.model_dump(exclude={"lora"}),
         model_path,
         config.data.model_dump(),
         config.run.seed,
@@ -97,6 +97,6 @@ def _settings(config: Config, model_path: str) -> str:
     ]
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
-    if config.model.lora.rank:  # (a run without adapters keeps the key it had before they came)
-        parts.append(config.model.lora.model_dump())
+    if config.model.lora.rank and config.sft_warmup.lora:  # a warm start of adapters (one of every
+        parts.append(config.model.lora.model_dump())  # weight keeps the key a run without LoRA has)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,271 @@
+"""Running black-box agents against a generator (no ray): the gateway's HTTP server, the agents'
+event loop, and the engine calls that serve them (see :mod:`rltrain.rollout.gateway`).
+
+Three threads share a generator's process during an agent rollout:
+
+- the server (uvicorn, started once, on the loopback address and a free port) answers
+  ``/v1/chat/completions`` and ``/v1/models``; a request waits for its engine call without
+  holding a thread;
+- the agents run in an event loop of their own, ``agent.concurrency`` episodes at a time, each
+  bounded by ``agent.timeout_s``;
+- the rollout's own thread (the one that owns the engine) takes every request waiting, lets more
+  arrive for a few milliseconds, and generates them in one engine call; new weights arrive between
+  two calls (or, with in-flight updates, within one), so the gateway serves while weights update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request  # (FastAPI resolves the endpoints' annotations here)
+from fastapi.responses import JSONResponse
+
+from rltrain.batch import Completion, Segment
+from rltrain.rollout.chat import ChatRenderer
+from rltrain.rollout.gateway import GATEWAY, Gateway, GatewayLimits, Refused, Sampling, episode_completions
+from rltrain.rollout.parsers import get_parser
+from rltrain.rollout.rewards import AGENT, import_attribute
+
+MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
+MAX_BODY_BYTES = 16 << 20
+MAX_IN_FLIGHT = 4096
+BATCH_WINDOW_S = 0.01  # after the first request, how long more may join the same engine call
+GenerateFn = Callable[[list[list[int]], list[int], list[int]], list[Segment]]
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """``module:function`` or ``path/to/file.py:function``: ``async def run(row, base_url, api_key,
+    model) -> float``; raises ValueError saying what is wrong."""
+    fn = import_attribute(spec, "neither module:function nor path/to/file.py:function")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{spec!r} must be `async def run(row, base_url, api_key, model) -> float`")
+    try:
+        inspect.signature(fn).bind({}, "http://127.0.0.1:1/v1", "key", MODEL_NAME)
+    except TypeError as e:
+        raise ValueError(f"{spec!r} must take (row, base_url, api_key, model): {e}") from None
+    return fn
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    future: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """Requests from any thread, generated on the thread that calls :meth:`serve`."""
+
+    def __init__(self, generate: GenerateFn, window_s: float = BATCH_WINDOW_S):
+        self.generate, self.window_s = generate, window_s
+        self.queue: queue.Queue[_Request] = queue.Queue()
+        self.calls = 0
+
+    def submit(self, prompt: list[int], max_tokens: int, seed: int) -> Future:
+        request = _Request(prompt, max_tokens, seed)
+        self.queue.put(request)
+        return request.future
+
+    def serve(self, done: Callable[[], bool]) -> None:
+        """Generate what is asked until ``done()``; an engine failure fails the waiting requests
+        and is raised."""
+        while True:
+            try:
+                batch = [self.queue.get(timeout=0.02)]
+            except queue.Empty:
+                if done():
+                    return
+                continue
+            deadline = time.monotonic() + self.window_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    batch.append(self.queue.get(timeout=left))
+                except queue.Empty:
+                    break
+            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                segments = self.generate([r.prompt for r in batch], [r.max_tokens for r in batch],
+                                         [r.seed for r in batch])  # fmt: skip
+            except BaseException as e:
+                for r in batch:
+                    r.future.set_exception(e)
+                raise
+            self.calls += 1
+            for r, seg in zip(batch, segments):
+                r.future.set_result(seg)
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header or not header.lower().startswith("bearer "):
+        return None
+    return header[7:].strip()
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class GatewayServer:
+    """The gateway's HTTP server in a daemon thread, on ``127.0.0.1`` and a free port."""
+
+    def __init__(self, runner: AgentRunner):
+        import uvicorn
+
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        self.in_flight = 0
+
+        @app.get("/e/{episode}/v1/models")
+        async def models(episode: str, request: Request):
+            try:
+                runner.gateway.episode(episode, _bearer(request.headers.get("authorization")))
+            except Refused as r:
+                return _error(r.status, r.kind, str(r))
+            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rltrain"}]}
+
+        @app.post("/e/{episode}/v1/chat/completions")
+        async def chat(episode: str, request: Request):
+            body = await request.body()
+            if len(body) > MAX_BODY_BYTES:
+                return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES} bytes")
+            if self.in_flight >= MAX_IN_FLIGHT:
+                return _error(503, "busy", f"{MAX_IN_FLIGHT} requests are in flight")
+            try:
+                payload = json.loads(body)
+                if not isinstance(payload, dict):
+                    raise ValueError("not an object")
+                key = _bearer(request.headers.get("authorization"))
+                e, prompt, room, seed = runner.gateway.begin(episode, key, payload)
+            except (ValueError, UnicodeDecodeError) as bad:
+                return _error(400, "bad_request", f"the body is not a JSON object: {bad}")
+            except Refused as r:
+                return _error(r.status, r.kind, str(r))
+            self.in_flight += 1
+            try:
+                batcher = runner.batcher
+                if batcher is None:
+                    raise RuntimeError("no rollout is being served")
+                seg = await asyncio.wrap_future(batcher.submit(prompt, room, seed))
+            except BaseException as failed:
+                runner.gateway.abandon(e)
+                if isinstance(failed, asyncio.CancelledError):
+                    raise
+                return _error(500, "engine", f"generation failed: {type(failed).__name__}: {failed}")
+            finally:
+                self.in_flight -= 1
+            return runner.gateway.finish(e, seg, len(payload["messages"]), len(prompt))
+
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))  # the loopback only: the agents run in this process
+        self.port = self.socket.getsockname()[1]
+        self.root = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                limit_concurrency=MAX_IN_FLIGHT + 64)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="rltrain-gateway", daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent gateway's HTTP server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+class AgentRunner:
+    """A generator's agents: the gateway over their episodes, its server, and the batcher of the
+    rollout in progress."""
+
+    def __init__(self, config, tokenizer):
+        rc, agent = config.rollout, config.agent
+        self.fn = load_agent(agent.entrypoint)
+        self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
+        limits = GatewayLimits(
+            agent.max_calls, rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens
+        )
+        self.gateway = Gateway(
+            lambda tools: ChatRenderer(tokenizer, tools, config.env.render),
+            lambda tools: get_parser(config.tool_parser, tokenizer, tools),
+            limits,
+            Sampling(rc.temperature, rc.top_p, rc.top_k, rc.min_p),
+            MODEL_NAME,
+        )
+        self.batcher: Batcher | None = None
+        self.server: GatewayServer | None = None
+
+    def run(self, generate: GenerateFn, rows: list[dict[str, Any]], seeds: list[int]) -> list[Completion]:
+        """One episode per row, each the agent run once; generated on the calling thread."""
+        if self.server is None:
+            self.server = GatewayServer(self)
+        self.batcher = Batcher(generate)
+        results: list[Completion | None] = [None] * len(rows)
+        thread = threading.Thread(
+            target=lambda: asyncio.run(self._run_all(rows, seeds, results)),
+            name="rltrain-agents",
+            daemon=True,
+        )
+        thread.start()
+        try:
+            self.batcher.serve(done=lambda: not thread.is_alive())
+        finally:
+            thread.join(timeout=self.timeout_s + 30)
+            self.batcher = None
+        completions = [c if c is not None else Completion(finish_reason="error") for c in results]
+        refused = self.take_unauthorized()  # requests no episode of this rollout could be charged with
+        if refused and completions:
+            completions[0].errors[f"{GATEWAY}unauthorized"] = refused
+        return completions
+
+    def base_url(self, episode) -> str:
+        """An episode's endpoint: the server's, under the episode's own path."""
+        assert self.server is not None
+        return f"{self.server.root}/e/{episode.id}/v1"
+
+    async def _run_all(self, rows, seeds, results) -> None:
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def one(i: int) -> None:
+            async with slots:
+                e = self.gateway.open(rows[i], seeds[i])
+                reward, error = None, None
+                try:
+                    run = self.fn(dict(rows[i]), self.base_url(e), e.key, MODEL_NAME)
+                    value = await asyncio.wait_for(run, self.timeout_s)
+                    try:
+                        reward = float(value)
+                    except (TypeError, ValueError):
+                        raise TypeError(f"the agent returned {value!r}, not a number (its reward)") from None
+                except asyncio.TimeoutError:
+                    e.count("timeout")
+                    error = (AGENT, f"the agent was still running after {self.timeout_s} s (agent.timeout_s)")
+                except Exception:  # noqa: BLE001  (the user's code: shown, counted, never the run's end)
+                    e.count("raised")
+                    error = (AGENT, traceback.format_exc())
+                finally:
+                    self.gateway.close(e)
+                results[i] = episode_completions(e, reward, error)
+
+        await asyncio.gather(*(one(i) for i in range(len(rows))))
+
+    def take_unauthorized(self) -> int:
+        n, self.gateway.unauthorized = self.gateway.unauthorized, 0
+        return n

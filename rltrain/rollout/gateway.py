@@ -1,0 +1,374 @@
+"""Black-box agents: an OpenAI-compatible gateway beside each generator, token-in/token-out.
+
+``agent.entrypoint`` names the user's agent, ``async def run(row, base_url, api_key, model) ->
+float``, unchanged apart from where it reads its endpoint. Each episode gets its own random key;
+every chat completion the agent asks for with it is recorded against its episode.
+
+Each call's prompt is built as an environment turn builds it (:class:`~rltrain.rollout.chat.ChatRenderer`):
+
+- the first call renders its messages (the opening prompt);
+- a call whose messages extend the previous call's messages and the reply it got (as returned)
+  keeps the sequence: the reply's ids stay as sampled, and what the new messages add is the chat
+  template's difference (mask 0); nothing sampled is decoded and encoded again;
+- a call that does not (the agent dropped, edited or summarised its history, or changed its tools)
+  closes the sequence and opens another from its own rendering: the episode *splits* into several
+  training sequences, each token-in/token-out, all with the episode's reward (counted in
+  ``rollout/gateway_splits``).
+
+Masks are 1 exactly on sampled ids. The run's sampling settings apply to every call; a request that
+asks for others (temperature, top_p, logit_bias, ...) is refused with HTTP 400 and counted, never
+mixed into training. An unknown or finished key gets 401 and is counted.
+
+This module holds the episodes and the protocol (no ray, no vllm); :mod:`rltrain.rollout.agents`
+runs the agents, the HTTP server and the engine calls.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rltrain.batch import Completion, Segment
+from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, call_id
+from rltrain.rollout.parsers import ParsedTurn, ToolParser
+from rltrain.rollout.tools import SEED_STRIDE
+
+# request fields that would change the distribution sampled from (refused unless they equal the
+# run's), and those that are ignored (they change nothing the policy is trained on)
+SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
+           "response_format", "logprobs", "top_logprobs", "stream", "n", "best_of", "guided_json",
+           "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
+GATEWAY = "gateway_"  # the prefix of an episode's gateway counts (splits, refusals) among its errors
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+class Refused(Exception):
+    """A request the gateway answers with an HTTP error (``status``) and counts (``kind``)."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class GatewayLimits:
+    max_calls: int  # chat completions per episode
+    max_new_tokens: int  # per training sequence, after its prompt (template additions included)
+    max_model_len: int  # prompt + completion
+    max_prompt_tokens: int  # a sequence's opening prompt
+
+
+@dataclass
+class Sampling:
+    """The run's sampling settings: what a request may repeat, never change."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def check(self, body: dict[str, Any]) -> None:
+        for key in SAMPLING:
+            value = body.get(key)
+            if value is not None and value != getattr(self, key) and not (key == "top_k" and value == -1):
+                raise Refused(400, "sampling", f"{key}={value!r}: this gateway samples with the run's "
+                              f"{key}={getattr(self, key)!r} (rollout.{key}); leave it out")  # fmt: skip
+        for key in REFUSED:
+            value = body.get(key)
+            if value not in (None, False, 1 if key == "n" else None, {}, [], "text") and not (
+                key == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+            ):
+                raise Refused(400, "sampling", f"{key} is not served: training samples from the run's "
+                              "own distribution, one choice per call, without streaming")  # fmt: skip
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto"):
+            raise Refused(400, "sampling", f"tool_choice={choice!r} is not served (only auto)")
+
+
+def canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the template gets it and as prefixes are compared: OpenAI's fields only,
+    ``content`` a string, tool-call arguments parsed from their JSON string."""
+    out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
+    content = out.get("content", "")
+    if isinstance(content, list):  # content parts: the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out["content"] = content if isinstance(content, str) else str(content)
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            function = call.get("function") or {}
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    pass  # kept as written: it will not match a reply's, so the history splits
+            entry = {"type": "function", "function": {"name": function.get("name"), "arguments": arguments}}
+            calls.append(entry | ({"id": call["id"]} if call.get("id") else {}))
+        out["tool_calls"] = calls
+    else:
+        out.pop("tool_calls", None)
+    return out
+
+
+@dataclass
+class CallRecord:
+    """One chat completion, as rollouts on disk show it."""
+
+    messages: int  # messages the agent sent
+    prompt_tokens: int  # the sequence before the reply (what the engine was given)
+    completion_tokens: int
+    sequence: int  # which of the episode's training sequences it extended (0, 1, ... after splits)
+    finish_reason: str
+    reply: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"messages": self.messages, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "sequence": self.sequence,
+                "finish_reason": self.finish_reason, "reply": self.reply}  # fmt: skip
+
+
+class AgentEpisode:
+    """One agent's episode: its key, its training sequences (the last one open), what its calls
+    were, and its history as the gateway last rendered it (the last message its own reply)."""
+
+    def __init__(self, row: dict[str, Any], seed: int):
+        self.id = secrets.token_hex(8)  # in the episode's base URL
+        self.key = "rlt-" + secrets.token_urlsafe(24)  # its API key: valid on its own URL alone
+        self.row, self.seed = row, seed
+        self.closed: list[Completion] = []  # sequences split off
+        self.c: Completion | None = None  # the open sequence
+        self.history: Messages = []
+        self.tools: list[dict] | None = None
+        self.renderer: ChatRenderer | None = None
+        self.extendable = False  # the open sequence's last turn ended with its end-of-turn token
+        self.calls: list[CallRecord] = []
+        self.counts: dict[str, int] = {}
+        self.failures: dict[str, str] = {}
+        self.busy = False
+        self.live = True
+        self.tool_calls = 0
+        self.made_ids = 0
+
+    def count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def next_call_id(self) -> str:
+        self.made_ids += 1
+        return call_id(self.made_ids - 1)
+
+    def room(self, limits: GatewayLimits) -> int:
+        c = self.c
+        assert c is not None
+        used = len(c.token_ids)
+        return min(limits.max_new_tokens - used, limits.max_model_len - len(c.prompt_ids) - used)
+
+    def sequences(self) -> list[Completion]:
+        return [*self.closed, *([self.c] if self.c is not None else [])]
+
+
+class Gateway:
+    """The episodes of one generator and the chat-completions protocol over them. ``renderer(tools)``
+    makes the chat template renderer for a call's tools; ``parser(tools)`` the tool parser. The
+    HTTP layer (:mod:`rltrain.rollout.agents`) calls :meth:`begin`, has the engine generate the
+    prompt it returns, and calls :meth:`finish` with the segment."""
+
+    def __init__(
+        self,
+        renderer: Callable[[list[dict] | None], ChatRenderer],
+        parser: Callable[[list[dict] | None], ToolParser],
+        limits: GatewayLimits,
+        sampling: Sampling,
+        model: str,
+    ):
+        self.make_renderer, self.make_parser = renderer, parser
+        self.limits, self.sampling, self.model = limits, sampling, model
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.unauthorized = 0
+        self.lock = threading.Lock()
+
+    def open(self, row: dict[str, Any], seed: int) -> AgentEpisode:
+        episode = AgentEpisode(row, seed)
+        with self.lock:
+            self.episodes[episode.id] = episode
+        return episode
+
+    def close(self, episode: AgentEpisode) -> None:
+        with self.lock:
+            episode.live = False
+            self.episodes.pop(episode.id, None)
+
+    def episode(self, episode_id: str, key: str | None) -> AgentEpisode:
+        """The live episode whose URL and key these are; anything else is refused with 401 and
+        counted (an unknown or finished episode, no key, another episode's key)."""
+        with self.lock:
+            episode = self.episodes.get(episode_id)
+            if episode is None or not key or not secrets.compare_digest(key, episode.key):
+                self.unauthorized += 1
+                raise Refused(401, "unauthorized", "unknown or finished episode, or not its key")
+            return episode
+
+    def begin(
+        self, episode_id: str, key: str | None, body: dict[str, Any]
+    ) -> tuple[AgentEpisode, list[int], int, int]:
+        """Check a request and build its prompt: ``(episode, prompt ids, max tokens, seed)``; the
+        episode stays busy until :meth:`finish` or :meth:`abandon`."""
+        e = self.episode(episode_id, key)
+        with self.lock:
+            if e.busy:
+                e.count("concurrent")
+                raise Refused(409, "concurrent", "this episode has a call in flight; one call at a time")
+            if len(e.calls) >= self.limits.max_calls:
+                e.count("max_calls")
+                raise Refused(
+                    429,
+                    "max_calls",
+                    f"the episode's {self.limits.max_calls} calls are used (agent.max_calls)",
+                )
+            e.busy = True
+        try:
+            self.sampling.check(body)
+            messages = body.get("messages")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) for m in messages)
+            ):
+                raise Refused(400, "bad_request", "messages: a non-empty list of message objects")
+            prompt = self._prompt(e, [canonical(m) for m in messages], body.get("tools") or None)
+            room = e.room(self.limits)
+            asked = body.get("max_completion_tokens") or body.get("max_tokens")
+            if isinstance(asked, int) and asked > 0:
+                room = min(room, asked)
+            if room <= 0:
+                raise Refused(
+                    400,
+                    "length",
+                    "the episode's token budget is used (rollout.max_new_tokens, max_model_len)",
+                )
+            return e, prompt, room, e.seed + len(e.calls) * SEED_STRIDE
+        except Refused as refused:
+            e.count(refused.kind)
+            e.busy = False
+            raise
+        except TemplateError as error:
+            e.count("template")
+            e.failures.setdefault(TEMPLATE, str(error))
+            e.busy = False
+            raise Refused(400, "template", str(error)) from None
+
+    def _prompt(self, e: AgentEpisode, messages: Messages, tools: list[dict] | None) -> list[int]:
+        """The engine's prompt: the open sequence extended by the new messages (token-in/token-out),
+        or a new sequence (a split) where the history is not the one the sequence holds."""
+        n = len(e.history)
+        if (
+            e.c is not None
+            and e.extendable
+            and tools == e.tools
+            and len(messages) > n
+            and messages[:n] == e.history
+            and messages[n]["role"] != "assistant"
+        ):
+            assert e.renderer is not None
+            added = e.renderer.additions(e.history, messages[n:])
+            if len(added) > e.room(self.limits):
+                raise Refused(400, "length", "the new messages do not fit the episode's token budget")
+            e.c.insert(added)
+            e.history = list(messages)
+            return e.c.prompt_ids + e.c.token_ids
+        renderer = self.make_renderer(tools)
+        prompt = renderer.opening(messages)
+        if len(prompt) > self.limits.max_prompt_tokens:
+            raise Refused(400, "prompt_too_long", f"the prompt has {len(prompt)} tokens, over "
+                          f"data.max_prompt_tokens={self.limits.max_prompt_tokens}")  # fmt: skip
+        if e.c is not None:
+            e.closed.append(e.c)
+            e.count("splits")
+        e.c, e.renderer, e.tools, e.history = Completion(prompt_ids=prompt), renderer, tools, list(messages)
+        return prompt
+
+    def finish(self, e: AgentEpisode, seg: Segment, messages: int, prompt_tokens: int) -> dict[str, Any]:
+        """Take the sampled turn into the open sequence; the OpenAI response."""
+        c = e.c
+        assert c is not None
+        with self.lock:
+            c.take(seg)
+            parser = self.make_parser(e.tools)
+            turn = parser.parse_ids(seg.token_ids) if parser.reads_ids else parser.parse(seg.text)
+            for call in turn.calls:
+                call.id = call.id or e.next_call_id()
+            c.tool_errors += len(turn.errors)
+            for kind, _ in turn.errors:
+                c.errors[kind] = c.errors.get(kind, 0) + 1
+            e.tool_calls += len(turn.calls)
+            message = turn.message()
+            e.history.append(message)
+            c.messages = list(e.history)  # the sequence's conversation (rollouts on disk)
+            c.text, c.turns = turn.content, c.turns + 1
+            ended = seg.finish_reason == "stop"
+            e.extendable = ended  # a turn cut by its length has no end-of-turn token to go on from
+            reason = "length" if not ended else "tool_calls" if turn.calls else "stop"
+            reply = reply_message(turn)
+            e.calls.append(
+                CallRecord(messages, prompt_tokens, len(seg.token_ids), len(e.closed), reason, reply)
+            )
+            e.busy = False
+        return {
+            "id": f"chatcmpl-{e.key[-8:]}-{len(e.calls)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(seg.token_ids),
+                "total_tokens": prompt_tokens + len(seg.token_ids),
+            },  # fmt: skip
+        }
+
+    def abandon(self, e: AgentEpisode) -> None:
+        """A call that never got its reply (the engine failed, the agent went away)."""
+        with self.lock:
+            e.busy = False
+
+
+def reply_message(turn: ParsedTurn) -> dict[str, Any]:
+    """The assistant message of a parsed turn in the OpenAI response format (arguments as JSON text)."""
+    # (null content only beside tool calls, as OpenAI's API writes it)
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content or (None if turn.calls else "")}
+    if turn.calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            for call in turn.calls
+        ]  # fmt: skip
+    return message
+
+
+def episode_completions(e: AgentEpisode, reward: float | None, error: tuple[str, str] | None) -> Completion:
+    """The episode as the trainer takes it: its last sequence, the sequences split off before it in
+    ``earlier``, the agent's reward, its calls (rollouts on disk), and how it ended."""
+    sequences = e.sequences() or [Completion()]
+    last = sequences[-1]
+    last.earlier = sequences[:-1]
+    last.env_reward = None
+    last.agent_reward = reward
+    last.calls = [call.as_dict() for call in e.calls]
+    last.tool_calls = e.tool_calls
+    for kind, n in e.counts.items():  # logged as rollout/gateway_<kind>
+        last.errors[f"{GATEWAY}{kind}"] = n
+    last.failures.update(e.failures)
+    if error is not None:
+        last.finish_reason = "error"
+        last.failures.setdefault(*error)
+    elif last.token_ids and e.calls and e.calls[-1].finish_reason == "length":
+        last.finish_reason = "length"
+    else:
+        last.finish_reason = "stop"
+    return last

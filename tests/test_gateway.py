@@ -1,0 +1,184 @@
+"""The agent gateway (rltrain.rollout.gateway, rltrain.rollout.agents): the official openai client
+against the real HTTP server, token-in/token-out sequences and masks, splits, concurrency, failing
+agents and refused requests. The engine is scripted (it answers what the chat template would
+render), so each sequence can be compared with the one ChatRenderer.conversation builds."""
+
+import gateway_agents
+import pytest
+
+from rltrain.batch import Segment
+from rltrain.config import load_config
+from rltrain.rollout.agents import AgentRunner
+from rltrain.rollout.backends import decode
+from rltrain.rollout.chat import ChatRenderer
+from rltrain.rollout.gateway import canonical
+from rltrain.run.scoring import episode_metrics, training_sequences, user_code_calls
+from rltrain.run.user_code import NEVER_STOPS
+from rltrain.tiny_model import build_tokenizer
+
+TOKENIZER = build_tokenizer()
+AGENT = ["agent.entrypoint=gateway_agents:run", "rollout.tools.enabled=[]", "reward.functions={agent: 1.0}",
+         "rollout.max_new_tokens=384"]  # fmt: skip
+LOGPROB = -0.5  # every sampled token's, as the scripted engine reports it
+
+
+class ScriptedEngine:
+    """generate(prompts, max_tokens, seeds): for each prompt, ``reply(prompt ids)`` (ids ending with
+    the end-of-turn token); records each call's batch size."""
+
+    def __init__(self, reply):
+        self.reply, self.batches = reply, []
+
+    def __call__(self, prompts, max_tokens, seeds):
+        self.batches.append(len(prompts))
+        out = []
+        for prompt, room in zip(prompts, max_tokens):
+            ids = self.reply(prompt)[:room]
+            done = ids[-1:] == [TOKENIZER.eos_token_id]
+            text = decode(TOKENIZER, ids)  # as the engines decode a completion
+            out.append(Segment(ids, [LOGPROB] * len(ids), text, "stop" if done else "length", [0] * len(ids)))
+        return out
+
+
+def encode(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False) + [TOKENIZER.eos_token_id]
+
+
+def serve(rows, engine, *overrides):
+    runner = AgentRunner(load_config(None, [*AGENT, *overrides]), TOKENIZER)
+    try:
+        return runner.run(engine, rows, list(range(len(rows))))
+    finally:
+        if runner.server is not None:
+            runner.server.stop()
+
+
+CALLS = ['<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>',
+         '<tool_call>{"name": "calculator", "arguments": {"expression": "5 * 2"}}</tool_call>',
+         "It is 10."]  # fmt: skip
+
+
+def test_a_three_call_tool_loop_is_one_sequence_of_sampled_ids_and_template_differences():
+    # the k-th call's prompt holds k generation prompts: the engine answers the k-th reply
+    engine = ScriptedEngine(lambda p: encode(CALLS[TOKENIZER.decode(p).count("<|im_start|>assistant") - 1]))
+    (c,) = serve([{"id": "a", "mode": "tool_loop"}], engine)
+    history = [canonical(m) for m in gateway_agents.HELD["a"]]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["content"] for m in history if m["role"] == "tool"] == ["5", "10"]  # the agent ran the calls
+    # exactly what an environment's episode builds from the same conversation (ChatRenderer):
+    # the opening prompt, each reply's sampled ids, the template's tokens for each tool message
+    prompt, ids, mask = ChatRenderer(TOKENIZER, gateway_agents.TOOLS).conversation(history)
+    assert c.prompt_ids == prompt and c.token_ids == ids and c.tool_mask == mask
+    sampled = [encode(text) for text in CALLS]
+    assert sum(mask) == sum(map(len, sampled))  # 1 exactly on the sampled ids
+    assert c.logprobs == [LOGPROB if m else 0.0 for m in mask]
+    assert c.earlier == [] and c.agent_reward == 1.0 and c.finish_reason == "stop" and c.tool_calls == 2
+    assert [call["finish_reason"] for call in c.calls] == ["tool_calls", "tool_calls", "stop"]
+    assert [call["sequence"] for call in c.calls] == [0, 0, 0]
+
+
+def test_an_agent_that_rewrites_its_history_splits_into_sequences_each_token_in_token_out():
+    engine = ScriptedEngine(lambda p: encode("Five."))
+    (c,) = serve([{"id": "r", "mode": "rewrite"}], engine)
+    # calls 1-2 share a history (one sequence); call 3's history replaced it (a second one)
+    assert [call["sequence"] for call in c.calls] == [0, 0, 1]
+    (first,) = c.earlier
+    for seq, replies in [(first, 2), (c, 1)]:
+        # the mask is 1 exactly on the replies' sampled ids: "Five." and the end-of-turn token each
+        assert sum(seq.tool_mask) == replies * len(encode("Five."))
+        assert [t for t, m in zip(seq.token_ids, seq.tool_mask) if m] == encode("Five.") * replies
+    renderer = ChatRenderer(TOKENIZER)
+    assert c.prompt_ids == renderer.opening(
+        [{"role": "user", "content": "Summary: we spoke of 2 + 3."}, {"role": "user", "content": "So?"}]
+    )
+    assert episode_metrics([c])["rollout/gateway_splits"] == 1.0
+    # both sequences train, each with the episode's advantage
+    prompts, sequences, advantages = training_sequences(
+        [c.prompt_ids], [c], __import__("torch").tensor([0.7])
+    )
+    assert sequences == [first, c] and prompts == [first.prompt_ids, c.prompt_ids]
+    assert advantages.tolist() == pytest.approx([0.7, 0.7])
+
+
+def test_64_concurrent_agents_are_served_by_one_generator_in_shared_engine_calls():
+    engine = ScriptedEngine(lambda p: encode("Ok."))
+    rows = [{"id": str(i), "mode": "once", "reward": i % 2} for i in range(64)]
+    completions = serve(rows, engine, "agent.concurrency=64")
+    assert [c.agent_reward for c in completions] == [i % 2 for i in range(64)]  # each its own episode
+    assert all(c.token_ids[c.tool_mask.index(1) :] == encode("Ok.") for c in completions)
+    assert sum(engine.batches) == 64 and max(engine.batches) > 8, engine.batches  # batched
+
+
+def test_agents_that_hang_or_raise_end_their_episode_alone_and_are_counted():
+    engine = ScriptedEngine(lambda p: encode("Ok."))
+    rows = [{"id": "h", "mode": "hang"}, {"id": "x", "mode": "raise"}, {"id": "o", "mode": "once"}]
+    hung, raised, fine = serve(rows, engine, "agent.timeout_s=1")
+    assert [c.finish_reason for c in (hung, raised, fine)] == ["error", "error", "stop"]
+    assert hung.agent_reward is None and raised.agent_reward is None and fine.agent_reward == 1.0
+    assert "agent.timeout_s" in hung.failures["agent"] and "the agent's own bug" in raised.failures["agent"]
+    assert hung.errors["gateway_timeout"] == 1 and raised.errors["gateway_raised"] == 1
+    assert sum(hung.tool_mask) == len(encode("Ok."))  # what it sampled before it hung is kept
+    calls = user_code_calls([hung, raised, fine], {})["agent"]
+    assert (calls.called, calls.failed) == (3, 2) and "agent" in NEVER_STOPS  # counted, never the run's end
+
+
+def test_requests_with_no_key_another_episodes_key_or_a_finished_one_are_refused_and_counted():
+    engine = ScriptedEngine(lambda p: encode("Ok."))
+    rows = [{"id": "f", "mode": "finished"}, {"id": "i", "mode": "intruder", "target": "f"}]
+    finished, intruder = serve(rows, engine)
+    # finished episode's key; another episode's key; no key; own key on another's endpoint: 401 each;
+    # its own key with another temperature than the run's: 400, never sampled
+    assert gateway_agents.HELD["i"] == [401, 401, 401, 401, 400]
+    assert finished.errors["gateway_unauthorized"] == 4  # charged to the rollout (its first episode)
+    assert intruder.errors["gateway_sampling"] == 1
+    assert intruder.agent_reward == 1.0 and len(intruder.calls) == 1  # its own call was served
+
+
+@pytest.mark.parametrize(
+    "entrypoint, expected",
+    {
+        "no module": ("no_such_agents:run", "agent.entrypoint: cannot load 'no_such_agents:run'"),
+        "not async": (
+            "gateway_agents:calculator",
+            "must be `async def run(row, base_url, api_key, model) -> float`",
+        ),
+        "with the env": ("gateway_agents:run env.name=builtin:guess", "an episode is one or the other"),
+    }.values(),
+    ids=["no module", "not async", "with the env"],
+)
+def test_an_agent_that_does_not_load_stops_before_any_actor_in_one_line(
+    entrypoint, expected, tmp_path, capsys, monkeypatch
+):
+    from test_config_cli import fails_with_one_line
+
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    spec, *more = entrypoint.split()
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", f"agent.entrypoint={spec}",
+            "rollout.tools.enabled=[]", "reward.functions={agent: 1.0}", "sft_warmup.steps=0", *more]  # fmt: skip
+    fails_with_one_line(argv, expected, capsys)
+
+
+@pytest.mark.slow
+def test_the_chain_task_as_a_black_box_agent_trains_through_the_cli(tmp_path, ray_cluster):
+    import json
+
+    from test_e2e import logged_rows, run_trainer
+
+    out = tmp_path / "run"
+    run_trainer(out, "agent.entrypoint=examples/chain_agent.py:run", "data.source=builtin:chain",
+                "reward.functions={agent: 1.0}", "rollout.tools.enabled=[]", "algorithm.overlong=none",
+                "rollout.max_new_tokens=48", "run.steps=2", "run.save_rollouts_every=1", env=ray_cluster)  # fmt: skip
+    rows = logged_rows(out)
+    for row in rows:
+        assert row["rollout/gateway_calls"] >= 1 and row["rollout/gateway_splits"] == 0
+        assert "reward/agent" in row and "failures/agent" not in row  # the agent's reward, no failure
+        # the gateway's sequences, sampled by vLLM, scored by the learners: the same log-probs
+        assert row["rollout/mismatch_max"] < 1e-4
+    samples = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(samples) == 16  # 4 prompts x 4 episodes
+    for s in samples:
+        assert s["calls"] and s["calls"][0]["messages"] == 1  # the agent's opening question
+        assert s["messages"][0]["content"].startswith("What is ") and s["messages"][1]["role"] == "assistant"
+        assert len(s["completion_ids"]) == len(s["completion_mask"]) == len(s["completion_logprobs"])

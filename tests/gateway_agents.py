@@ -61,6 +61,11 @@ async def run(row: dict, base_url: str, api_key: str, model: str) -> float:
                 messages[:] = [{"role": "user", "content": f"Guess 1-15, not {messages[-1]['content'][:6]}"}]
             messages.extend(step.messages)
         return 0.0
+    if mode == "twice":  # a reply, a user turn, another reply, on one history
+        await ask()
+        messages.append({"role": "user", "content": "And then?"})
+        await ask()
+        return 1.0
     if mode == "once":
         await ask()
         return float(row.get("reward", 1.0))

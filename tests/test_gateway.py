@@ -26,16 +26,16 @@ class ScriptedEngine:
     """generate(prompts, max_tokens, seeds): for each prompt, ``reply(prompt ids)`` (ids ending with
     the end-of-turn token); records each call's batch size."""
 
-    def __init__(self, reply):
-        self.reply, self.batches = reply, []
+    def __init__(self, reply, tokenizer=TOKENIZER):
+        self.reply, self.tokenizer, self.batches = reply, tokenizer, []
 
     def __call__(self, prompts, max_tokens, seeds):
         self.batches.append(len(prompts))
         out = []
         for prompt, room in zip(prompts, max_tokens):
             ids = self.reply(prompt)[:room]
-            done = ids[-1:] == [TOKENIZER.eos_token_id]
-            text = decode(TOKENIZER, ids)  # as the engines decode a completion
+            done = ids[-1:] == [self.tokenizer.eos_token_id]
+            text = decode(self.tokenizer, ids)  # as the engines decode a completion
             out.append(Segment(ids, [LOGPROB] * len(ids), text, "stop" if done else "length", [0] * len(ids)))
         return out
 
@@ -44,8 +44,8 @@ def encode(text: str) -> list[int]:
     return TOKENIZER.encode(text, add_special_tokens=False) + [TOKENIZER.eos_token_id]
 
 
-def serve(rows, engine, *overrides):
-    runner = AgentRunner(load_config(None, [*AGENT, *overrides]), TOKENIZER)
+def serve(rows, engine, *overrides, tokenizer=TOKENIZER):
+    runner = AgentRunner(load_config(None, [*AGENT, *overrides]), tokenizer)
     try:
         return runner.run(engine, rows, list(range(len(rows))))
     finally:
@@ -98,6 +98,20 @@ def test_an_agent_that_rewrites_its_history_splits_into_sequences_each_token_in_
     )
     assert sequences == [first, c] and prompts == [first.prompt_ids, c.prompt_ids]
     assert advantages.tolist() == pytest.approx([0.7, 0.7])
+
+
+def test_a_template_that_rewrites_earlier_turns_splits_the_episode_under_full_render_only():
+    from test_chat_templates import REASONING, tokenizer_for
+
+    qwen3 = tokenizer_for("qwen3")  # drops earlier turns' reasoning once a user message follows
+    reply = qwen3.encode(REASONING + "It is 5.", add_special_tokens=False) + [qwen3.eos_token_id]
+    engine = ScriptedEngine(lambda p: reply, qwen3)
+    for render, splits in [("full", 1), ("last_turn", 0)]:
+        (c,) = serve([{"id": "t", "mode": "twice"}], engine, f"env.render={render}", tokenizer=qwen3)
+        assert len(c.earlier) == c.errors.get("gateway_template_rewrites", 0) == splits, render
+        assert c.agent_reward == 1.0 and len(c.calls) == 2  # served either way
+        for seq in [*c.earlier, c]:  # each sequence holds the sampled ids as sampled
+            assert [t for t, m in zip(seq.token_ids, seq.tool_mask) if m] == reply * (2 - splits)
 
 
 def test_64_concurrent_agents_are_served_by_one_generator_in_shared_engine_calls():

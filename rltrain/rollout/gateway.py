@@ -276,18 +276,24 @@ class Gateway:
             and messages[n]["role"] != "assistant"
         ):
             assert e.renderer is not None
-            added = e.renderer.additions(e.history, messages[n:])
-            if len(added) > e.room(self.limits):
-                raise Refused(400, "length", "the new messages do not fit the episode's token budget")
-            e.c.insert(added)
-            e.history = list(messages)
-            return e.c.prompt_ids + e.c.token_ids
+            try:
+                added = e.renderer.additions(e.history, messages[n:])
+            except TemplateError:  # the template rewrites earlier turns (env.render=last_turn keeps them)
+                added = None
+                e.count("template_rewrites")
+            if added is not None:
+                if len(added) > e.room(self.limits):
+                    raise Refused(400, "length", "the new messages do not fit the episode's token budget")
+                e.c.insert(added)
+                e.history = list(messages)
+                return e.c.prompt_ids + e.c.token_ids
         renderer = self.make_renderer(tools)
         prompt = renderer.opening(messages)
         if len(prompt) > self.limits.max_prompt_tokens:
             raise Refused(400, "prompt_too_long", f"the prompt has {len(prompt)} tokens, over "
                           f"data.max_prompt_tokens={self.limits.max_prompt_tokens}")  # fmt: skip
         if e.c is not None:
+            e.c.finish_reason = "stop" if e.extendable else "length"  # its last reply: ended, or cut
             e.closed.append(e.c)
             e.count("splits")
         e.c, e.renderer, e.tools, e.history = Completion(prompt_ids=prompt), renderer, tools, list(messages)

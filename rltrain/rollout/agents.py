@@ -16,6 +16,7 @@ Three threads share a generator's process during an agent rollout:
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import queue
@@ -265,6 +266,9 @@ class AgentRunner:
                 results[i] = episode_completions(e, reward, error)
 
         await asyncio.gather(*(one(i) for i in range(len(rows))))
+        # clients the agents left open close now, on this loop (not at garbage collection after it)
+        gc.collect()
+        await asyncio.sleep(0.05)
 
     def take_unauthorized(self) -> int:
         n, self.gateway.unauthorized = self.gateway.unauthorized, 0

@@ -17,7 +17,11 @@ TOOLS = tool_schemas([calculator])
 
 
 async def run(row: dict, base_url: str, api_key: str, model: str) -> float:
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        return await chain(client, row, model)
+
+
+async def chain(client: AsyncOpenAI, row: dict, model: str) -> float:
     task = ChainEnv(links=2)  # the task's questions, answers and reward
     messages = task.reset(row)
     for _ in range(6):

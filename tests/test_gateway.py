@@ -196,3 +196,17 @@ def test_the_chain_task_as_a_black_box_agent_trains_through_the_cli(tmp_path, ra
         assert s["calls"] and s["calls"][0]["messages"] == 1  # the agent's opening question
         assert s["messages"][0]["content"].startswith("What is ") and s["messages"][1]["role"] == "assistant"
         assert len(s["completion_ids"]) == len(s["completion_mask"]) == len(s["completion_logprobs"])
+
+
+def test_the_documented_agent_runs_unchanged_through_the_gateway(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
+    (tmp_path / "myagent.py").write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # the engine answers "It is 4." first, then "It is 5.": the agent asks again once, then is right
+    engine = ScriptedEngine(
+        lambda p: encode(f"It is {3 + TOKENIZER.decode(p).count('<|im_start|>assistant')}.")
+    )
+    (c,) = serve([{"prompt": "What is 2 + 3?", "answer": "5."}], engine, "agent.entrypoint=myagent:run")
+    assert c.agent_reward == 1.0 and len(c.calls) == 2 and c.earlier == []

@@ -81,7 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument(
+        "--seeds", type=int, nargs="*", default=[0, 1], help="none: only --plot the kept runs"
+    )
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="keep each seed's run folder here")
@@ -96,22 +98,28 @@ def main() -> None:
             print(f"{name}: {results[name]}", flush=True)
         if args.out:  # every run kept there, earlier ones included
             curves = {folder.name: held_out(folder) for folder in sorted(args.out.iterdir())}
-    keys = list(next(iter(results.values())))
-    results[f"{args.label} mean"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-    print(table(["", *keys], [[name, *(f"{r[k]:.3g}" for k in keys)] for name, r in results.items()]))
+    if results:
+        keys = list(next(iter(results.values())))
+        results[f"{args.label} mean"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+        print(table(["", *keys], [[name, *(f"{r[k]:.3g}" for k in keys)] for name, r in results.items()]))
     if args.plot:
-        import matplotlib
+        plot(curves, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        for name, evals in curves.items():
-            ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=name)
-        ax.set(xlabel="step", ylabel="held-out accuracy", title="GRPO on SmolLM2-135M-Instruct (2 CPU cores)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+def plot(curves: dict[str, list[dict]], path: Path) -> None:
+    """Held-out accuracy against the step, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for name, evals in curves.items():
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=name)
+    ax.set(xlabel="step", ylabel="held-out accuracy", title="GRPO on SmolLM2-135M-Instruct (2 CPU cores)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

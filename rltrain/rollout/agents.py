@@ -69,8 +69,11 @@ class _Request:
 class Batcher:
     """Requests from any thread, generated on the thread that calls :meth:`serve`."""
 
-    def __init__(self, generate: GenerateFn, window_s: float = BATCH_WINDOW_S):
-        self.generate, self.window_s = generate, window_s
+    def __init__(
+        self, generate: GenerateFn, running: Callable[[], int] = lambda: 0, window_s: float = BATCH_WINDOW_S
+    ):
+        """``running()``: the agents in flight; a batch stops waiting once each has a request in it."""
+        self.generate, self.running, self.window_s = generate, running, window_s
         self.queue: queue.Queue[_Request] = queue.Queue()
         self.calls = 0
 
@@ -90,7 +93,7 @@ class Batcher:
                     return
                 continue
             deadline = time.monotonic() + self.window_s
-            while (left := deadline - time.monotonic()) > 0:
+            while len(batch) < self.running() and (left := deadline - time.monotonic()) > 0:
                 try:
                     batch.append(self.queue.get(timeout=left))
                 except queue.Empty:
@@ -212,12 +215,14 @@ class AgentRunner:
         )
         self.batcher: Batcher | None = None
         self.server: GatewayServer | None = None
+        self.running = 0  # agents in flight (the batcher waits for no more requests than these)
 
     def run(self, generate: GenerateFn, rows: list[dict[str, Any]], seeds: list[int]) -> list[Completion]:
         """One episode per row, each the agent run once; generated on the calling thread."""
         if self.server is None:
             self.server = GatewayServer(self)
-        self.batcher = Batcher(generate)
+        self.running = 0
+        self.batcher = Batcher(generate, lambda: self.running)
         results: list[Completion | None] = [None] * len(rows)
         thread = threading.Thread(
             target=lambda: asyncio.run(self._run_all(rows, seeds, results)),
@@ -246,6 +251,7 @@ class AgentRunner:
 
         async def one(i: int) -> None:
             async with slots:
+                self.running += 1
                 e = self.gateway.open(rows[i], seeds[i])
                 reward, error = None, None
                 try:
@@ -263,6 +269,7 @@ class AgentRunner:
                     error = (AGENT, traceback.format_exc())
                 finally:
                     self.gateway.close(e)
+                    self.running -= 1
                 results[i] = episode_completions(e, reward, error)
 
         await asyncio.gather(*(one(i) for i in range(len(rows))))

@@ -3,6 +3,8 @@ against the real HTTP server, token-in/token-out sequences and masks, splits, co
 agents and refused requests. The engine is scripted (it answers what the chat template would
 render), so each sequence can be compared with the one ChatRenderer.conversation builds."""
 
+import time
+
 import gateway_agents
 import pytest
 
@@ -26,11 +28,12 @@ class ScriptedEngine:
     """generate(prompts, max_tokens, seeds): for each prompt, ``reply(prompt ids)`` (ids ending with
     the end-of-turn token); records each call's batch size."""
 
-    def __init__(self, reply, tokenizer=TOKENIZER):
-        self.reply, self.tokenizer, self.batches = reply, tokenizer, []
+    def __init__(self, reply, tokenizer=TOKENIZER, seconds: float = 0.0):
+        self.reply, self.tokenizer, self.seconds, self.batches = reply, tokenizer, seconds, []
 
     def __call__(self, prompts, max_tokens, seeds):
         self.batches.append(len(prompts))
+        time.sleep(self.seconds)  # a real engine's call takes a while: requests arrive meanwhile
         out = []
         for prompt, room in zip(prompts, max_tokens):
             ids = self.reply(prompt)[:room]
@@ -115,7 +118,7 @@ def test_a_template_that_rewrites_earlier_turns_splits_the_episode_under_full_re
 
 
 def test_64_concurrent_agents_are_served_by_one_generator_in_shared_engine_calls():
-    engine = ScriptedEngine(lambda p: encode("Ok."))
+    engine = ScriptedEngine(lambda p: encode("Ok."), seconds=0.2)
     rows = [{"id": str(i), "mode": "once", "reward": i % 2} for i in range(64)]
     completions = serve(rows, engine, "agent.concurrency=64")
     assert [c.agent_reward for c in completions] == [i % 2 for i in range(64)]  # each its own episode
@@ -126,7 +129,7 @@ def test_64_concurrent_agents_are_served_by_one_generator_in_shared_engine_calls
 def test_agents_that_hang_or_raise_end_their_episode_alone_and_are_counted():
     engine = ScriptedEngine(lambda p: encode("Ok."))
     rows = [{"id": "h", "mode": "hang"}, {"id": "x", "mode": "raise"}, {"id": "o", "mode": "once"}]
-    hung, raised, fine = serve(rows, engine, "agent.timeout_s=1")
+    hung, raised, fine = serve(rows, engine, "agent.timeout_s=3")
     assert [c.finish_reason for c in (hung, raised, fine)] == ["error", "error", "stop"]
     assert hung.agent_reward is None and raised.agent_reward is None and fine.agent_reward == 1.0
     assert "agent.timeout_s" in hung.failures["agent"] and "the agent's own bug" in raised.failures["agent"]

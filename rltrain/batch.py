@@ -47,6 +47,7 @@ class Completion:
     versions: list[int] = field(default_factory=list)
     # a black-box agent's episode (rltrain.rollout.gateway): its returned reward, its calls, and the
     # training sequences split off before this one (the agent changed its history), same reward
+    by_agent: bool = False
     agent_reward: float | None = None
     calls: list[dict] = field(default_factory=list)
     earlier: list[Completion] = field(default_factory=list)

@@ -235,7 +235,9 @@ class AgentRunner:
         finally:
             thread.join(timeout=self.timeout_s + 30)
             self.batcher = None
-        completions = [c if c is not None else Completion(finish_reason="error") for c in results]
+        completions = [
+            c if c is not None else Completion(finish_reason="error", by_agent=True) for c in results
+        ]
         refused = self.take_unauthorized()  # requests no episode of this rollout could be charged with
         if refused and completions:
             completions[0].errors[f"{GATEWAY}unauthorized"] = refused

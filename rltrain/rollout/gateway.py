@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rltrain.batch import Completion, Segment
@@ -128,11 +128,6 @@ class CallRecord:
     finish_reason: str
     reply: dict[str, Any] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"messages": self.messages, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "sequence": self.sequence,
-                "finish_reason": self.finish_reason, "reply": self.reply}  # fmt: skip
-
 
 class AgentEpisode:
     """One agent's episode: its key, its training sequences (the last one open), what its calls
@@ -152,7 +147,6 @@ class AgentEpisode:
         self.counts: dict[str, int] = {}
         self.failures: dict[str, str] = {}
         self.busy = False
-        self.live = True
         self.tool_calls = 0
         self.made_ids = 0
 
@@ -201,7 +195,6 @@ class Gateway:
 
     def close(self, episode: AgentEpisode) -> None:
         with self.lock:
-            episode.live = False
             self.episodes.pop(episode.id, None)
 
     def episode(self, episode_id: str, key: str | None) -> AgentEpisode:
@@ -363,9 +356,8 @@ def episode_completions(e: AgentEpisode, reward: float | None, error: tuple[str,
     sequences = e.sequences() or [Completion()]
     last = sequences[-1]
     last.earlier = sequences[:-1]
-    last.env_reward = None
-    last.agent_reward = reward
-    last.calls = [call.as_dict() for call in e.calls]
+    last.by_agent, last.agent_reward = True, reward
+    last.calls = [asdict(call) for call in e.calls]
     last.tool_calls = e.tool_calls
     for kind, n in e.counts.items():  # logged as rollout/gateway_<kind>
         last.errors[f"{GATEWAY}{kind}"] = n

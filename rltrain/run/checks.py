@@ -97,15 +97,19 @@ def check_agent(config: Config, tokenizer) -> None:
     """``agent.entrypoint`` imports as ``async def run(row, base_url, api_key, model)``, and the
     tool parser is built for the policy's tokenizer."""
     from rltrain.rollout.agents import load_agent
-    from rltrain.rollout.parsers import get_parser
 
     try:
         load_agent(config.agent.entrypoint)
     except ValueError as e:
         raise ValueError(f"agent.entrypoint: {e}") from None
+    _check_parser(config, tokenizer)
+
+
+def _check_parser(config: Config, tokenizer, schemas: list[dict] | None = None) -> None:
+    """``rollout.tool_parser`` builds for the policy's tokenizer."""
     try:
-        get_parser(config.tool_parser, tokenizer)
-    except Exception as e:  # noqa: BLE001  (a vLLM parser whose tokens the tokenizer lacks)
+        get_parser(config.tool_parser, tokenizer, schemas)
+    except Exception as e:  # noqa: BLE001  (vLLM's parsers check the tokenizer for their format's tokens)
         raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
 
 
@@ -207,10 +211,7 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
             "every episode would end before its first turn"
         )
     _check_step(config, instance, opening, row)
-    try:
-        get_parser(config.tool_parser, tokenizer, schemas)
-    except Exception as e:  # vLLM's parsers check the tokenizer for their format's tokens
-        raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
+    _check_parser(config, tokenizer, schemas)
     problem = render_problem(tokenizer, schemas, opening, env.render)
     if problem is not None:
         other = "last_turn" if env.render == "full" else "full"

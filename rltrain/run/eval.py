@@ -31,7 +31,7 @@ def evaluate(generators, prompts: list[Prompt], scorer, env: bool = False) -> di
     completions = generators.collect(generators.submit(requests, [EVAL_SEED] * len(prompts), greedy=True))
     n = len(completions)
     if env:
-        agent = any(c.agent_reward is not None or c.calls for c in completions)
+        agent = any(c.by_agent for c in completions)
         rewards = [(c.agent_reward if agent else c.env_reward) or 0.0 for c in completions]
         quality = {
             "eval/success": sum(r > 0 for r in rewards) / n,

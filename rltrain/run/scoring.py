@@ -147,7 +147,7 @@ def user_code_calls(completions: list[Completion], reward_calls: dict[str, Calls
     episodes that reached the method), the chat template where it raised or rewrote an episode's
     history, and each tool that raised (calls: every tool call)."""
     calls = {f"reward function {spec}": record for spec, record in reward_calls.items()}
-    if any(c.calls or c.agent_reward is not None or AGENT in c.failures for c in completions):
+    if any(c.by_agent for c in completions):
         calls[AGENT] = _calls(len(completions), completions, AGENT)  # a black-box agent's episodes
     elif any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
         reset_failed = [c for c in completions if "environment reset" in c.failures]

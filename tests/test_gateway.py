@@ -213,3 +213,21 @@ def test_the_documented_agent_runs_unchanged_through_the_gateway(tmp_path, monke
     )
     (c,) = serve([{"prompt": "What is 2 + 3?", "answer": "5."}], engine, "agent.entrypoint=myagent:run")
     assert c.agent_reward == 1.0 and len(c.calls) == 2 and c.earlier == []
+
+
+def test_held_out_agents_that_all_failed_before_a_call_are_scored_as_agents():
+    from rltrain.batch import Completion
+    from rltrain.data import Prompt
+    from rltrain.run.eval import evaluate
+
+    class Generators:  # every episode's agent raised before its first call
+        def submit(self, requests, seeds, greedy=False):
+            return [Completion(finish_reason="error", by_agent=True) for _ in requests]
+
+        def collect(self, completions):
+            return completions
+
+    prompts = [Prompt(i, [], "5", {"prompt": "What is 2 + 3?"}) for i in range(2)]
+    result = evaluate(Generators(), prompts, scorer=None, env=True)
+    assert result["eval/success"] == 0.0 and result["eval/agent_reward"] == 0.0  # not an environment's
+    assert "eval/env_reward" not in result

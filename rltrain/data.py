@@ -109,6 +109,43 @@ def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict
     return examples
 
 
+ROLES = ("system", "user", "assistant", "tool")
+Conversation = tuple[list[dict], list[dict] | None]  # (messages, the tools' JSON schemas or None)
+
+
+def sft_conversations(source: str) -> list[Conversation] | None:
+    """Warm-up conversations in OpenAI's chat fine-tuning format: a local .jsonl whose rows hold
+    ``messages`` (system, user, assistant and tool messages; tool calls with their arguments as a
+    JSON string or an object) and, optionally, ``tools`` (the JSON schemas the conversation had);
+    None when the source's rows are ``prompt``/``completion`` examples (or it is a built-in).
+    The loss is on the assistant turns only."""
+    path = Path(source).expanduser()
+    if source.startswith("builtin:") or not path.exists():
+        return None
+    files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix == ".jsonl")
+    records = _read_local(files, "sft_warmup.source") if files else []
+    if not records or "messages" not in records[0][1]:
+        return None
+    return [_conversation(where, record) for where, record in records]
+
+
+def _conversation(where: str, record: dict) -> Conversation:
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"sft_warmup.source: {where}: {problem}")
+
+    messages, tools = record.get("messages"), record.get("tools")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise bad("`messages` must be a list of message objects")
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES:
+            raise bad(f"message {i} has role {message.get('role')!r}, expected one of {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise bad("no assistant message (the warm start learns the assistant turns)")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise bad("`tools` must be a list of JSON schemas (OpenAI's tools format)")
+    return messages, tools or None
+
+
 def tokenize_completion(text: str, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of a written completion (EOS appended) and its tool mask: 0 on ``<result>...</result>``
     spans (tool output, encoded apart as the rollout loop does), 1 elsewhere."""

@@ -165,6 +165,17 @@ INPUTS = {
             "data.jsonl line 2 has no column 'completion'; it has ['prompt']",
         ),
     ),
+    "warm-up conversation without an assistant turn": (  # OpenAI's fine-tuning format: `messages`
+        lambda t: [
+            jsonl(
+                t,
+                '{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}',
+                '{"messages": [{"role": "user", "content": "2+3?"}]}',
+                key="sft_warmup.source",
+            )
+        ],  # fmt: skip
+        "sft_warmup.source: data.jsonl line 2: no assistant message",
+    ),
     "missing held-out file": (
         lambda t: ["run.eval_every=5", f"eval.source={t / 'held.jsonl'}"],
         "eval.source: '",

@@ -12,8 +12,7 @@ from rltrain.batch import Segment
 from rltrain.config import load_config
 from rltrain.rollout.agents import AgentRunner
 from rltrain.rollout.backends import decode
-from rltrain.rollout.chat import ChatRenderer
-from rltrain.rollout.gateway import canonical
+from rltrain.rollout.chat import ChatRenderer, canonical
 from rltrain.run.scoring import episode_metrics, training_sequences, user_code_calls
 from rltrain.run.user_code import NEVER_STOPS
 from rltrain.tiny_model import build_tokenizer
@@ -117,6 +116,40 @@ def test_a_template_that_rewrites_earlier_turns_splits_the_episode_under_full_re
             assert [t for t, m in zip(seq.token_ids, seq.tool_mask) if m] == reply * (2 - splits)
 
 
+class NewWeightsEachCall(ScriptedEngine):
+    """In-flight updates at their most frequent: new weights between every two engine calls, so
+    the k-th call samples with policy version k."""
+
+    def __call__(self, prompts, max_tokens, seeds):
+        segments = super().__call__(prompts, max_tokens, seeds)
+        for seg in segments:
+            seg.versions = [len(self.batches) - 1] * len(seg.token_ids)
+        return segments
+
+
+def test_weights_that_change_between_an_agents_calls_version_its_tokens_and_bound_its_staleness():
+    import torch
+
+    from rltrain.data import Prompt
+    from rltrain.run.scoring import ScoredGroups, drop_stale
+
+    (c,) = serve([{"id": "r", "mode": "rewrite"}], NewWeightsEachCall(lambda p: encode("Five.")))
+    (first,) = c.earlier
+    n = len(encode("Five."))
+    # calls 1-2 (the first sequence) were sampled by versions 0 and 1, call 3 (the second) by 2
+    assert [v for v, m in zip(first.versions, first.tool_mask) if m] == [0] * n + [1] * n
+    assert [v for v, m in zip(c.versions, c.tool_mask) if m] == [2] * n
+    scored = ScoredGroups([Prompt(0, [], "", {})], [c], torch.ones(1), {})
+    # learners at version 2: the first sequence's version-0 tokens are 2 versions old, past a bound
+    # of 1, though every token of the episode's last sequence is fresh: the episode is dropped
+    kept = drop_stale(scored, version=2, max_staleness=1, group_size=1)
+    assert kept.completions == [] and kept.metrics["rollout/stale_dropped"] == 1
+    # ages of the 3n sampled tokens: 2 (n of them), 1 (n), 0 (n) -> mean 1, max 2
+    assert kept.metrics["rollout/staleness_mean"] == pytest.approx(1.0)
+    assert kept.metrics["rollout/staleness_max"] == 2
+    assert drop_stale(scored, version=2, max_staleness=2, group_size=1).completions == [c]
+
+
 def test_64_concurrent_agents_are_served_by_one_generator_in_shared_engine_calls():
     engine = ScriptedEngine(lambda p: encode("Ok."), seconds=0.2)
     rows = [{"id": str(i), "mode": "once", "reward": i % 2} for i in range(64)]
@@ -179,20 +212,34 @@ def test_an_agent_that_does_not_load_stops_before_any_actor_in_one_line(
 
 @pytest.mark.slow
 def test_the_chain_task_as_a_black_box_agent_trains_through_the_cli(tmp_path, ray_cluster):
+    """The chain agent of examples/ through the CLI: warmed up on the chain's demonstrations written
+    as an agent's log (examples/chain_demonstrations.py), then trained while new weights reach the
+    engine mid-rollout (in-flight updates, one step of staleness allowed)."""
     import json
+    import subprocess
+    import sys
 
-    from test_e2e import logged_rows, run_trainer
+    from test_e2e import REPO, logged_rows, run_trainer
 
+    demos = tmp_path / "demos.jsonl"
+    subprocess.run([sys.executable, "examples/chain_demonstrations.py", str(demos), "--limit", "16"],
+                   cwd=REPO, check=True, capture_output=True)  # fmt: skip
     out = tmp_path / "run"
     run_trainer(out, "agent.entrypoint=examples/chain_agent.py:run", "data.source=builtin:chain",
                 "reward.functions={agent: 1.0}", "rollout.tools.enabled=[]", "algorithm.overlong=none",
-                "rollout.max_new_tokens=48", "run.steps=2", "run.save_rollouts_every=1", env=ray_cluster)  # fmt: skip
+                "rollout.max_new_tokens=48", "run.steps=3", "run.save_rollouts_every=1",
+                "sft_warmup.steps=2", f"sft_warmup.source={demos}", "sft_warmup.batch_size=4",
+                "rollout.inflight_updates=true", "rollout.max_staleness=1", env=ray_cluster)  # fmt: skip
+    warm = json.loads((out / "sft_model" / "rltrain_sft.json").read_text())
+    assert len(warm["loss"]) == 2  # two warm-up steps on the file's conversations
     rows = logged_rows(out)
+    assert len(rows) == 3
     for row in rows:
         assert row["rollout/gateway_calls"] >= 1 and row["rollout/gateway_splits"] == 0
         assert "reward/agent" in row and "failures/agent" not in row  # the agent's reward, no failure
-        # the gateway's sequences, sampled by vLLM, scored by the learners: the same log-probs
-        assert row["rollout/mismatch_max"] < 1e-4
+        assert row["rollout/staleness_max"] <= 1  # the bound holds on every token an agent was given
+    # the first step's sequences, sampled by vLLM before any update, scored by the learners: the same log-probs
+    assert rows[0]["rollout/mismatch_max"] < 1e-4
     samples = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(samples) == 16  # 4 prompts x 4 episodes
     for s in samples:

@@ -1,6 +1,7 @@
 """Warm start and held-out evaluation: data, the SFT loss on the learners' path, scoring, curves."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ from transformers import AutoTokenizer
 from rltrain.batch import Completion
 from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
+from rltrain.envs import ChainEnv, tool_schemas
+from rltrain.rollout.chat import with_call_ids
 from rltrain.rollout.rewards import RewardScorer
 from rltrain.run.diagnostics import (
     layout_config,
@@ -57,6 +60,68 @@ def test_warm_up_examples_and_their_tool_masks(tiny_model_path):
         ids[-1] == tokenizer.eos_token_id
         and tokenizer.decode(ids[call : call + result]) == "<result>42</result>"
     )
+
+
+def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_demonstrates(tmp_path):
+    import importlib.util
+
+    from rltrain.data import sft_conversations
+    from rltrain.rollout.chat import render_conversations
+    from rltrain.run.warm_start import demonstrations
+    from rltrain.tiny_model import build_tokenizer
+
+    spec = importlib.util.spec_from_file_location(
+        "chain_demos", REPO / "examples" / "chain_demonstrations.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    config = Config.model_validate(
+        {
+            "env": {"name": "builtin:chain", "kwargs": {"high": 300, "tool_fraction": 0.5}},
+            "sft_warmup": {"source": "env"},
+        }
+    )
+    rows = [{"prompt": "chain", "answer": str(n)} for n in range(12)]
+    tokenizer = build_tokenizer()
+    expected = demonstrations(config, rows, tokenizer)  # the environment's warm start
+    assert any(
+        sum(1 for t in ids if t == tokenizer.convert_tokens_to_ids("<tool_call>")) for _, ids, _ in expected
+    )
+    # the same conversations as an agent's log: OpenAI's format, arguments as JSON strings, call ids
+    path = tmp_path / "demos.jsonl"
+    with path.open("w") as f:
+        for row in rows:
+            env = ChainEnv(**config.env.kwargs)
+            messages = with_call_ids(env.demonstration(row))
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [example.openai_format(m) for m in messages],
+                        "tools": tool_schemas(ChainEnv.tools),
+                    }
+                )
+                + "\n"
+            )
+    assert '"arguments": "{\\"expression\\"' in path.read_text()  # a JSON string, as the client sends
+    assert render_conversations(sft_conversations(str(path)), tokenizer) == expected
+    prompt, ids, mask = expected[0]
+    learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "<tool_response>" in tokenizer.decode(ids) and "<tool_response>" not in learned  # tool output: 0
+    # prompt/completion files and built-ins are not conversations; a bad conversation names its line
+    (tmp_path / "pc.jsonl").write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    assert (
+        sft_conversations(str(tmp_path / "pc.jsonl")) is None and sft_conversations("builtin:chain") is None
+    )
+    for line, problem in [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "line 2: no assistant message"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "line 2: message 0 has role 'robot'"),
+        ({"messages": [{"role": "assistant", "content": "hi"}], "tools": "calculator"}, "line 2: `tools` must be a list"),
+    ]:  # fmt: skip
+        path.write_text(
+            json.dumps({"messages": [{"role": "assistant", "content": "ok"}]}) + "\n" + json.dumps(line)
+        )
+        with pytest.raises(ValueError, match=re.escape(f"sft_warmup.source: demos.jsonl {problem}")):
+            sft_conversations(str(path))
 
 
 class ScriptedPool:

@@ -138,7 +138,10 @@ class Config(Section):
 
     def _check_env(self) -> None:
         if self.sft_warmup.source == SFT_FROM_ENV and self.env.name is None:
-            raise ValueError("sft_warmup.source=env: the environment's demonstrations need env.name")
+            raise ValueError(
+                "sft_warmup.source=env: the environment's demonstrations need env.name "
+                "(an agent's run warms up on a .jsonl of conversations)"
+            )
         if "env" in self.reward.functions and self.env.name is None:
             raise ValueError("reward.functions: `env` is the environment's reward; it needs env.name")
         self._check_agent()

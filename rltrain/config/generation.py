@@ -260,9 +260,11 @@ class SFTWarmupConfig(Section):
     """Examples (also spelled `sft_warmup.data`): `builtin:arithmetic` (questions of the built-in
     task's training prompts, answered directly or through the calculator, see tool_fraction), `env`
     (the environment's `demonstration(row)` conversations on the training rows, in the model's own
-    chat format: loss on the assistant turns only), or a local .jsonl file with `prompt` and
-    `completion` columns (tool output inside a completion is written `<result>...</result>` and
-    masked)."""
+    chat format: loss on the assistant turns only), a local .jsonl of conversations in OpenAI's
+    chat fine-tuning format (`messages`, optional `tools`: rendered as episodes and gateway calls
+    are, loss on the assistant turns; an agent's logged conversations, or
+    examples/chain_demonstrations.py), or a local .jsonl file with `prompt` and `completion` columns
+    (tool output inside a completion is written `<result>...</result>` and masked)."""
     batch_size: int = Field(32, ge=1)
     """Examples per optimizer step."""
     lr: float = Field(3e-3, gt=0)

@@ -19,10 +19,13 @@ realistic conversation first and names the mode to use.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 Messages = list[dict[str, Any]]
+Encoded = tuple[list[int], list[int], list[int]]  # a conversation's (prompt ids, completion ids, mask)
 PLACEHOLDER_USER = {"role": "user", "content": "."}
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")  # OpenAI's, as templates read them
 TEMPLATE = "chat template"  # the failure's kind: an episode it ends is counted and shown, the run goes on
 
 
@@ -34,6 +37,32 @@ def call_id(n: int) -> str:
     """The ``n``-th tool call's id in an episode: 9 alphanumeric characters, the form Mistral's
     templates require (others ignore ids or take any string)."""
     return f"call{n:05d}"
+
+
+def canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the template gets it and as prefixes are compared: OpenAI's fields only,
+    ``content`` a string, tool-call arguments parsed from their JSON string."""
+    out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
+    content = out.get("content", "")
+    if isinstance(content, list):  # content parts: the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out["content"] = content if isinstance(content, str) else str(content)
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            function = call.get("function") or {}
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    pass  # kept as written: it will not match a reply's, so the history splits
+            entry = {"type": "function", "function": {"name": function.get("name"), "arguments": arguments}}
+            calls.append(entry | ({"id": call["id"]} if call.get("id") else {}))
+        out["tool_calls"] = calls
+    else:
+        out.pop("tool_calls", None)
+    return out
 
 
 def with_call_ids(messages: Messages) -> Messages:
@@ -227,3 +256,24 @@ def render_problem(tokenizer, tools: list[dict] | None, opening: Messages, histo
     except TemplateError as e:
         return str(e)
     return None
+
+
+def render_conversations(
+    written: list[tuple[Messages, list[dict] | None]],
+    tokenizer,
+    history: Literal["full", "last_turn"] = "full",
+) -> list[Encoded]:
+    """Written conversations ``(messages, tool schemas)`` (an environment's demonstrations, or a
+    file's in OpenAI's format) as :meth:`ChatRenderer.conversation` encodes them, each as an episode
+    or the gateway would have built it had the policy sampled its assistant turns. A template that
+    raises, or a conversation without an assistant turn, raises ValueError naming the conversation."""
+    renderers: dict[str, ChatRenderer] = {}  # one per set of tools
+    encoded = []
+    for n, (messages, tools) in enumerate(written):
+        key = json.dumps(tools, sort_keys=True)
+        renderer = renderers.setdefault(key, ChatRenderer(tokenizer, tools, history))
+        try:
+            encoded.append(renderer.conversation([canonical(m) for m in messages]))
+        except ValueError as e:  # TemplateError among them
+            raise ValueError(f"conversation {n + 1}: {e}") from None
+    return encoded

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, call_id
+from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, call_id, canonical
 from rltrain.rollout.parsers import ParsedTurn, ToolParser
 from rltrain.rollout.tools import SEED_STRIDE
 
@@ -45,7 +45,6 @@ REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_pe
            "response_format", "logprobs", "top_logprobs", "stream", "n", "best_of", "guided_json",
            "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
 GATEWAY = "gateway_"  # the prefix of an episode's gateway counts (splits, refusals) among its errors
-MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 class Refused(Exception):
@@ -91,32 +90,6 @@ class Sampling:
             raise Refused(400, "sampling", f"tool_choice={choice!r} is not served (only auto)")
 
 
-def canonical(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as the template gets it and as prefixes are compared: OpenAI's fields only,
-    ``content`` a string, tool-call arguments parsed from their JSON string."""
-    out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
-    content = out.get("content", "")
-    if isinstance(content, list):  # content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out["content"] = content if isinstance(content, str) else str(content)
-    if out.get("tool_calls"):
-        calls = []
-        for call in out["tool_calls"]:
-            function = call.get("function") or {}
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments) if arguments.strip() else {}
-                except json.JSONDecodeError:
-                    pass  # kept as written: it will not match a reply's, so the history splits
-            entry = {"type": "function", "function": {"name": function.get("name"), "arguments": arguments}}
-            calls.append(entry | ({"id": call["id"]} if call.get("id") else {}))
-        out["tool_calls"] = calls
-    else:
-        out.pop("tool_calls", None)
-    return out
-
-
 @dataclass
 class CallRecord:
     """One chat completion, as rollouts on disk show it."""
@@ -142,6 +115,7 @@ class AgentEpisode:
         self.history: Messages = []
         self.tools: list[dict] | None = None
         self.renderer: ChatRenderer | None = None
+        self.parser: ToolParser | None = None  # the open sequence's (its tools'), built once
         self.extendable = False  # the open sequence's last turn ended with its end-of-turn token
         self.calls: list[CallRecord] = []
         self.counts: dict[str, int] = {}
@@ -290,6 +264,7 @@ class Gateway:
             e.closed.append(e.c)
             e.count("splits")
         e.c, e.renderer, e.tools, e.history = Completion(prompt_ids=prompt), renderer, tools, list(messages)
+        e.parser = None
         return prompt
 
     def finish(self, e: AgentEpisode, seg: Segment, messages: int, prompt_tokens: int) -> dict[str, Any]:
@@ -298,7 +273,7 @@ class Gateway:
         assert c is not None
         with self.lock:
             c.take(seg)
-            parser = self.make_parser(e.tools)
+            parser = e.parser = e.parser or self.make_parser(e.tools)
             turn = parser.parse_ids(seg.token_ids) if parser.reads_ids else parser.parse(seg.text)
             for call in turn.calls:
                 call.id = call.id or e.next_call_id()

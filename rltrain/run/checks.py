@@ -19,6 +19,7 @@ from rltrain.data import (
     episode_prompts,
     first_line,
     load_rows,
+    sft_conversations,
     sft_examples,
     split_held_out,
     tokenize_prompts,
@@ -87,10 +88,25 @@ def preflight(config: Config) -> Inputs:
         if config.env.name is not None:
             check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
-            sft_examples(config.sft_warmup, rows, config.run.seed)  # checked now, used after Ray starts
+            check_sft_source(config, rows, tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
+
+
+def check_sft_source(config: Config, rows: list[dict], tokenizer) -> None:
+    """The warm start's examples load now (they are used after Ray starts); a file of conversations
+    renders through the policy's chat template."""
+    from rltrain.rollout.chat import render_conversations
+
+    written = sft_conversations(config.sft_warmup.source)
+    if written is None:
+        sft_examples(config.sft_warmup, rows, config.run.seed)
+        return
+    try:  # the first few through the template (the warm start renders every one, and names any that fails)
+        render_conversations(written[:8], tokenizer, config.env.render)
+    except ValueError as e:
+        raise ValueError(f"sft_warmup.source {config.sft_warmup.source!r}: {e}") from None
 
 
 def check_agent(config: Config, tokenizer) -> None:

@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import SFT_FROM_ENV, Config
-from rltrain.data import chat_prompts, sft_examples, tokenize_completion
+from rltrain.data import chat_prompts, sft_conversations, sft_examples, tokenize_completion
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
+from rltrain.rollout.chat import Encoded, render_conversations
 from rltrain.run import checkpoint
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
@@ -36,6 +37,8 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
         return str(folder)
     if sft.source == SFT_FROM_ENV:
         encoded = demonstrations(config, rows, tokenizer)
+    elif (written := sft_conversations(sft.source)) is not None:
+        encoded = render_conversations(written, tokenizer, config.env.render)
     else:
         examples = sft_examples(sft, rows, config.run.seed)
         prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)
@@ -62,29 +65,26 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     return str(folder)
 
 
-def demonstrations(
-    config: Config, rows: list[dict], tokenizer
-) -> list[tuple[list[int], list[int], list[int]]]:
-    """The environment's ``demonstration(row)`` conversations, rendered as its episodes are:
-    ``(prompt ids, completion ids, mask)``, mask 1 on the assistant turns."""
+def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]:
+    """The environment's ``demonstration(row)`` conversations, rendered as its episodes are."""
     from rltrain.envs import load_environment, tool_schemas
-    from rltrain.rollout.chat import ChatRenderer
 
     env_class, kwargs = load_environment(config.env.name), config.env.kwargs
-    renderer = ChatRenderer(tokenizer, tool_schemas(env_class(**kwargs).tools), config.env.render)
-    return [renderer.conversation(env_class(**kwargs).demonstration(row)) for row in rows]
+    schemas = tool_schemas(env_class(**kwargs).tools)
+    written = [(env_class(**kwargs).demonstration(row), schemas) for row in rows]
+    return render_conversations(written, tokenizer, config.env.render)
 
 
-def _batch(chosen: list[tuple[list[int], list[int], list[int]]], pad_id: int) -> TrainBatch:
+def _batch(chosen: list[Encoded], pad_id: int) -> TrainBatch:
     prompts = [prompt for prompt, _, _ in chosen]
     completions = [Completion(ids, [0.0] * len(ids), mask) for _, ids, mask in chosen]
     return collate(prompts, completions, torch.zeros(len(chosen)), pad_id)
 
 
 def _settings(config: Config, model_path: str) -> str:
-    """What the warmed-up model depends on: the warm-up section, the start model, data, seed, how
-    the loss is aggregated (the warm-up's loss follows `loss.aggregation`) and, with LoRA, the
-    adapters it trains."""
+    """What the warmed-up model depends on: the warm-up section (and a file's contents), the start
+    model, data, seed, how the loss is aggregated (the warm-up's loss follows `loss.aggregation`)
+    and, with LoRA, the adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
     aggregation = [loss.aggregation, loss.masked_mean_axis, norm]
@@ -97,6 +97,9 @@ def _settings(config: Config, model_path: str) -> str:
     ]
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
+    elif (path := Path(config.sft_warmup.source).expanduser()).exists():  # a file's contents, not its name
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        parts.append([hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()])
     if config.model.lora.rank and config.sft_warmup.lora:  # a warm start of adapters (one of every
         parts.append(config.model.lora.model_dump())  # weight keeps the key a run without LoRA has)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -2,8 +2,11 @@
 ``openai`` client loop that calls the calculator itself. rltrain trains the model behind it through
 its gateway, with nothing in the agent but where it reads its endpoint:
 
-    rltrain --config configs/cpu_demo.yaml agent.entrypoint=examples/chain_agent.py:run \\
-        data.source=builtin:chain reward.functions={agent: 1.0} rollout.tools.enabled=[]
+    python examples/chain_demonstrations.py runs/chain_demos.jsonl   # its warm start's data
+    rltrain --config configs/cpu_gateway.yaml
+
+The task is the one ``configs/cpu_agent.yaml`` sets as an environment (``env.kwargs``): two links,
+numbers up to 300.
 """
 
 import json
@@ -14,6 +17,7 @@ from rltrain.envs import ChainEnv, tool_schemas
 from rltrain.rollout.tools import calculator
 
 TOOLS = tool_schemas([calculator])
+TASK = {"links": 2, "high": 300}  # as configs/cpu_agent.yaml sets the environment (env.kwargs)
 
 
 async def run(row: dict, base_url: str, api_key: str, model: str) -> float:
@@ -22,7 +26,7 @@ async def run(row: dict, base_url: str, api_key: str, model: str) -> float:
 
 
 async def chain(client: AsyncOpenAI, row: dict, model: str) -> float:
-    task = ChainEnv(links=2)  # the task's questions, answers and reward
+    task = ChainEnv(**TASK)  # the task's questions, answers and reward
     messages = task.reset(row)
     for _ in range(6):
         response = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)

@@ -3,6 +3,7 @@ against the real HTTP server, token-in/token-out sequences and masks, splits, co
 agents and refused requests. The engine is scripted (it answers what the chat template would
 render), so each sequence can be compared with the one ChatRenderer.conversation builds."""
 
+import sys
 import time
 
 import gateway_agents
@@ -208,6 +209,17 @@ def test_an_agent_that_does_not_load_stops_before_any_actor_in_one_line(
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", f"agent.entrypoint={spec}",
             "rollout.tools.enabled=[]", "reward.functions={agent: 1.0}", "sft_warmup.steps=0", *more]  # fmt: skip
     fails_with_one_line(argv, expected, capsys)
+
+
+def test_the_chain_agent_asks_the_questions_the_chain_environment_asks():
+    from rltrain.envs import ChainEnv
+    from rltrain.rollout.agents import load_agent
+
+    chain_agent = sys.modules[load_agent("examples/chain_agent.py:run").__module__]
+    env = load_config("configs/cpu_agent.yaml").env.kwargs
+    assert chain_agent.TASK == {key: env[key] for key in ("links", "high")}  # (the demo compares the two)
+    row = {"answer": "1234"}
+    assert ChainEnv(**chain_agent.TASK).reset(row) == ChainEnv(**env).reset(row)
 
 
 @pytest.mark.slow

@@ -124,6 +124,28 @@ def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_
             sft_conversations(str(path))
 
 
+def test_a_conversation_the_template_cannot_render_stops_the_warm_start_naming_it(tmp_path):
+    from rltrain.run.loop import RunFailed
+    from rltrain.run.warm_start import warm_start
+    from rltrain.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()  # with a Qwen3-like template: earlier assistant turns lose their text
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{ message.content or '' }}",
+        "{{ '' if messages[loop.index0 + 1:] | selectattr('role', 'equalto', 'user') | list else message.content }}",
+    )
+    one_turn = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    path = tmp_path / "demos.jsonl"  # eight that render (preflight's sample), then a second turn
+    lines = [{"messages": one_turn}] * 8 + [{"messages": [*one_turn, {"role": "user", "content": "+1?"},
+                                                          {"role": "assistant", "content": "5"}]}]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = Config.model_validate({"sft_warmup": {"steps": 1, "source": str(path)}})
+    with pytest.raises(
+        RunFailed, match=r"sft_warmup.source '.*demos.jsonl': conversation 9: .*changes earlier turns"
+    ):
+        warm_start(config, "unused: it stops before any learner", [], tokenizer, tmp_path)
+
+
 class ScriptedPool:
     """Stands in for GeneratorPool: greedy requests get scripted completions."""
 

@@ -24,6 +24,7 @@ from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
 from rltrain.rollout.chat import Encoded, render_conversations
 from rltrain.run import checkpoint
+from rltrain.run.loop import RunFailed
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
 
@@ -38,7 +39,10 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     if sft.source == SFT_FROM_ENV:
         encoded = demonstrations(config, rows, tokenizer)
     elif (written := sft_conversations(sft.source)) is not None:
-        encoded = render_conversations(written, tokenizer, config.env.render)
+        try:  # (preflight rendered the first few)
+            encoded = render_conversations(written, tokenizer, config.env.render)
+        except ValueError as e:
+            raise RunFailed(f"sft_warmup.source {sft.source!r}: {e}") from None
     else:
         examples = sft_examples(sft, rows, config.run.seed)
         prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)

@@ -1,9 +1,9 @@
 """The demo over several seeds: held-out accuracy (with an environment: success) and tool-call rate
-before RL (after the warm start) and at the end, the best held-out figure of the run, the warm-up's
-and the whole run's wall time, per seed and on average; with a critic (PPO with GAE) also its
-explained variance over the last ten steps.
+before RL (after the warm start) and at the end, the best held-out figure of the run, the rollouts'
+seconds a step, the warm-up's and the whole run's wall time, per seed and on average; with a critic
+(PPO with GAE) also its explained variance over the last ten steps.
 
-    python benchmarks/bench_demo.py [--seeds 0 1 2] [--config configs/cpu_demo.yaml ...] [overrides ...]
+    python benchmarks/bench_demo.py [overrides ...] [--seeds 0 1 2] [--config configs/cpu_demo.yaml ...]
 
 Several configs (``--config configs/cpu_demo.yaml configs/cpu_ppo.yaml``: GRPO against PPO with the
 same warm start, reward and generation budget) run seed by seed, one after another, in one table;
@@ -45,7 +45,8 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     score = held_out_score(evals[0])  # accuracy, or an environment's success
     steps = [r for r in rows if "reward/mean" in r]  # training steps (the step-0 row is evaluation only)
     first, last = evals[0], evals[-1]
-    warm_up = json.loads((out / "sft_model" / "rltrain_sft.json").read_text())["seconds"]
+    done = out / "sft_model" / "rltrain_sft.json"  # (none when the run starts from a warm model)
+    warm_up = json.loads(done.read_text())["seconds"] if done.exists() else 0.0
     explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
     return {
         "accuracy before": first[score],
@@ -55,6 +56,7 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
         "tool calls after": last["eval/tool_call_rate"],
         "reward first 5 steps": sum(r["reward/mean"] for r in steps[:5]) / 5,
         "reward last 5 steps": sum(r["reward/mean"] for r in steps[-5:]) / 5,
+        "generate s a step": sum(r["time/generate_s"] for r in steps) / len(steps),
         "warm-up s": warm_up,
         "run s": wall,
         "critic EV, last 10 steps": sum(explained[-10:]) / len(explained[-10:])
@@ -68,7 +70,7 @@ def shown(key: str, value: float) -> str:
         return f"{value:.1%}"
     if "EV" in key:
         return "-" if value != value else f"{value:.3f}"  # NaN: no critic
-    return f"{value:.2f}" if "reward" in key else f"{value:.0f}"
+    return f"{value:.2f}" if "reward" in key or "a step" in key else f"{value:.0f}"
 
 
 def main() -> None:
@@ -81,6 +83,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
+    if misplaced := [c for c in args.config if "=" in c]:  # --config takes every word after it
+        parser.error(f"{' '.join(misplaced)}: an override after --config; put overrides before it")
     variants = [v.split(":", 1) for v in args.variant] or [["", ""]]
     tmp = Path(tempfile.mkdtemp(prefix="bench-demo-"))
     rows = []

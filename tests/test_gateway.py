@@ -185,6 +185,24 @@ def test_requests_with_no_key_another_episodes_key_or_a_finished_one_are_refused
     assert intruder.agent_reward == 1.0 and len(intruder.calls) == 1  # its own call was served
 
 
+def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():
+    from rltrain.rollout.gateway import Refused, Sampling
+
+    run = Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+    served = [{}, {"temperature": 1.0, "top_p": 1}, {"top_k": -1}, {"n": 1}, {"stream": False},
+              {"logprobs": False, "top_logprobs": 0}, {"response_format": {"type": "text"}},
+              {"presence_penalty": 0.0, "stop": []}, {"tool_choice": "auto"}, {"max_tokens": 8}]  # fmt: skip
+    for body in served:
+        run.check(body)  # the client's defaults ask for nothing: served as if left out
+    refused = [{"temperature": 0.7}, {"top_p": 0.9}, {"n": 2}, {"stream": True}, {"logprobs": True},
+               {"presence_penalty": 0.5}, {"stop": ["\n"]}, {"logit_bias": {"50": 100}},
+               {"response_format": {"type": "json_object"}}, {"tool_choice": "required"}]  # fmt: skip
+    for body in refused:
+        with pytest.raises(Refused) as refusal:
+            run.check(body)
+        assert refusal.value.status == 400 and refusal.value.kind == "sampling", body
+
+
 @pytest.mark.parametrize(
     "entrypoint, expected",
     {

@@ -125,8 +125,7 @@ def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_
 
 
 def test_a_conversation_the_template_cannot_render_stops_the_warm_start_naming_it(tmp_path):
-    from rltrain.run.loop import RunFailed
-    from rltrain.run.warm_start import warm_start
+    from rltrain.run.warm_start import BadExamples, warm_start
     from rltrain.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()  # with a Qwen3-like template: earlier assistant turns lose their text
@@ -141,7 +140,7 @@ def test_a_conversation_the_template_cannot_render_stops_the_warm_start_naming_i
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     config = Config.model_validate({"sft_warmup": {"steps": 1, "source": str(path)}})
     with pytest.raises(
-        RunFailed, match=r"sft_warmup.source '.*demos.jsonl': conversation 9: .*changes earlier turns"
+        BadExamples, match=r"sft_warmup.source '.*demos.jsonl': conversation 9: .*changes earlier turns"
     ):
         warm_start(config, "unused: it stops before any learner", [], tokenizer, tmp_path)
 

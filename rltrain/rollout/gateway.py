@@ -44,6 +44,9 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p")
 REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
            "response_format", "logprobs", "top_logprobs", "stream", "n", "best_of", "guided_json",
            "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
+# a refused field sent empty, false (0 too) or as its default asks for nothing: served as if left out
+ASKS_NOTHING = (None, False, {}, [])
+DEFAULTS: dict[str, list[Any]] = {"n": [1], "best_of": [1], "response_format": ["text", {"type": "text"}]}
 GATEWAY = "gateway_"  # the prefix of an episode's gateway counts (splits, refusals) among its errors
 
 
@@ -80,9 +83,7 @@ class Sampling:
                               f"{key}={getattr(self, key)!r} (rollout.{key}); leave it out")  # fmt: skip
         for key in REFUSED:
             value = body.get(key)
-            if value not in (None, False, 1 if key == "n" else None, {}, [], "text") and not (
-                key == "response_format" and isinstance(value, dict) and value.get("type") == "text"
-            ):
+            if value not in ASKS_NOTHING and value not in DEFAULTS.get(key, []):
                 raise Refused(400, "sampling", f"{key} is not served: training samples from the run's "
                               "own distribution, one choice per call, without streaming")  # fmt: skip
         choice = body.get("tool_choice")

@@ -59,9 +59,12 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
     for restart in range(config.run.max_restarts + 1):
         try:
             if config.sft_warmup.steps:  # RL starts from the warmed-up model (kept in the run folder)
-                from rltrain.run.warm_start import warm_start
+                from rltrain.run.warm_start import BadExamples, warm_start
 
-                warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out)
+                try:
+                    warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out)
+                except BadExamples as e:
+                    raise RunFailed(str(e)) from None
                 return train_once(config, dataclasses.replace(inputs, model_path=warm))
             return train_once(config, inputs)
         except ActorFailure as failure:

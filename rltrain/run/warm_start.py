@@ -24,9 +24,12 @@ from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
 from rltrain.rollout.chat import Encoded, render_conversations
 from rltrain.run import checkpoint
-from rltrain.run.loop import RunFailed
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
+
+
+class BadExamples(ValueError):
+    """A warm-up example that cannot be encoded (the run stops with its one line)."""
 
 
 def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out: Path) -> str:
@@ -42,7 +45,7 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
         try:  # (preflight rendered the first few)
             encoded = render_conversations(written, tokenizer, config.env.render)
         except ValueError as e:
-            raise RunFailed(f"sft_warmup.source {sft.source!r}: {e}") from None
+            raise BadExamples(f"sft_warmup.source {sft.source!r}: {e}") from None
     else:
         examples = sft_examples(sft, rows, config.run.seed)
         prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)

@@ -122,7 +122,7 @@ def sft_conversations(source: str) -> list[Conversation] | None:
     path = Path(source).expanduser()
     if source.startswith("builtin:") or not path.exists():
         return None
-    files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix == ".jsonl")
+    files = local_files(path, (".jsonl",))
     records = _read_local(files, "sft_warmup.source") if files else []
     if not records or "messages" not in records[0][1]:
         return None
@@ -169,7 +169,7 @@ def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
         return BUILTIN_SOURCES[config.source]()
     path = Path(config.source).expanduser()
     if path.exists():
-        files = sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix in LOCAL_FORMATS)
+        files = local_files(path, tuple(LOCAL_FORMATS))
         if not files:
             raise ValueError(f"{key}: no {'/'.join(LOCAL_FORMATS)} files in {str(path)!r}")
         records = _read_local(files, key)
@@ -179,6 +179,11 @@ def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
     if not rows:
         raise ValueError(f"{key} {config.source!r} holds no rows")
     return rows
+
+
+def local_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """A local source's files: the file itself, or a folder's files, with one of ``suffixes``."""
+    return sorted(p for p in (path.iterdir() if path.is_dir() else [path]) if p.suffix in suffixes)
 
 
 def _read_local(files: list[Path], key: str) -> list[tuple[str, dict]]:

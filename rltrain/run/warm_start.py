@@ -19,7 +19,14 @@ from tqdm import tqdm
 
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import SFT_FROM_ENV, Config
-from rltrain.data import chat_prompts, sft_conversations, sft_examples, tokenize_completion
+from rltrain.data import (
+    LOCAL_FORMATS,
+    chat_prompts,
+    local_files,
+    sft_conversations,
+    sft_examples,
+    tokenize_completion,
+)
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
 from rltrain.rollout.chat import Encoded, render_conversations
@@ -105,8 +112,8 @@ def _settings(config: Config, model_path: str) -> str:
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
     elif (path := Path(config.sft_warmup.source).expanduser()).exists():  # a file's contents, not its name
-        files = sorted(path.iterdir()) if path.is_dir() else [path]
-        parts.append([hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()])
+        files = local_files(path, (*LOCAL_FORMATS, ".jsonl"))
+        parts.append([hashlib.sha256(f.read_bytes()).hexdigest() for f in files])
     if config.model.lora.rank and config.sft_warmup.lora:  # a warm start of adapters (one of every
         parts.append(config.model.lora.model_dump())  # weight keeps the key a run without LoRA has)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

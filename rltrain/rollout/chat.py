@@ -20,7 +20,10 @@ realistic conversation first and names the mode to use.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from rltrain.data import Conversation
 
 Messages = list[dict[str, Any]]
 Encoded = tuple[list[int], list[int], list[int]]  # a conversation's (prompt ids, completion ids, mask)
@@ -259,7 +262,7 @@ def render_problem(tokenizer, tools: list[dict] | None, opening: Messages, histo
 
 
 def render_conversations(
-    written: list[tuple[Messages, list[dict] | None]],
+    written: list[Conversation],
     tokenizer,
     history: Literal["full", "last_turn"] = "full",
 ) -> list[Encoded]:

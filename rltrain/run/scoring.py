@@ -209,8 +209,9 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
 def drop_stale(scored: ScoredGroups, version: int, max_staleness: int, group_size: int) -> ScoredGroups:
     """The groups every sampled token of which (an agent's earlier sequences' included) is at most
     ``max_staleness`` policy versions older than ``version`` (the learners' weights); logs
-    ``rollout/staleness_mean`` and ``rollout/staleness_max`` over every sampled token collected and ``rollout/stale_dropped``
-    (completions dropped: a group goes whole, its advantages need every member)."""
+    ``rollout/staleness_mean`` and ``rollout/staleness_max`` over every sampled token collected and
+    ``rollout/stale_dropped`` (completions dropped: a group goes whole, its advantages need every
+    member)."""
     ages, oldest = [], []
     for c in scored.completions:  # an agent's episode: the sequences split off before its last too
         own = [version - v for part in [*c.earlier, c] for v, m in zip(part.versions, part.tool_mask) if m]

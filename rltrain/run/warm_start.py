@@ -112,7 +112,7 @@ def _settings(config: Config, model_path: str) -> str:
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())
     elif (path := Path(config.sft_warmup.source).expanduser()).exists():  # a file's contents, not its name
-        files = local_files(path, (*LOCAL_FORMATS, ".jsonl"))
+        files = local_files(path, tuple(LOCAL_FORMATS))  # .jsonl among them
         parts.append([hashlib.sha256(f.read_bytes()).hexdigest() for f in files])
     if config.model.lora.rank and config.sft_warmup.lora:  # a warm start of adapters (one of every
         parts.append(config.model.lora.model_dump())  # weight keeps the key a run without LoRA has)

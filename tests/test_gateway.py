@@ -203,6 +203,52 @@ def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():
         assert refusal.value.status == 400 and refusal.value.kind == "sampling", body
 
 
+def test_no_bad_request_wedges_an_episode_or_touches_another():
+    # a few hundred malformed requests (bad JSON, wrong types, missing fields, bad tool calls and
+    # tool messages, out-of-policy sampling, a huge body, a wrong key or none), two calls at once,
+    # then a valid call on the same episode; another episode runs beside it
+    engine = ScriptedEngine(lambda p: encode("Ok."), seconds=0.2)  # (the two calls at once overlap)
+    fuzzed, other = serve(
+        [{"id": "z", "mode": "fuzz"}, {"id": "o", "mode": "once"}], engine, "agent.timeout_s=300"
+    )
+    *statuses, (_, concurrent, _) = gateway_agents.HELD["z"]
+    assert len(statuses) > 200
+    for name, status, text in statuses:
+        # a 4xx with one line saying what is wrong; a huge body may instead be cut off (0)
+        assert 400 <= status < 500 or (status == 0 and name.startswith("huge")), (name, status, text)
+        if status:
+            assert "\n" not in __import__("json").loads(text)["error"]["message"], (name, text)
+    assert {s for n, s, _ in statuses if n.startswith(("wrong key", "no key", "not bearer"))} == {401}
+    assert {s for n, s, _ in statuses if n.startswith("sampling")} == {400}
+    assert concurrent == [200, 409]
+    # the valid call after all that was served, and so were the two of the episode's own calls
+    assert fuzzed.agent_reward == 1.0 and [c["finish_reason"] for c in fuzzed.calls] == ["stop", "stop"]
+    assert fuzzed.errors["gateway_bad_request"] > 100 and fuzzed.errors["gateway_concurrent"] == 1
+    assert other.agent_reward == 1.0 and len(other.calls) == 1
+    assert not any(k.startswith("gateway_") and k != "gateway_unauthorized" for k in other.errors)
+
+
+def test_a_long_history_is_rendered_off_the_servers_loop(monkeypatch):
+    # one agent sends a ~100k-token history three times (each refused as over the prompt limit, once
+    # rendered); its rendering is made to take 2 s more, as a slow template on a long history
+    # would. Another agent's calls meanwhile wait for no render of it: each well under the 2 s that
+    # one render on the server's own loop would hold every request up
+    opening = ChatRenderer.opening
+
+    def slow_on_long_histories(self, messages):
+        ids = opening(self, messages)
+        if len(ids) > 50_000:
+            time.sleep(2.0)
+        return ids
+
+    monkeypatch.setattr(ChatRenderer, "opening", slow_on_long_histories)
+    engine = ScriptedEngine(lambda p: encode("Ok."))
+    huge, timed = serve([{"id": "h", "mode": "huge_history"}, {"id": "t", "mode": "timed"}], engine)
+    assert huge.errors["gateway_prompt_too_long"] == 3  # each long history was rendered
+    seconds = gateway_agents.HELD["t"]
+    assert len(seconds) == 4 and max(seconds) < 1.0, seconds
+
+
 @pytest.mark.parametrize(
     "entrypoint, expected",
     {

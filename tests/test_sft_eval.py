@@ -199,9 +199,8 @@ def test_an_environments_held_out_success_is_what_the_table_and_the_curves_show(
 
 
 def test_the_step_line_shows_an_environments_held_out_success(tmp_path, capsys):
-    tracker = Tracker(tmp_path, Config(), start_step=0)
-    tracker.log(5, {"eval/success": 0.5, "eval/tool_call_rate": 1.0})
-    tracker.close()
+    with Tracker(tmp_path, Config(), start_step=0) as tracker:
+        tracker.log(5, {"eval/success": 0.5, "eval/tool_call_rate": 1.0})
     assert "held-out 50% (tool 100%)" in capsys.readouterr().out
 
 

@@ -62,12 +62,9 @@ def test_an_environment_that_raises_in_step_leaves_its_traceback_with_the_episod
 def test_the_step_line_shows_user_code_failures(tmp_path, capsys):
     from rltrain.config import load_config
 
-    tracker = Tracker(tmp_path, load_config(None, ["run.steps=2"]), 0)
-    try:
+    with Tracker(tmp_path, load_config(None, ["run.steps=2"]), 0) as tracker:
         tracker.log(1, {"reward/mean": 0.5, "failures/reward_function_mine_f": 3.0, "failures/tool_x": 2.0})
         tracker.log(2, {"reward/mean": 0.5})
-    finally:
-        tracker.bar.close()
     out = capsys.readouterr().out + capsys.readouterr().err
     assert "step 1/2 reward 0.500 user-code failures 5" in out
     assert "step 2/2 reward 0.500\n" in out or out.rstrip().endswith("step 2/2 reward 0.500")
@@ -79,12 +76,9 @@ def test_the_step_line_shows_what_a_reward_is_the_sum_of(tmp_path, capsys):
     config = load_config(
         None, ["run.steps=1", "reward.functions={math: 1.0, digits: 0.5}", "algorithm.overlong=soft_penalty"]
     )
-    tracker = Tracker(tmp_path, config, 0)
-    try:
+    with Tracker(tmp_path, config, 0) as tracker:
         tracker.log(
             1, {"reward/mean": 0.25, "reward/math": 0.5, "reward/digits": 0.2, "reward/overlong": -0.35}
         )
-    finally:
-        tracker.bar.close()
     # 0.5 + 0.5 * 0.2 - 0.35 = 0.25
     assert "step 1/1 reward 0.250 (math 0.500, digits 0.200, overlong -0.350)" in capsys.readouterr().out

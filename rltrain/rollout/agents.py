@@ -123,6 +123,23 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes: by its Content-Length before a byte
+    is read, or, without one, as soon as what arrives passes the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ValueError(f"Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise Refused(413, "too_large", f"the body is over {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused(413, "too_large", f"the body is over {limit} bytes")
+    return bytes(body)
+
+
 class GatewayServer:
     """The gateway's HTTP server in a daemon thread, on ``127.0.0.1`` and a free port."""
 
@@ -142,19 +159,24 @@ class GatewayServer:
 
         @app.post("/e/{episode}/v1/chat/completions")
         async def chat(episode: str, request: Request):
-            body = await request.body()
-            if len(body) > MAX_BODY_BYTES:
-                return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES} bytes")
-            if self.in_flight >= MAX_IN_FLIGHT:
-                return _error(503, "busy", f"{MAX_IN_FLIGHT} requests are in flight")
+            # the key before the body, the body's size before reading it, its shape before the
+            # episode's state; rendering, tokenizing and parsing off this loop (one agent's long
+            # history must not stall the others' calls); the engine's answer waited for within a bound
+            key = _bearer(request.headers.get("authorization"))
             try:
+                runner.gateway.episode(episode, key)
+                body = await _read_body(request, MAX_BODY_BYTES)
                 payload = json.loads(body)
                 if not isinstance(payload, dict):
                     raise ValueError("not an object")
-                key = _bearer(request.headers.get("authorization"))
-                e, prompt, room, seed = runner.gateway.begin(episode, key, payload)
+            except Refused as r:
+                return _error(r.status, r.kind, str(r))
             except (ValueError, UnicodeDecodeError) as bad:
                 return _error(400, "bad_request", f"the body is not a JSON object: {bad}")
+            if self.in_flight >= MAX_IN_FLIGHT:
+                return _error(503, "busy", f"{MAX_IN_FLIGHT} requests are in flight")
+            try:
+                e, prompt, room, seed = await asyncio.to_thread(runner.gateway.begin, episode, key, payload)
             except Refused as r:
                 return _error(r.status, r.kind, str(r))
             self.in_flight += 1
@@ -162,7 +184,14 @@ class GatewayServer:
                 batcher = runner.batcher
                 if batcher is None:
                     raise RuntimeError("no rollout is being served")
-                seg = await asyncio.wrap_future(batcher.submit(prompt, room, seed))
+                future = batcher.submit(prompt, room, seed)
+                try:
+                    seg = await asyncio.wait_for(asyncio.wrap_future(future), runner.timeout_s)
+                except asyncio.TimeoutError:
+                    future.cancel()
+                    runner.gateway.abandon(e)
+                    return _error(504, "engine_timeout", f"the engine did not answer within "
+                                  f"agent.timeout_s={runner.timeout_s} s")  # fmt: skip
             except BaseException as failed:
                 runner.gateway.abandon(e)
                 if isinstance(failed, asyncio.CancelledError):
@@ -170,7 +199,9 @@ class GatewayServer:
                 return _error(500, "engine", f"generation failed: {type(failed).__name__}: {failed}")
             finally:
                 self.in_flight -= 1
-            return runner.gateway.finish(e, seg, len(payload["messages"]), len(prompt))
+            return await asyncio.to_thread(
+                runner.gateway.finish, e, seg, len(payload["messages"]), len(prompt)
+            )
 
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from rltrain.batch import Completion, Segment
 from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, call_id, canonical
 from rltrain.rollout.parsers import ParsedTurn, ToolParser
@@ -56,6 +58,66 @@ class Refused(Exception):
     def __init__(self, status: int, kind: str, message: str):
         super().__init__(message)
         self.status, self.kind = status, kind
+
+
+class _Open(BaseModel):
+    """A part of a request: the fields named are checked, any others are passed over."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Function(_Open):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCall(_Open):
+    id: str | None = None
+    type: str = "function"
+    function: _Function
+
+
+class _ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class _Message(_Open):
+    role: str = Field(min_length=1)
+    content: str | list[_ContentPart] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _ToolFunction(_Open):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _Tool(_Open):
+    type: str = "function"
+    function: _ToolFunction
+
+
+class ChatRequest(_Open):
+    """The shape of a chat-completions request, checked before anything of its episode is touched:
+    a request that does not fit is refused with 400 and one line naming the field."""
+
+    messages: list[_Message] = Field(min_length=1)
+    tools: list[_Tool] | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    @classmethod
+    def check(cls, body: Any) -> ChatRequest:
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the body"
+            raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
 
 
 @dataclass
@@ -182,12 +244,18 @@ class Gateway:
                 raise Refused(401, "unauthorized", "unknown or finished episode, or not its key")
             return episode
 
-    def begin(
-        self, episode_id: str, key: str | None, body: dict[str, Any]
-    ) -> tuple[AgentEpisode, list[int], int, int]:
+    def begin(self, episode_id: str, key: str | None, body: Any) -> tuple[AgentEpisode, list[int], int, int]:
         """Check a request and build its prompt: ``(episode, prompt ids, max tokens, seed)``; the
-        episode stays busy until :meth:`finish` or :meth:`abandon`."""
+        episode stays busy until :meth:`finish` or :meth:`abandon`. A request of the wrong shape
+        is refused before anything of the episode changes; whatever else goes wrong releases it."""
         e = self.episode(episode_id, key)
+        try:
+            request = ChatRequest.check(body)
+            self.sampling.check(body)
+        except Refused as refused:
+            with self.lock:
+                e.count(refused.kind)
+            raise
         with self.lock:
             if e.busy:
                 e.count("concurrent")
@@ -201,18 +269,12 @@ class Gateway:
                 )
             e.busy = True
         try:
-            self.sampling.check(body)
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(isinstance(m, dict) for m in messages)
-            ):
-                raise Refused(400, "bad_request", "messages: a non-empty list of message objects")
-            prompt = self._prompt(e, [canonical(m) for m in messages], body.get("tools") or None)
+            messages = [canonical(m.model_dump(exclude_none=True)) for m in request.messages]
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
+            prompt = self._prompt(e, messages, tools)
             room = e.room(self.limits)
-            asked = body.get("max_completion_tokens") or body.get("max_tokens")
-            if isinstance(asked, int) and asked > 0:
+            asked = request.max_completion_tokens or request.max_tokens
+            if asked is not None:
                 room = min(room, asked)
             if room <= 0:
                 raise Refused(
@@ -230,6 +292,9 @@ class Gateway:
             e.failures.setdefault(TEMPLATE, str(error))
             e.busy = False
             raise Refused(400, "template", str(error)) from None
+        except BaseException:
+            e.busy = False
+            raise
 
     def _prompt(self, e: AgentEpisode, messages: Messages, tools: list[dict] | None) -> list[int]:
         """The engine's prompt: the open sequence extended by the new messages (token-in/token-out),
@@ -269,33 +334,34 @@ class Gateway:
         return prompt
 
     def finish(self, e: AgentEpisode, seg: Segment, messages: int, prompt_tokens: int) -> dict[str, Any]:
-        """Take the sampled turn into the open sequence; the OpenAI response."""
+        """Take the sampled turn into the open sequence; the OpenAI response. The episode is free
+        for its next call however this ends."""
         c = e.c
         assert c is not None
-        with self.lock:
-            c.take(seg)
-            parser = e.parser = e.parser or self.make_parser(e.tools)
-            turn = parser.parse_ids(seg.token_ids) if parser.reads_ids else parser.parse(seg.text)
-            for call in turn.calls:
-                call.id = call.id or e.next_call_id()
-            c.tool_errors += len(turn.errors)
-            for kind, _ in turn.errors:
-                c.errors[kind] = c.errors.get(kind, 0) + 1
-            e.tool_calls += len(turn.calls)
-            message = turn.message()
-            e.history.append(message)
-            c.messages = list(e.history)  # the sequence's conversation (rollouts on disk)
-            c.text, c.turns = turn.content, c.turns + 1
-            ended = seg.finish_reason == "stop"
-            e.extendable = ended  # a turn cut by its length has no end-of-turn token to go on from
-            reason = "length" if not ended else "tool_calls" if turn.calls else "stop"
-            reply = reply_message(turn)
-            e.calls.append(
-                CallRecord(messages, prompt_tokens, len(seg.token_ids), len(e.closed), reason, reply)
-            )
+        try:
+            with self.lock:
+                c.take(seg)
+                turn = self._parse(e, seg)
+                for call in turn.calls:
+                    call.id = call.id or e.next_call_id()
+                c.tool_errors += len(turn.errors)
+                for kind, _ in turn.errors:
+                    c.errors[kind] = c.errors.get(kind, 0) + 1
+                e.tool_calls += len(turn.calls)
+                e.history.append(turn.message())
+                c.messages = list(e.history)  # the sequence's conversation (rollouts on disk)
+                c.text, c.turns = turn.content, c.turns + 1
+                ended = seg.finish_reason == "stop"
+                e.extendable = ended  # a turn cut by its length has no end-of-turn token to go on from
+                reason = "length" if not ended else "tool_calls" if turn.calls else "stop"
+                reply = reply_message(turn)
+                e.calls.append(
+                    CallRecord(messages, prompt_tokens, len(seg.token_ids), len(e.closed), reason, reply)
+                )
+        finally:
             e.busy = False
         return {
-            "id": f"chatcmpl-{e.key[-8:]}-{len(e.calls)}",
+            "id": f"chatcmpl-{e.id}-{len(e.calls)}",  # (the episode's id is in its URL; its key never leaves)
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
@@ -306,6 +372,15 @@ class Gateway:
                 "total_tokens": prompt_tokens + len(seg.token_ids),
             },  # fmt: skip
         }
+
+    def _parse(self, e: AgentEpisode, seg: Segment) -> ParsedTurn:
+        """The sampled turn through the sequence's tool parser; a parser that raises leaves the
+        turn as plain text (counted: the sampled ids stay as they are, the policy's own output)."""
+        parser = e.parser = e.parser or self.make_parser(e.tools)
+        try:
+            return parser.parse_ids(seg.token_ids) if parser.reads_ids else parser.parse(seg.text)
+        except Exception as error:  # noqa: BLE001  (a parser's bug must not wedge the episode)
+            return ParsedTurn(seg.text, errors=[("parser_error", f"{type(error).__name__}: {error}")])
 
     def abandon(self, e: AgentEpisode) -> None:
         """A call that never got its reply (the engine failed, the agent went away)."""

@@ -75,9 +75,20 @@ class Tracker:
         self.bar.update(int(advance))
 
     def close(self) -> None:
+        """Flush and close every writer (the TensorBoard writer's thread included): nothing writes
+        into the run's folder after this."""
         self.bar.close()
         self.jsonl.close()
         self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
         if self.wandb is not None:
             self.wandb.finish()
         plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")

@@ -324,18 +324,45 @@ def test_the_chain_task_as_a_black_box_agent_trains_through_the_cli(tmp_path, ra
         assert len(s["completion_ids"]) == len(s["completion_mask"]) == len(s["completion_logprobs"])
 
 
-def test_the_documented_agent_runs_unchanged_through_the_gateway(tmp_path, monkeypatch):
+def documented_agent(tmp_path, monkeypatch) -> None:
+    """docs/agents.md's agent, pasted as it is into ``myagent.py`` on the path."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
     (tmp_path / "myagent.py").write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_the_documented_agent_runs_unchanged_through_the_gateway(tmp_path, monkeypatch):
+    documented_agent(tmp_path, monkeypatch)
     # the engine answers "It is 4." first, then "It is 5.": the agent asks again once, then is right
     engine = ScriptedEngine(
         lambda p: encode(f"It is {3 + TOKENIZER.decode(p).count('<|im_start|>assistant')}.")
     )
     (c,) = serve([{"prompt": "What is 2 + 3?", "answer": "5."}], engine, "agent.entrypoint=myagent:run")
     assert c.agent_reward == 1.0 and len(c.calls) == 2 and c.earlier == []
+
+
+def test_calls_that_no_longer_fit_end_with_a_length_finish_the_documented_agent_reads(tmp_path, monkeypatch):
+    # the documented command's limits (configs/cpu_demo.yaml: 80 new tokens an episode, prompts of
+    # up to 128 tokens), and a policy that never stops on its own (as the untrained tiny model):
+    # every reply is cut by its length, so the agent's next call cannot extend the sequence, and its
+    # growing history soon no longer fits a new one. Each such call is answered, empty, with
+    # finish_reason "length" (it was HTTP 400, an exception in the agent)
+    documented_agent(tmp_path, monkeypatch)
+    engine = ScriptedEngine(lambda p: TOKENIZER.encode("1 2 3 " * 100, add_special_tokens=False))
+    (c,) = serve([{"prompt": "What is 2 + 3?", "answer": "5."}], engine, "agent.entrypoint=myagent:run",
+                 "rollout.max_new_tokens=80", "data.max_prompt_tokens=128")  # fmt: skip
+    assert "agent" not in c.failures and c.agent_reward == 0.0  # it ran its 4 tries and returned
+    reasons = [call["finish_reason"] for call in c.calls]
+    assert len(reasons) == 4 and set(reasons) == {"length"}
+    assert c.calls[0]["completion_tokens"] == 80  # the first reply: sampled to the episode's budget
+    assert [call["completion_tokens"] for call in c.calls[-2:]] == [0, 0]  # then no room: nothing sampled
+    assert c.errors["gateway_length"] >= 2 and sum(c.tool_mask) + sum(sum(s.tool_mask) for s in c.earlier) > 0
+    # an agent's own bound on a sequence's opening prompt takes the place of data.max_prompt_tokens
+    (roomy,) = serve([{"prompt": "What is 2 + 3?", "answer": "5."}], engine, "agent.entrypoint=myagent:run",
+                     "rollout.max_new_tokens=80", "agent.max_prompt_tokens=400", "rollout.max_model_len=512")  # fmt: skip
+    assert max(len(seq.prompt_ids) for seq in [*roomy.earlier, roomy]) > 128
 
 
 def test_held_out_agents_that_all_failed_before_a_call_are_scored_as_agents():

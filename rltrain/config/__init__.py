@@ -102,11 +102,11 @@ class Config(Section):
         if budget is not None and budget < longest:
             raise ValueError(
                 f"learner.max_tokens_per_micro_batch={budget} cannot hold one sequence of up to {longest} "
-                "tokens (data.max_prompt_tokens + rollout.max_new_tokens); raise it or lower those"
+                f"tokens ({self.prompt_limit_key} + rollout.max_new_tokens); raise it or lower those"
             )
         if longest > self.rollout.max_model_len:
             raise ValueError(
-                f"data.max_prompt_tokens + rollout.max_new_tokens = {self.data.max_prompt_tokens} + "
+                f"{self.prompt_limit_key} + rollout.max_new_tokens = {self.max_prompt_tokens} + "
                 f"{self.rollout.max_new_tokens} = {longest} exceeds rollout.max_model_len={self.rollout.max_model_len}"
             )
         self._check_sequence_parallel()
@@ -239,7 +239,18 @@ class Config(Section):
     @property
     def longest_sequence(self) -> int:
         """The most tokens (prompt + completion) one training sequence can have."""
-        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        return self.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def prompt_limit_key(self) -> str:
+        agent = self.agent.entrypoint is not None and self.agent.max_prompt_tokens is not None
+        return "agent.max_prompt_tokens" if agent else "data.max_prompt_tokens"
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The most tokens a sequence's prompt may take: an agent's own bound, or the data's."""
+        agent = self.agent.max_prompt_tokens if self.agent.entrypoint is not None else None
+        return agent or self.data.max_prompt_tokens
 
     @property
     def aggregation_norm(self) -> float:

@@ -73,6 +73,13 @@ class AgentConfig(Section):
     `error` and is counted; the run goes on."""
     concurrency: int = Field(64, ge=1)
     """Episodes in flight per generator (their requests share each engine call)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """The most tokens a training sequence's opening prompt may take: the agent's first call, or a
+    call that starts a new sequence (its history rewritten); unset: data.max_prompt_tokens. A call
+    over it, or one whose new messages no longer fit the episode's budget (rollout.max_new_tokens,
+    rollout.max_model_len), is answered as the OpenAI API answers a reply cut by its limit: empty,
+    with finish_reason `length` (counted as rollout/gateway_length), never an error the agent must
+    catch."""
 
 
 class RolloutConfig(Section):

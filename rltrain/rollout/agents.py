@@ -34,7 +34,15 @@ from fastapi.responses import JSONResponse
 
 from rltrain.batch import Completion, Segment
 from rltrain.rollout.chat import ChatRenderer
-from rltrain.rollout.gateway import GATEWAY, Gateway, GatewayLimits, Refused, Sampling, episode_completions
+from rltrain.rollout.gateway import (
+    GATEWAY,
+    Gateway,
+    GatewayLimits,
+    OutOfRoom,
+    Refused,
+    Sampling,
+    episode_completions,
+)
 from rltrain.rollout.parsers import get_parser
 from rltrain.rollout.rewards import AGENT, import_attribute
 
@@ -179,6 +187,8 @@ class GatewayServer:
                 e, prompt, room, seed = await asyncio.to_thread(runner.gateway.begin, episode, key, payload)
             except Refused as r:
                 return _error(r.status, r.kind, str(r))
+            except OutOfRoom as full:
+                return runner.gateway.out_of_room(full.episode, len(payload["messages"]))
             self.in_flight += 1
             try:
                 batcher = runner.batcher
@@ -234,9 +244,7 @@ class AgentRunner:
         rc, agent = config.rollout, config.agent
         self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
-        limits = GatewayLimits(
-            agent.max_calls, rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens
-        )
+        limits = GatewayLimits(agent.max_calls, rc.max_new_tokens, rc.max_model_len, config.max_prompt_tokens)
         self.gateway = Gateway(
             lambda tools: ChatRenderer(tokenizer, tools, config.env.render),
             lambda tools: get_parser(config.tool_parser, tokenizer, tools),

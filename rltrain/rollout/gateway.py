@@ -120,12 +120,21 @@ class ChatRequest(_Open):
             raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
 
 
+class OutOfRoom(Exception):
+    """A call that no longer fits its episode's limits: answered with an empty reply and finish
+    reason ``length`` (as the OpenAI API ends a reply cut by its limit), counted, never sampled."""
+
+    def __init__(self, episode: AgentEpisode):
+        super().__init__("no room left in the episode")
+        self.episode = episode
+
+
 @dataclass
 class GatewayLimits:
     max_calls: int  # chat completions per episode
     max_new_tokens: int  # per training sequence, after its prompt (template additions included)
     max_model_len: int  # prompt + completion
-    max_prompt_tokens: int  # a sequence's opening prompt
+    max_prompt_tokens: int  # a sequence's opening prompt (agent.max_prompt_tokens or data.max_prompt_tokens)
 
 
 @dataclass
@@ -277,12 +286,12 @@ class Gateway:
             if asked is not None:
                 room = min(room, asked)
             if room <= 0:
-                raise Refused(
-                    400,
-                    "length",
-                    "the episode's token budget is used (rollout.max_new_tokens, max_model_len)",
-                )
+                raise OutOfRoom(e)
             return e, prompt, room, e.seed + len(e.calls) * SEED_STRIDE
+        except OutOfRoom:
+            e.count("length")
+            e.busy = False
+            raise
         except Refused as refused:
             e.count(refused.kind)
             e.busy = False
@@ -316,15 +325,15 @@ class Gateway:
                 e.count("template_rewrites")
             if added is not None:
                 if len(added) > e.room(self.limits):
-                    raise Refused(400, "length", "the new messages do not fit the episode's token budget")
+                    raise OutOfRoom(e)
                 e.c.insert(added)
                 e.history = list(messages)
                 return e.c.prompt_ids + e.c.token_ids
         renderer = self.make_renderer(tools)
         prompt = renderer.opening(messages)
         if len(prompt) > self.limits.max_prompt_tokens:
-            raise Refused(400, "prompt_too_long", f"the prompt has {len(prompt)} tokens, over "
-                          f"data.max_prompt_tokens={self.limits.max_prompt_tokens}")  # fmt: skip
+            e.count("prompt_too_long")
+            raise OutOfRoom(e)
         if e.c is not None:
             e.c.finish_reason = "stop" if e.extendable else "length"  # its last reply: ended, or cut
             e.closed.append(e.c)
@@ -360,6 +369,20 @@ class Gateway:
                 )
         finally:
             e.busy = False
+        return self._response(e, reply, reason, prompt_tokens, len(seg.token_ids))
+
+    def out_of_room(self, e: AgentEpisode, messages: int) -> dict[str, Any]:
+        """The answer to a call that no longer fits (:class:`OutOfRoom`): an empty reply whose
+        finish reason is ``length``; nothing is sampled, and the call counts among the episode's."""
+        reply = {"role": "assistant", "content": ""}
+        with self.lock:
+            e.calls.append(CallRecord(messages, 0, 0, len(e.closed), "length", reply))
+        return self._response(e, reply, "length", 0, 0)
+
+    def _response(
+        self, e: AgentEpisode, reply: dict[str, Any], reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        """A chat completion in the OpenAI response format."""
         return {
             "id": f"chatcmpl-{e.id}-{len(e.calls)}",  # (the episode's id is in its URL; its key never leaves)
             "object": "chat.completion",
@@ -368,9 +391,9 @@ class Gateway:
             "choices": [{"index": 0, "message": reply, "finish_reason": reason, "logprobs": None}],
             "usage": {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(seg.token_ids),
-                "total_tokens": prompt_tokens + len(seg.token_ids),
-            },  # fmt: skip
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
     def _parse(self, e: AgentEpisode, seg: Segment) -> ParsedTurn:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from rltrain.config import BUILTIN_TASK, DataConfig, EvalConfig, SFTWarmupConfig
+from rltrain.config import BUILTIN_TASK, DataConfig, EvalConfig, SFTWarmupConfig, first_line
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -223,11 +223,6 @@ def _read_hub(config: DataConfig, key: str) -> list[tuple[str, dict]]:
             f"{key}: {config.source!r} is no local file and cannot be loaded from the hub: {first_line(e)}"
         ) from None
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, str]:

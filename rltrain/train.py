@@ -87,7 +87,7 @@ def outputs_line(out) -> str:
 def help_config(args: argparse.Namespace) -> int:
     """``--help-config [SECTION]``: the keys with the values of ``--config`` and the overrides."""
     from rltrain.data import BUILTIN_SOURCES
-    from rltrain.envs import BUILTIN as ENVIRONMENTS
+    from rltrain.rollout.environments import BUILTIN as ENVIRONMENTS
     from rltrain.rollout.rewards import BUILTIN as REWARDS
     from rltrain.rollout.rewards import GIVEN
 

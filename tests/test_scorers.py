@@ -285,7 +285,7 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
     from rltrain.learner.frozen import TeacherLearner
     from rltrain.learner.group import LearnerGroup
     from rltrain.run.diagnostics import synthetic_rollouts
-    from rltrain.run.scorers import Teacher
+    from rltrain.run.frozen_models import Teacher
 
     batch, config = synthetic_rollouts(), scorer_config("algorithm", teacher_path, num_learners=1)
     teacher = Teacher(partial(LearnerGroup, config, "unused", 0, TeacherLearner))
@@ -332,7 +332,7 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
 
     from rltrain.learner.frozen import RewardModelLearner
     from rltrain.learner.group import LearnerGroup
-    from rltrain.run.scorers import RewardModel
+    from rltrain.run.frozen_models import RewardModel
 
     config = scorer_config("reward", reward_model_path, num_learners=1)
     prompts = [Prompt(0, [5, 6, 7], "1"), Prompt(1, [9], "2")]

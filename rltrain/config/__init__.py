@@ -49,6 +49,7 @@ from rltrain.config.optimization import (
     RolloutCorrectionConfig,
     RunConfig,
     Section,
+    first_line,
     resolve_denominator,
 )
 
@@ -430,6 +431,7 @@ __all__ = [
     "BUILTIN_TASK",
     "Config",
     "ConfigError",
+    "first_line",
     "CriticConfig",
     "CriticLearnerConfig",
     "DENOMINATOR_KEY",

@@ -62,6 +62,12 @@ class ConfigError(ValueError):
     """A one-line, user-facing config problem."""
 
 
+def first_line(error: Exception) -> str:
+    """An exception as one line, as the one-line errors show it: its type and its message's first line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class Section(BaseModel):
     # no NaN or infinity anywhere: a learning rate, weight or limit that is not finite cannot train
     model_config = ConfigDict(

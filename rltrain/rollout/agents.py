@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request  # (FastAPI resolves the endpoints' annotat
 from fastapi.responses import JSONResponse
 
 from rltrain.batch import Completion, Segment
+from rltrain.loading import import_attribute
 from rltrain.rollout.chat import ChatRenderer
 from rltrain.rollout.gateway import (
     GATEWAY,
@@ -44,7 +45,7 @@ from rltrain.rollout.gateway import (
     episode_completions,
 )
 from rltrain.rollout.parsers import get_parser
-from rltrain.rollout.rewards import AGENT, import_attribute
+from rltrain.rollout.rewards import AGENT
 
 MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
 MAX_BODY_BYTES = 16 << 20

@@ -25,8 +25,8 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rltrain.envs import GYM_HINT, Step, load_environment
 from rltrain.rollout import tools as builtin_tools
+from rltrain.rollout.environments import GYM_HINT, Step, load_environment
 from rltrain.rollout.parsers import ToolCall
 
 Call = tuple[int, str, Any, float]  # (episode, method: reset | step | tool, argument, timeout_s)

@@ -46,7 +46,7 @@ class Episodes:
     """A generator's environment side: its host process, template renderer, parser and limits."""
 
     def __init__(self, config, tokenizer, encode: Callable[[str], list[int]]):
-        from rltrain.envs import tool_schemas
+        from rltrain.rollout.environments import tool_schemas
         from rltrain.rollout.parsers import get_parser
         from rltrain.rollout.tools import ToolRunner
 

@@ -13,11 +13,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, TINY_MODEL, Config, ConfigError
+from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, TINY_MODEL, Config, ConfigError, first_line
 from rltrain.data import (
     Prompt,
     episode_prompts,
-    first_line,
     load_rows,
     sft_conversations,
     sft_examples,
@@ -189,8 +188,8 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
     """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row, and its
     tools' schemas and the chat template's rendering of the additions work; raises ValueError
     naming the key."""
-    from rltrain.envs import load_environment, tool_schemas
     from rltrain.rollout.chat import ChatRenderer, TemplateError, render_problem
+    from rltrain.rollout.environments import load_environment, tool_schemas
 
     env = config.env
     try:
@@ -265,7 +264,7 @@ def check_environment_fit(config: Config) -> None:
 
 def _check_step(config: Config, instance, opening: list[dict], row: dict) -> None:
     """``step`` answers an assistant turn (the row's answer) with a Step, in time."""
-    from rltrain.envs import GYM_HINT, Step
+    from rltrain.rollout.environments import GYM_HINT, Step
 
     turn = [*opening, {"role": "assistant", "content": str(row.get("answer", ""))}]
     try:

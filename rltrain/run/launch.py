@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from rltrain.config import Config, ConfigError, dump
+from rltrain.config import Config, ConfigError, dump, first_line
 from rltrain.data import (
     PromptSampler,
-    first_line,
 )
 from rltrain.rollout.rewards import JUDGE, MODEL, RewardScorer
 from rltrain.run import checkpoint
@@ -146,8 +145,8 @@ class Run:
     weight_sync: Any  # rltrain.run.weight_sync.WeightSync
     start_step: int
     critic: Any = None  # a LearnerGroup of rltrain.learner.critic.CriticLearner (PPO with GAE), or None
-    teacher: Any = None  # a rltrain.run.scorers.Teacher (its actors' group; distillation), or None
-    reward_model: Any = None  # a rltrain.run.scorers.RewardModel (its actors' group), or None
+    teacher: Any = None  # a rltrain.run.frozen_models.Teacher (its actors' group; distillation), or None
+    reward_model: Any = None  # a rltrain.run.frozen_models.RewardModel (its actors' group), or None
     judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
 
     @property
@@ -203,12 +202,12 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             parts["critic"] = LearnerGroup(config, inputs.model_path, steps, CriticLearner)
         if config.algorithm.teacher is not None:
             from rltrain.learner.frozen import TeacherLearner
-            from rltrain.run.scorers import Teacher
+            from rltrain.run.frozen_models import Teacher
 
             parts["teacher"] = Teacher(partial(LearnerGroup, config, inputs.model_path, 0, TeacherLearner))
         if config.reward.model is not None:
             from rltrain.learner.frozen import RewardModelLearner
-            from rltrain.run.scorers import RewardModel
+            from rltrain.run.frozen_models import RewardModel
 
             parts["reward_model"] = RewardModel(
                 partial(LearnerGroup, config, inputs.model_path, 0, RewardModelLearner)

@@ -81,7 +81,7 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
 
 def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]:
     """The environment's ``demonstration(row)`` conversations, rendered as its episodes are."""
-    from rltrain.envs import load_environment, tool_schemas
+    from rltrain.rollout.environments import load_environment, tool_schemas
 
     env_class, kwargs = load_environment(config.env.name), config.env.kwargs
     schemas = tool_schemas(env_class(**kwargs).tools)

@@ -11,7 +11,8 @@ from rltrain.batch import Segment
 from rltrain.envs import CalculatorEnv, ChainEnv, GuessEnv, tool_schemas
 from rltrain.rollout.chat import ChatRenderer, TemplateError
 from rltrain.rollout.env_host import EnvHost
-from rltrain.rollout.episodes import EpisodeLimits, run_episodes
+from rltrain.rollout.episode_state import EpisodeLimits
+from rltrain.rollout.episodes import run_episodes
 from rltrain.rollout.parsers import HermesParser, TagParser
 from rltrain.rollout.tools import SEED_STRIDE
 from rltrain.tiny_model import CHAT_TEMPLATE, TOOL_TOKENS, build_tokenizer

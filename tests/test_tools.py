@@ -67,7 +67,8 @@ def test_a_malformed_tag_that_stopped_generation_is_told_and_counted():
     (c,) = generate_with_tools(generate, encode, [[1]], 200, ToolRunner(["calculator"], 1.0, 50), 2, [0])
     told = "<result>error: a tool call is <tool:NAME>ARGUMENT</tool></result>"
     assert c.text == "<tool:two words>1</tool>" + told + " sorry!"
-    assert (c.tool_calls, c.errors, c.finish_reason) == (0, {"bad_call": 1}, "stop")
+    # counted as an environment's episode counts a malformed call (one episode state for both paths)
+    assert (c.tool_calls, c.errors, c.tool_errors, c.finish_reason) == (0, {"bad_call": 1}, 1, "stop")
     assert calls[1][2][0] != calls[0][2][0]  # the next round samples with a new seed
 
 
@@ -75,7 +76,7 @@ def test_failing_tool_reports_error_to_the_model_and_counts_it():
     generate, _ = scripted({1: ["<tool:calculator>__import__('os')</tool>", "ok!"]})
     (c,) = generate_with_tools(generate, encode, [[1]], 200, ToolRunner(["calculator"], 1.0, 80), 2, [0])
     assert "<result>error: ValueError: only arithmetic is allowed</result>" in c.text
-    assert c.tool_errors == 1
+    assert c.tool_errors == 1 and c.errors == {"tool_raised": 1}  # the kind an episode's raising tool has
 
 
 def test_calculator():

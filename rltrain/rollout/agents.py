@@ -35,10 +35,10 @@ from fastapi.responses import JSONResponse
 from rltrain.batch import Completion, Segment
 from rltrain.loading import import_attribute
 from rltrain.rollout.chat import ChatRenderer
+from rltrain.rollout.episode_state import EpisodeLimits
 from rltrain.rollout.gateway import (
     GATEWAY,
     Gateway,
-    GatewayLimits,
     OutOfRoom,
     Refused,
     Sampling,
@@ -245,7 +245,7 @@ class AgentRunner:
         rc, agent = config.rollout, config.agent
         self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
-        limits = GatewayLimits(agent.max_calls, rc.max_new_tokens, rc.max_model_len, config.max_prompt_tokens)
+        limits = EpisodeLimits.from_config(config)
         self.gateway = Gateway(
             lambda tools: ChatRenderer(tokenizer, tools, config.env.render),
             lambda tools: get_parser(config.tool_parser, tokenizer, tools),
@@ -304,10 +304,10 @@ class AgentRunner:
                     except (TypeError, ValueError):
                         raise TypeError(f"the agent returned {value!r}, not a number (its reward)") from None
                 except asyncio.TimeoutError:
-                    e.count("timeout")
+                    e.count_request("timeout")
                     error = (AGENT, f"the agent was still running after {self.timeout_s} s (agent.timeout_s)")
                 except Exception:  # noqa: BLE001  (the user's code: shown, counted, never the run's end)
-                    e.count("raised")
+                    e.count_request("raised")
                     error = (AGENT, traceback.format_exc())
                 finally:
                     self.gateway.close(e)

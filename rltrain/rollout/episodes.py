@@ -19,27 +19,16 @@ it with ``turns``; an environment that raises, hangs or dies ends it with ``erro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import TEMPLATE, ChatRenderer, TemplateError, call_id
+from rltrain.rollout.chat import TEMPLATE, ChatRenderer, TemplateError
 from rltrain.rollout.env_host import EnvHost
+from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
 from rltrain.rollout.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
 from rltrain.rollout.tools import SEED_STRIDE, GenerateFn
 
 TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
-
-
-@dataclass
-class EpisodeLimits:
-    max_new_tokens: int  # tokens after the prompt, added ones included
-    max_model_len: int  # prompt + completion
-    max_prompt_tokens: int
-    max_turns: int
-    max_tool_calls: int  # per episode
-    step_timeout_s: float  # reset and step
-    tool_timeout_s: float
 
 
 class Episodes:
@@ -56,10 +45,7 @@ class Episodes:
         self.renderer = ChatRenderer(tokenizer, schemas, env.render)
         self.parser = get_parser(config.tool_parser, tokenizer, schemas)
         self.encode = encode  # inline (tag) tool results
-        self.limits = EpisodeLimits(
-            rc.max_new_tokens, rc.max_model_len, config.data.max_prompt_tokens, env.max_turns,
-            rc.tools.max_calls, env.step_timeout_s, rc.tools.timeout_s,
-        )  # fmt: skip
+        self.limits = EpisodeLimits.from_config(config)
 
     def run(self, generate: GenerateFn, rows: list[dict[str, Any]], seeds: list[int]) -> list[Completion]:
         return run_episodes(
@@ -67,23 +53,13 @@ class Episodes:
         )
 
 
-class _Episode:
-    def __init__(self, key: int, seed: int):
+class _Episode(EpisodeState):
+    def __init__(self, key: int, seed: int, limits: EpisodeLimits):
+        super().__init__(limits, Completion())
         self.key, self.seed, self.rounds = key, seed, 0
-        self.c = Completion()
         self.turn_text = ""  # the assistant turn being generated (inline tool results included)
         self.turn_ids: list[int] = []  # its sampled ids
         self.live = True
-        self.ids_made = 0
-
-    def next_call_id(self) -> str:
-        self.ids_made += 1
-        return call_id(self.ids_made - 1)
-
-    def count(self, kind: str, tool: bool = True) -> None:
-        """A failed call of this kind; ``tool``: it was a tool call (``tool_errors`` too)."""
-        self.c.errors[kind] = self.c.errors.get(kind, 0) + 1
-        self.c.tool_errors += tool
 
     def fail(self, kind: str, tool: bool = False, failure: tuple[str, str] | None = None) -> None:
         """A call that ends the episode (its environment's process is gone or broke); ``failure``:
@@ -96,23 +72,15 @@ class _Episode:
     def end(self, reason: str) -> None:
         self.c.finish_reason, self.live = reason, False
 
-    def room(self, limits: EpisodeLimits) -> int:
-        """Tokens the next round may generate (or the next addition may take)."""
-        used = len(self.c.token_ids)
-        return min(limits.max_new_tokens - used, limits.max_model_len - len(self.c.prompt_ids) - used)
-
     def take(self, seg: Segment) -> None:
         self.c.take(seg)
         self.turn_text += seg.text
         self.turn_ids += seg.token_ids
         self.rounds += 1
 
-    def add(self, ids: list[int], limits: EpisodeLimits) -> None:
+    def add(self, ids: list[int]) -> None:
         """Tokens the template, a tool or the environment added; cut at the budget (then ended)."""
-        room = self.room(limits)
-        ids = ids[: max(room, 0)]
-        self.c.insert(ids)
-        if self.room(limits) <= 0:
+        if not super().add(ids):
             self.end("length")
 
     def close_turn(self, turn: ParsedTurn) -> None:
@@ -138,7 +106,7 @@ def run_episodes(
 ) -> list[Completion]:
     """One finished episode per row (see the module docstring); ``generate(prompts, max_tokens,
     seeds)`` is the engine, stopping at the parser's stop strings and keeping them."""
-    episodes = [_Episode(key, seed) for key, seed in zip(host.open(len(rows)), seeds)]
+    episodes = [_Episode(key, seed, limits) for key, seed in zip(host.open(len(rows)), seeds)]
     answers = host.call([(e.key, "reset", row, limits.step_timeout_s) for e, row in zip(episodes, rows)])
     for e, (status, value) in zip(episodes, answers):
         if status != "ok":
@@ -156,19 +124,19 @@ def run_episodes(
         live = [e for e in episodes if e.live]
         while live:
             for e in live:
-                if e.room(limits) <= 0:
+                if e.room() <= 0:
                     e.end("length")
             live = [e for e in live if e.live]
             if not live:
                 break
             segments = generate(
                 [e.c.prompt_ids + e.c.token_ids for e in live],
-                [e.room(limits) for e in live],
+                [e.room() for e in live],
                 [e.seed + e.rounds * SEED_STRIDE for e in live],
             )
             for e, seg in zip(live, segments):
                 e.take(seg)
-                if seg.finish_reason == "length" or e.room(limits) <= 0:
+                if seg.finish_reason == "length" or e.room() <= 0:
                     e.close_turn(e.read(parser))
                     e.end("length")
             live = [e for e in live if e.live]
@@ -190,7 +158,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
         # an inline (tag) turn that stopped at its call's stop string goes on, with the call's
         # result or its error: "no tool calls left", or what is malformed (it has no end-of-turn
         # token yet, so it cannot be handed on as a finished turn)
-        if turn.calls and (e.c.tool_calls < limits.max_tool_calls or parser.inline_results):
+        if turn.calls and (e.calls_left() or parser.inline_results):
             calling[e.key] = turn
         elif turn.errors:
             calling[e.key] = turn  # malformed calls only: the model is told what was wrong
@@ -208,12 +176,12 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
         if parser.inline_results:  # tag: the result goes on inside the same turn
             text = parser.format_result(results[0]["content"])
             e.turn_text += text
-            e.add(encode(text), limits)
+            e.add(encode(text))
             if not e.live:
                 e.close_turn(ParsedTurn(e.turn_text))
             continue
         e.close_turn(turns[e.key])
-        _append(e, results, renderer, limits)
+        _append(e, results, renderer)
     if not stepping:
         return
     answers = host.call([(e.key, "step", e.c.messages, limits.step_timeout_s) for e in stepping])
@@ -228,7 +196,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
         elif e.c.turns >= limits.max_turns:
             e.end("turns")
         else:
-            _append(e, value["messages"], renderer, limits)
+            _append(e, value["messages"], renderer)
     for e in live:  # a turn of tool calls counts as a turn too
         if e.live and e.c.turns >= limits.max_turns and not e.turn_text:
             e.end("turns")
@@ -248,7 +216,7 @@ def _run_tools(
             results[e.key].append(
                 {"role": "tool", "name": "error", "content": message, "tool_call_id": e.next_call_id()}
             )
-        allowed = max(0, limits.max_tool_calls - e.c.tool_calls)
+        allowed = e.calls_left()
         queues[e.key] = turn.calls[:allowed]
         for call in turn.calls[allowed:]:
             e.count("limit")
@@ -280,7 +248,7 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "name": call.name, "content": content, "tool_call_id": call.id}
 
 
-def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: EpisodeLimits) -> None:
+def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer) -> None:
     """What a tool or the environment added, in the template's tokens; a template that raises or
     rewrites the history ends this episode alone (counted as ``template``, its message shown once)."""
     try:
@@ -290,4 +258,4 @@ def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: E
         e.fail("template", failure=(TEMPLATE, str(error)))
         return
     e.c.messages += messages
-    e.add(ids, limits)
+    e.add(ids)

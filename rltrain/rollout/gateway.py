@@ -36,7 +36,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, call_id, canonical
+from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical
+from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
 from rltrain.rollout.parsers import ParsedTurn, ToolParser
 from rltrain.rollout.tools import SEED_STRIDE
 
@@ -130,14 +131,6 @@ class OutOfRoom(Exception):
 
 
 @dataclass
-class GatewayLimits:
-    max_calls: int  # chat completions per episode
-    max_new_tokens: int  # per training sequence, after its prompt (template additions included)
-    max_model_len: int  # prompt + completion
-    max_prompt_tokens: int  # a sequence's opening prompt (agent.max_prompt_tokens or data.max_prompt_tokens)
-
-
-@dataclass
 class Sampling:
     """The run's sampling settings: what a request may repeat, never change."""
 
@@ -174,16 +167,17 @@ class CallRecord:
     reply: dict[str, Any] = field(default_factory=dict)
 
 
-class AgentEpisode:
-    """One agent's episode: its key, its training sequences (the last one open), what its calls
-    were, and its history as the gateway last rendered it (the last message its own reply)."""
+class AgentEpisode(EpisodeState):
+    """One agent's episode: its key, its training sequences (the last one open, ``c``), what its
+    calls were, and its history as the gateway last rendered it (the last message its own reply).
+    ``counts`` are the episode's requests by kind (splits, refusals), apart from its sequences'."""
 
-    def __init__(self, row: dict[str, Any], seed: int):
+    def __init__(self, row: dict[str, Any], seed: int, limits: EpisodeLimits):
+        super().__init__(limits)
         self.id = secrets.token_hex(8)  # in the episode's base URL
         self.key = "rlt-" + secrets.token_urlsafe(24)  # its API key: valid on its own URL alone
         self.row, self.seed = row, seed
         self.closed: list[Completion] = []  # sequences split off
-        self.c: Completion | None = None  # the open sequence
         self.history: Messages = []
         self.tools: list[dict] | None = None
         self.renderer: ChatRenderer | None = None
@@ -194,20 +188,9 @@ class AgentEpisode:
         self.failures: dict[str, str] = {}
         self.busy = False
         self.tool_calls = 0
-        self.made_ids = 0
 
-    def count(self, kind: str) -> None:
+    def count_request(self, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
-
-    def next_call_id(self) -> str:
-        self.made_ids += 1
-        return call_id(self.made_ids - 1)
-
-    def room(self, limits: GatewayLimits) -> int:
-        c = self.c
-        assert c is not None
-        used = len(c.token_ids)
-        return min(limits.max_new_tokens - used, limits.max_model_len - len(c.prompt_ids) - used)
 
     def sequences(self) -> list[Completion]:
         return [*self.closed, *([self.c] if self.c is not None else [])]
@@ -223,7 +206,7 @@ class Gateway:
         self,
         renderer: Callable[[list[dict] | None], ChatRenderer],
         parser: Callable[[list[dict] | None], ToolParser],
-        limits: GatewayLimits,
+        limits: EpisodeLimits,
         sampling: Sampling,
         model: str,
     ):
@@ -234,7 +217,7 @@ class Gateway:
         self.lock = threading.Lock()
 
     def open(self, row: dict[str, Any], seed: int) -> AgentEpisode:
-        episode = AgentEpisode(row, seed)
+        episode = AgentEpisode(row, seed, self.limits)
         with self.lock:
             self.episodes[episode.id] = episode
         return episode
@@ -263,14 +246,14 @@ class Gateway:
             self.sampling.check(body)
         except Refused as refused:
             with self.lock:
-                e.count(refused.kind)
+                e.count_request(refused.kind)
             raise
         with self.lock:
             if e.busy:
-                e.count("concurrent")
+                e.count_request("concurrent")
                 raise Refused(409, "concurrent", "this episode has a call in flight; one call at a time")
             if len(e.calls) >= self.limits.max_calls:
-                e.count("max_calls")
+                e.count_request("max_calls")
                 raise Refused(
                     429,
                     "max_calls",
@@ -281,7 +264,7 @@ class Gateway:
             messages = [canonical(m.model_dump(exclude_none=True)) for m in request.messages]
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             prompt = self._prompt(e, messages, tools)
-            room = e.room(self.limits)
+            room = e.room()
             asked = request.max_completion_tokens or request.max_tokens
             if asked is not None:
                 room = min(room, asked)
@@ -289,15 +272,15 @@ class Gateway:
                 raise OutOfRoom(e)
             return e, prompt, room, e.seed + len(e.calls) * SEED_STRIDE
         except OutOfRoom:
-            e.count("length")
+            e.count_request("length")
             e.busy = False
             raise
         except Refused as refused:
-            e.count(refused.kind)
+            e.count_request(refused.kind)
             e.busy = False
             raise
         except TemplateError as error:
-            e.count("template")
+            e.count_request("template")
             e.failures.setdefault(TEMPLATE, str(error))
             e.busy = False
             raise Refused(400, "template", str(error)) from None
@@ -322,9 +305,9 @@ class Gateway:
                 added = e.renderer.additions(e.history, messages[n:])
             except TemplateError:  # the template rewrites earlier turns (env.render=last_turn keeps them)
                 added = None
-                e.count("template_rewrites")
+                e.count_request("template_rewrites")
             if added is not None:
-                if len(added) > e.room(self.limits):
+                if len(added) > e.room():
                     raise OutOfRoom(e)
                 e.c.insert(added)
                 e.history = list(messages)
@@ -332,12 +315,12 @@ class Gateway:
         renderer = self.make_renderer(tools)
         prompt = renderer.opening(messages)
         if len(prompt) > self.limits.max_prompt_tokens:
-            e.count("prompt_too_long")
+            e.count_request("prompt_too_long")
             raise OutOfRoom(e)
         if e.c is not None:
             e.c.finish_reason = "stop" if e.extendable else "length"  # its last reply: ended, or cut
             e.closed.append(e.c)
-            e.count("splits")
+            e.count_request("splits")
         e.c, e.renderer, e.tools, e.history = Completion(prompt_ids=prompt), renderer, tools, list(messages)
         e.parser = None
         return prompt
@@ -353,9 +336,8 @@ class Gateway:
                 turn = self._parse(e, seg)
                 for call in turn.calls:
                     call.id = call.id or e.next_call_id()
-                c.tool_errors += len(turn.errors)
                 for kind, _ in turn.errors:
-                    c.errors[kind] = c.errors.get(kind, 0) + 1
+                    e.count(kind)
                 e.tool_calls += len(turn.calls)
                 e.history.append(turn.message())
                 c.messages = list(e.history)  # the sequence's conversation (rollouts on disk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -138,44 +139,46 @@ def generate_with_tools(
     function of (weights, prompt, seed), so a resumed run samples what an uninterrupted one did.
     """
     from rltrain.batch import Completion  # torch: imported when a rollout runs, not with the tools
+    from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
 
-    done = [Completion() for _ in prompts]
+    # (the prompts are the data's, already within their limit; the budget is the completion's)
+    limits = EpisodeLimits(max_new_tokens, sys.maxsize, sys.maxsize, max_tool_calls=max_calls)
+    states = [EpisodeState(limits, Completion()) for _ in prompts]
     rounds = [0] * len(prompts)
     active = list(range(len(prompts)))
     while active:
         segments = generate(
-            [prompts[i] + done[i].token_ids for i in active],
-            [max_new_tokens - len(done[i].token_ids) for i in active],
+            [prompts[i] + states[i].c.token_ids for i in active],
+            [states[i].room() for i in active],
             [seeds[i] + rounds[i] * SEED_STRIDE for i in active],
         )
         still_active = []
         for i, seg in zip(active, segments):
-            c = done[i]
+            state, c = states[i], states[i].c
             c.take(seg)
             c.text += seg.text
             c.finish_reason = seg.finish_reason
             rounds[i] += 1
             # a round that stopped at the call's stop string goes on with the call's result or its
-            # error (it has no end-of-turn token yet): a malformed call and one over the limit are
-            # counted by kind, as in episodes
+            # error (it has no end-of-turn token yet): a malformed call, one over the limit and a
+            # tool that failed are counted by kind, as in episodes
             turn = TAG.parse(seg.text) if tools is not None and seg.finish_reason == "stop" else None
             if turn is None or not (turn.calls or turn.errors):
                 continue
-            if turn.errors or c.tool_calls >= max_calls:
+            if turn.errors or not state.calls_left():
                 kind, message = turn.errors[0] if turn.errors else ("limit", NO_CALLS_LEFT)
-                c.errors[kind] = c.errors.get(kind, 0) + 1
+                state.count(kind)
                 output = TAG.format_result(message)
             else:
                 output, ok = tools(turn.calls[0].name, turn.calls[0].arguments)
                 c.tool_calls += 1
-                c.tool_errors += not ok
-            budget = max_new_tokens - len(c.token_ids)
-            output_ids = encode(output)[:budget]
-            c.insert(output_ids)
+                if not ok:
+                    state.count("tool_raised")
             c.text += output
-            if len(c.token_ids) >= max_new_tokens:
-                c.finish_reason = "length"
-            else:
+            if state.add(encode(output)):
                 still_active.append(i)
+            else:
+                c.finish_reason = "length"
         active = still_active
+    done = [state.c for state in states]
     return done

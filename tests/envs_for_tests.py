@@ -2,7 +2,7 @@
 
 import time
 
-from rltrain.envs import Environment, Step
+from rltrain.envs import ChainEnv, Environment, Step
 
 
 def wait(seconds: float) -> str:
@@ -101,3 +101,13 @@ class TwoUsersEnv(Environment):
         if self.twice:
             return Step([{"role": "user", "content": "one"}, {"role": "user", "content": "two"}], reward=0.0)
         return Step(reward=1.0, done=True)
+
+
+class SystemChainEnv(ChainEnv):
+    """The chain task opened by a system prompt (Mistral's templates move it onto the last user
+    message, so the opening renders otherwise once a turn follows)."""
+
+    SYSTEM = {"role": "system", "content": "You add and subtract with the calculator."}
+
+    def reset(self, row):
+        return [self.SYSTEM, *super().reset(row)]  # (its demonstrations open with it too)

@@ -6,6 +6,7 @@ sequence an episode builds, under the render mode preflight names for it."""
 from pathlib import Path
 
 import pytest
+from envs_for_tests import SystemChainEnv
 
 from rltrain.batch import Segment
 from rltrain.envs import ChainEnv, tool_schemas
@@ -86,8 +87,8 @@ def replay(ids: list[int], mask: list[int], tok):
     return generate
 
 
-def episode(family: str, mode: str, generate, tok):
-    host = EnvHost("builtin:chain", {"links": 2, "tool_fraction": 1.0})
+def episode(family: str, mode: str, generate, tok, env: str = "builtin:chain"):
+    host = EnvHost(env, {"links": 2, "tool_fraction": 1.0})
     try:
         schemas = tool_schemas(host.tools)
         renderer = ChatRenderer(tok, schemas, mode)
@@ -118,6 +119,43 @@ def test_each_family_runs_its_episodes_as_its_warm_up_examples_are_built(family)
         "tool",
         "assistant",
     ]
+
+
+@pytest.mark.parametrize("family", sorted(THINKS))
+def test_a_reasoning_models_turns_written_without_reasoning_build_as_its_episodes_do(family):
+    # QwQ opens every generation prompt with "<think>\n", which a turn written without reasoning does
+    # not render: the turn's ids start inside the generation prompt, which stays in the context as
+    # the policy saw it (mask 0) -- the warm start on such conversations raised TemplateError
+    tok, schemas = tokenizer_for(family), tool_schemas(ChainEnv.tools)
+    messages = ChainEnv(links=2, tool_fraction=1.0).demonstration({"answer": "7"})  # no reasoning
+    prompt, completion, mask = ChatRenderer(tok, schemas, "last_turn").conversation(messages)
+    c = episode(family, "last_turn", replay(completion, mask, tok), tok)
+    assert (c.finish_reason, c.env_reward, c.tool_calls, c.errors) == ("stop", 1.0, 2, {})
+    assert (c.prompt_ids, c.token_ids, c.tool_mask) == (prompt, completion, mask)
+    if family == "qwq":
+        think = tok.encode("<think>\n", add_special_tokens=False)
+        assert prompt[-len(think) :] == think  # the policy's context ends with the opened thought
+        sampled = [t for t, m in zip(completion, mask) if m]
+        assert tok.decode(sampled).startswith('<tool_call>\n{"name": "calculator"')  # no thought in it
+
+
+def test_a_template_that_moves_the_system_prompt_runs_under_last_turn_and_preflight_says_so():
+    # Mistral writes the system prompt (and the tools) into the last user message: once a turn
+    # follows, the opening renders otherwise. Episodes under last_turn are exact (the opening as
+    # the policy saw it, each turn read after the stand-in), so preflight accepts last_turn and
+    # refuses full, and a written conversation builds what an episode builds
+    tok, schemas = tokenizer_for("mistral-nemo"), tool_schemas(ChainEnv.tools)
+    opening = [SystemChainEnv.SYSTEM, {"role": "user", "content": "What is 1 + 2?"}]
+    assert render_problem(tok, schemas, opening, "last_turn") is None
+    assert "changes earlier turns" in render_problem(tok, schemas, opening, "full")
+    messages = SystemChainEnv(links=2, tool_fraction=1.0).demonstration({"answer": "7"})
+    prompt, completion, mask = ChatRenderer(tok, schemas, "last_turn").conversation(messages)
+    c = episode(
+        "mistral-nemo", "last_turn", replay(completion, mask, tok), tok, "envs_for_tests:SystemChainEnv"
+    )
+    assert (c.finish_reason, c.env_reward, c.tool_calls, c.errors) == ("stop", 1.0, 2, {})
+    assert (c.prompt_ids, c.token_ids, c.tool_mask) == (prompt, completion, mask)
+    assert "You add and subtract" in tok.decode(prompt)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

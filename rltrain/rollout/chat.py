@@ -170,8 +170,19 @@ class ChatRenderer:
 
     def _turn(self, context: Messages, turn: dict[str, Any]) -> list[int]:
         """The assistant ``turn``'s ids after ``context`` and its generation prompt, through its
-        end-of-turn token: what the policy would have sampled."""
-        ids = self._extension(context, True, [turn], False)
+        end-of-turn token: what the policy would have sampled. A generation prompt may end with
+        tokens that the finished turn's rendering lacks (QwQ opens every turn with ``<think>``, and
+        a turn written without reasoning does not have it): the turn's ids then start where the two
+        renderings part, inside the generation prompt, as an episode whose policy sampled the turn
+        after that prompt holds them."""
+        before = self.render(context, add_generation_prompt=True)
+        after = self.render([*context, turn], add_generation_prompt=False)
+        start = len(before)
+        if after[:start] != before:
+            start = next(i for i, (a, b) in enumerate(zip(before, after + [None] * len(before))) if a != b)
+            if start < len(self.render(context, add_generation_prompt=False)):  # an earlier turn changed
+                raise self._rewritten(before, after, start, [turn])
+        ids = after[start:]
         return ids[: len(ids) - len(self._tail([*context, turn]))]
 
     def _difference(self, base: Messages, new: Messages) -> list[int]:
@@ -184,20 +195,23 @@ class ChatRenderer:
         after = self.render(base + new, add_generation_prompt=new_prompt)
         if after[: len(before)] != before:
             at = next(i for i, (a, b) in enumerate(zip(before, after + [None] * len(before))) if a != b)
-            raise TemplateError(
-                f"the chat template of {self.name} changes earlier turns when a "
-                f"{'/'.join(m['role'] for m in new)} message is added (first difference at token {at} "
-                f"of {len(before)}: {self.tokenizer.decode(before[at : at + 12])!r} becomes "
-                f"{self.tokenizer.decode(after[at : at + 12])!r}); training would use a context the "
-                "policy never saw. Use a template that keeps the prefix, or set env.render=last_turn"
-            )
+            raise self._rewritten(before, after, at, new)
         return after[len(before) :]
+
+    def _rewritten(self, before: list[int], after: list[int], at: int, new: Messages) -> TemplateError:
+        return TemplateError(
+            f"the chat template of {self.name} changes earlier turns when a "
+            f"{'/'.join(m['role'] for m in new)} message is added (first difference at token {at} "
+            f"of {len(before)}: {self.tokenizer.decode(before[at : at + 12])!r} becomes "
+            f"{self.tokenizer.decode(after[at : at + 12])!r}); training would use a context the "
+            "policy never saw. Use a template that keeps the prefix, or set env.render=last_turn"
+        )
 
     def conversation(self, messages: Messages) -> tuple[list[int], list[int], list[int]]:
         """A written conversation (a warm-up example) as ``(prompt ids, completion ids, mask)``:
         exactly what an episode builds, under either ``env.render``, if the policy sampled each
-        assistant turn as the template renders it after its context (the opening messages for the
-        first turn; the history, or under ``last_turn`` the stand-in user message, for later ones).
+        assistant turn as the template renders it after its context (the history, or under
+        ``last_turn`` the stand-in user message).
         Mask 1 on the assistant turns through their end-of-turn token, 0 on everything the template
         and the other roles add. Tool calls without ids get them (:func:`with_call_ids`)."""
         messages = with_call_ids(messages)
@@ -208,7 +222,10 @@ class ChatRenderer:
         ids, mask = list(prompt), [0] * len(prompt)
         j = first
         while j < len(messages):
-            context = messages[:j] if j == first or self.history == "full" else [PLACEHOLDER_USER]
+            # under last_turn every turn, the first too, is read after the stand-in user message: a
+            # template that moves the opening's system prompt or tools onto the last user message
+            # (Mistral's) rewrites the opening once a turn follows, never the turn itself
+            context = messages[:j] if self.history == "full" else [PLACEHOLDER_USER]
             sampled = self._turn(context, messages[j])
             ids, mask = ids + sampled, mask + [1] * len(sampled)
             k = j + 1

@@ -82,3 +82,23 @@ def test_the_step_line_shows_what_a_reward_is_the_sum_of(tmp_path, capsys):
         )
     # 0.5 + 0.5 * 0.2 - 0.35 = 0.25
     assert "step 1/1 reward 0.250 (math 0.500, digits 0.200, overlong -0.350)" in capsys.readouterr().out
+
+
+def test_the_step_line_says_when_most_episodes_failed_and_the_most_common_reason(tmp_path, capsys):
+    from rltrain.config import load_config
+    from rltrain.rollout.rewards import Calls
+    from rltrain.run.user_code import UserCodeFailures
+
+    failures = UserCodeFailures(tmp_path, max_failed_steps=None)
+    # 16 episodes of an agent: 11 raised, 2 more ended in a chat template error -> 13 of 16
+    agent = Calls(16, 11, "Traceback (most recent call last):\n  ...\nValueError: the agent's own bug")
+    template = Calls(16, 2, "the chat template raised")
+    failures.check(1, {"agent": agent, "chat template": template})
+    assert failures.note == "13 of 16 episodes failed, most often the agent: ValueError: the agent's own bug"
+    with Tracker(tmp_path, load_config(None, ["run.steps=2"]), 0) as tracker:
+        tracker.log(1, {"reward/mean": 0.0}, note=failures.note)
+        failures.check(2, {"agent": Calls(16, 8, "x")})  # half is not most
+        tracker.log(2, {"reward/mean": 0.5}, note=failures.note)
+    out = capsys.readouterr().out
+    assert "step 1/2 reward 0.000 (13 of 16 episodes failed, most often the agent: ValueError" in out
+    assert "step 2/2 reward 0.500\n" in out and failures.note == ""

@@ -106,7 +106,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             scored.metrics.update(user_code.check(step, scored.calls))  # its failures shown and bounded
             generate_s = time.perf_counter() - t0
             if not scored.completions:
-                skip(run, tracker, step, scored.metrics)
+                skip(run, tracker, step, scored.metrics, user_code.note)
                 continue
             if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
                 write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
@@ -131,7 +131,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
             times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
                      "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
-            tracker.log(step, step_row(scored, metrics, times, len(batch)))
+            tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
             check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 if saved(config, run.out, step, partial(save_checkpoint, run, config, step, interrupt)):
@@ -272,12 +272,12 @@ def export_final(run: Run, config: Config, step: int) -> None:
         saved(config, run.out, step, partial(checkpoint.export_hf, run.critic, run.out / "final_critic"))
 
 
-def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float]) -> None:
+def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float], note: str = "") -> None:
     """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
     the learners' weights still, now as policy version ``step``, so what they sample next is not
     counted a version old (and dropped as stale)."""
     run.weight_sync.push(run.learners, run.generators, step)
-    tracker.log(step, {**metrics, "train/skipped": 1.0})
+    tracker.log(step, {**metrics, "train/skipped": 1.0}, note=note)
 
 
 def saved(

@@ -51,8 +51,9 @@ class Tracker:
         self.bar = tqdm(total=config.run.steps, initial=start_step, desc="training", unit="step",
                         dynamic_ncols=True, disable=None)  # fmt: skip
 
-    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
-        """One row for ``step``; ``advance=False`` for a row that is not a training step (step 0)."""
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True, note: str = "") -> None:
+        """One row for ``step``; ``advance=False`` for a row that is not a training step (step 0);
+        ``note``: a word the step line ends with (most episodes failed, and why)."""
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         for key, value in metrics.items():
@@ -71,6 +72,8 @@ class Tracker:
             parts.append(f"user-code failures {failed:.0f}")
         if score := held_out_score(metrics):
             parts.append(f"held-out {metrics[score]:.0%} (tool {metrics['eval/tool_call_rate']:.0%})")
+        if note:
+            parts.append(f"({note})")
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))
         self.bar.update(int(advance))
 

@@ -39,12 +39,14 @@ class UserCodeFailures:
         self.folder, self.max_failed_steps = out / "errors", max_failed_steps
         self.saved: dict[str, Path] = {}  # kind -> its first traceback's file
         self.streak: Counter[str] = Counter()  # kind -> steps in a row in which every call failed
+        self.note = ""  # the last step's word on its episodes, where most of them failed
 
     def check(self, step: int, calls: dict[str, Calls]) -> dict[str, float]:
         """The step's ``failures/<kind>`` metrics; a kind's first failure is shown and kept; raises
         :class:`UserCodeFailed` once a reward function or environment method has failed every call
         for ``max_failed_steps`` steps in a row."""
         metrics = {}
+        self.note = most_episodes_failed(calls)
         for kind, c in calls.items():
             if c.failed:
                 metrics[f"failures/{slug(kind)}"] = float(c.failed)
@@ -73,6 +75,22 @@ class UserCodeFailures:
             where = f"its traceback could not be written: {e.strerror}"
         print(f"rltrain: step {step}: the {kind} failed ({c.failed} of {c.called} calls): "
               f"{last_line(c.first_error)} ({where})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+# the kinds whose calls are a step's episodes: a failure there ends an episode
+EPISODE_KINDS = (AGENT, "environment reset", "environment step", TEMPLATE)
+
+
+def most_episodes_failed(calls: dict[str, Calls]) -> str:
+    """Where most of a step's episodes ended in a failure of the user's code (an agent, an
+    environment, a chat template): how many, and the most common kind with its message; else ''."""
+    episodes = max((calls[k].called for k in EPISODE_KINDS if k in calls), default=0)
+    failed = {k: calls[k] for k in EPISODE_KINDS if k in calls and calls[k].failed}
+    total = sum(c.failed for c in failed.values())
+    if not episodes or total * 2 <= episodes:
+        return ""
+    kind, c = max(failed.items(), key=lambda item: item[1].failed)
+    return f"{min(total, episodes)} of {episodes} episodes failed, most often the {kind}: {last_line(c.first_error)}"
 
 
 def last_line(text: str | None) -> str:

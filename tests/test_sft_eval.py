@@ -264,6 +264,20 @@ def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
     assert _settings(plain, "m") == _settings(Config(), "m")
 
 
+def test_every_learner_and_loss_setting_that_shapes_the_warm_start_is_in_its_cache_key():
+    from rltrain.config import Config, load_config
+    from rltrain.run.warm_start import _settings
+
+    base = _settings(Config(), "m")
+    for override in ["learner.optimizer=sgd", "learner.betas=[0.9, 0.95]", "learner.max_grad_norm=0.5",
+                     "learner.precision=bf16", "learner.weight_decay=0.1", "loss.masked_mean_denominator=null",
+                     "learner.micro_batch_size=2"]:  # fmt: skip
+        assert _settings(load_config(None, [override]), "m") != base, override  # another model: not reused
+    # what Ray reserves changes nothing that is trained: the cached model is reused
+    for override in ["learner.cpus_per_learner=1", "learner.placement=SPREAD"]:
+        assert _settings(load_config(None, [override]), "m") == base, override
+
+
 def test_the_warm_starts_learning_rate_schedule_reaches_its_learners_and_its_cache_key():
     from rltrain.config import Config
     from rltrain.learner.sft import SFTLearner

@@ -97,17 +97,23 @@ def _batch(chosen: list[Encoded], pad_id: int) -> TrainBatch:
 
 def _settings(config: Config, model_path: str) -> str:
     """What the warmed-up model depends on: the warm-up section (and a file's contents), the start
-    model, data, seed, how the loss is aggregated (the warm-up's loss follows `loss.aggregation`)
-    and, with LoRA, the adapters it trains."""
+    model, data, seed, the learners' resolved section (optimizer, betas, clipping, precision,
+    layout: everything but the resources Ray reserves), how the loss is aggregated and normalized
+    (the warm-up's loss follows `loss.aggregation` and `masked_mean_denominator`) and, with LoRA,
+    the adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
-    aggregation = [loss.aggregation, loss.masked_mean_axis, norm]
+    aggregation = [loss.aggregation, loss.masked_mean_axis, norm, loss.masked_mean_denominator]
+    learners = SFTLearner.section(config).model_dump(
+        exclude={"cpus_per_learner", "gpus_per_learner", "placement"}
+    )
     parts = [
         config.sft_warmup.model_dump(exclude={"lora"}),
         model_path,
         config.data.model_dump(),
         config.run.seed,
         aggregation,
+        learners,
     ]
     if config.sft_warmup.source == SFT_FROM_ENV:
         parts.append(config.env.model_dump())

@@ -1,6 +1,9 @@
 # Every target installs the stack into .venv on first use (scripts/setup_env.sh; a no-op afterwards).
 PY := .venv/bin/python
 CONFIG ?= configs/cpu_demo.yaml
+# pytest-xdist workers for `make test`: the suite's processes leave about a third of two cores idle
+# (start-up, imports, waits); a second worker fills it
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint format bench
 
@@ -10,8 +13,8 @@ setup:
 demo: setup            ## the main job: a small GRPO run on CPU with a built-in tiny model
 	$(PY) -m rltrain.train --config $(CONFIG)
 
-test: setup            ## the whole CPU suite, slow end-to-end tests included (what CI runs)
-	$(PY) -m pytest
+test: setup            ## the whole CPU suite, slow end-to-end tests included (what CI runs), on two workers
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: setup       ## unit and invariance tests only (seconds)
 	$(PY) -m pytest -m "not slow and not gpu"

@@ -11,12 +11,20 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first: under ``make test`` (two pytest-xdist workers) both workers start on the
+    long end-to-end tests, and the quick ones fill in at the end (the order is the same in every
+    worker, as xdist requires)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):
     """One local Ray instance for every test that needs actors (4 logical CPUs on 2 cores)."""
     import ray
 
     ray.init(
+        address="local",  # a new instance for this session (each pytest-xdist worker has its own)
         num_cpus=4,
         include_dashboard=False,
         object_store_memory=200 * 2**20,

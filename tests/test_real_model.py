@@ -18,7 +18,8 @@ from rltrain.run.diagnostics import (
     updates_after_one_step,
 )
 
-pytestmark = pytest.mark.slow
+# (one xdist worker runs the module: its fixtures are built once)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_model")]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -55,3 +55,11 @@ def raises_unless_right(completion, answer):
 def trl_reward_needs_level(prompts, completions, *, level, **kwargs):
     # names a column (level) the built-in data does not have
     return [float(level[i]) for i in range(len(completions))]
+
+
+def string_reward(completion, answer):
+    return "1.0"  # a number's text, not a number
+
+
+def bool_reward(completion, answer):
+    return completion == answer

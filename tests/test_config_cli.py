@@ -375,6 +375,11 @@ def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path
 
 # the user's code, called once before any actor starts (tests/reward_fns.py, tests/envs_for_tests.py)
 USER_CODE = {
+    "a reward function that returns a number's text": (
+        ["reward.functions={reward_fns:string_reward: 1.0}"],
+        "reward.functions: reward_fns:string_reward, called as fn(completion, answer) on the first data row "
+        "with its answer as the completion, raised TypeError: returned '1.0' (str), not a number",
+    ),
     "a reward function that raises": (
         ["reward.functions={reward_fns:divide_by_zero_reward: 1.0}"],
         "reward.functions: reward_fns:divide_by_zero_reward, called as fn(completion, answer) on the first "

@@ -34,6 +34,24 @@ def test_user_reward_function_and_failures_score_zero_and_are_counted():
     assert scores.failures == 4
 
 
+def test_a_reward_that_is_no_number_is_a_failure_and_a_bool_is_a_number():
+    import numpy as np
+
+    from rltrain.rollout.rewards import score_value
+
+    functions = {f"{FNS}:string_reward": 1.0, f"{FNS}:bool_reward": 1.0}
+    with RewardScorer(functions, timeout_s=5) as scorer:
+        scores = scorer(["12", "13"], ["12", "12"])
+    # "1.0" fails both calls (it scored 1.0 before); the bool scores 1 and 0
+    assert scores.rewards == [1.0, 0.0] and scores.failures == 2
+    assert "returned '1.0' (str), not a number" in scores.calls[f"{FNS}:string_reward"].first_error
+    assert [score_value(v) for v in (np.float32(0.5), np.int64(2), True, None, float("nan"))] == [
+        0.5, 2.0, 1.0, None, None]  # fmt: skip
+    for wrong in ("1.0", [1.0], {"score": 1}):
+        with pytest.raises(TypeError, match="not a number"):
+            score_value(wrong)
+
+
 def workers() -> list[psutil.Process]:
     """The scorer's worker processes: spawned children of this process (not multiprocessing's
     resource tracker, which lives as long as we do, nor a Ray instance another test started)."""

@@ -31,6 +31,7 @@ import functools
 import inspect
 import logging
 import multiprocessing
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,10 +132,20 @@ def _preload(specs: list[str]) -> None:
         _cached_fn(spec)
 
 
-def _call(spec: str, completion: str, answer: str) -> float | None:
-    """One reward call, in a worker process: a float, or None for NaN."""
-    value = float(_cached_fn(spec)(completion, answer))
+def score_value(value: Any) -> float | None:
+    """A reward function's return value as a score: a real number (a bool, numpy's too) as a float,
+    None or NaN as None (no score); anything else, a string "1.0" among them, raises TypeError."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {value!r} ({type(value).__name__}), not a number")
+    value = float(value)
     return value if value == value else None
+
+
+def _call(spec: str, completion: str, answer: str) -> float | None:
+    """One reward call, in a worker process: a float, or None for None or NaN."""
+    return score_value(_cached_fn(spec)(completion, answer))
 
 
 def _call_batch(spec: str, columns: dict[str, list]) -> list[float | None]:
@@ -142,7 +153,7 @@ def _call_batch(spec: str, columns: dict[str, list]) -> list[float | None]:
     values = list(_cached_fn(spec)(**columns))
     if len(values) != len(columns["completions"]):
         raise ValueError(f"returned {len(values)} scores for {len(columns['completions'])} completions")
-    return [None if v is None or float(v) != float(v) else float(v) for v in values]
+    return [score_value(v) for v in values]
 
 
 @dataclass

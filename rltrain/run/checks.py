@@ -25,7 +25,7 @@ from rltrain.data import (
 )
 from rltrain.pretrained import model_folder
 from rltrain.rollout.parsers import BUILT_IN, get_parser, registered_parsers
-from rltrain.rollout.rewards import GIVEN, load_reward_fn, takes_batches
+from rltrain.rollout.rewards import GIVEN, load_reward_fn, score_value, takes_batches
 from rltrain.run import checkpoint
 
 
@@ -170,9 +170,10 @@ def check_reward_functions(config: Config, row: dict) -> None:
             call, form = partial(fn, answer, answer), "fn(completion, answer)"
         try:
             value = with_deadline(config.reward.timeout_s, call)
-            number = [float(v) for v in value][0] if takes_batches(fn) else float(value)
             if len(value if takes_batches(fn) else [value]) != 1:
                 raise ValueError(f"returned {len(value)} scores for 1 completion")
+            number = score_value(list(value)[0] if takes_batches(fn) else value)
+            number = float("nan") if number is None else number
         except Exception as e:
             raise ValueError(
                 f"reward.functions: {spec}, called as {form} on the first data row with its answer as the "
@@ -180,7 +181,8 @@ def check_reward_functions(config: Config, row: dict) -> None:
             ) from None
         if number != number:
             raise ValueError(
-                f"reward.functions: {spec} returned NaN on the first data row with its answer as the completion"
+                f"reward.functions: {spec} returned no score (None or NaN) on the first data row with its "
+                "answer as the completion"
             )
 
 

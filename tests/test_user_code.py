@@ -102,3 +102,20 @@ def test_the_step_line_says_when_most_episodes_failed_and_the_most_common_reason
     out = capsys.readouterr().out
     assert "step 1/2 reward 0.000 (13 of 16 episodes failed, most often the agent: ValueError" in out
     assert "step 2/2 reward 0.500\n" in out and failures.note == ""
+
+
+def test_steps_without_reward_variance_are_said_to_teach_nothing_once(tmp_path, capsys):
+    from rltrain.config import load_config
+
+    flat, varied = (
+        {"reward/mean": 0.0, "rollout/zero_variance_groups": 1.0},
+        {"rollout/zero_variance_groups": 0.5},
+    )
+    with Tracker(tmp_path, load_config(None, ["run.steps=8"]), 0) as tracker:
+        for step, row in enumerate([flat, flat, varied, flat, flat, flat, flat, flat], start=1):
+            tracker.log(step, row)
+    out = capsys.readouterr().out
+    # steps 1-2 flat, then a step with variance resets the count; steps 4-6 make three in a row
+    assert out.count("nothing is learned") == 1
+    assert "rltrain: step 6: every group of the last 3 steps scored the same" in out
+    assert "algorithm.group_size" in out

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from rltrain.config import Config
 
+FLAT_STEPS = 3  # steps in a row without reward variance before the run says nothing is learned
 SUMMARY = [
     ("reward", "reward/mean", "{:.3f}"),
     ("loss", "train/pg_loss", "{:+.4f}"),
@@ -47,6 +48,7 @@ class Tracker:
                 dir=str(out_dir),
                 resume="allow",
             )
+        self.flat_steps = 0  # steps in a row in which every group scored the same
         # a bar on a terminal; in a log file (CI, `ray job submit`) the per-step lines alone
         self.bar = tqdm(total=config.run.steps, initial=start_step, desc="training", unit="step",
                         dynamic_ncols=True, disable=None)  # fmt: skip
@@ -75,7 +77,23 @@ class Tracker:
         if note:
             parts.append(f"({note})")
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))
+        self._say_if_nothing_is_learned(step, metrics)
         self.bar.update(int(advance))
+
+    def _say_if_nothing_is_learned(self, step: int, metrics: dict[str, float]) -> None:
+        """Once ``FLAT_STEPS`` steps in a row had no group whose rewards differ, say so: GRPO's
+        advantages are then all zero, and the policy does not move."""
+        flat = metrics.get("rollout/zero_variance_groups")
+        if flat is None:
+            return
+        self.flat_steps = self.flat_steps + 1 if flat == 1.0 else 0
+        if self.flat_steps == FLAT_STEPS:
+            self.bar.write(
+                f"rltrain: step {step}: every group of the last {FLAT_STEPS} steps scored the same "
+                "(rollout/zero_variance_groups = 1): with no reward variance within a group, every "
+                "advantage is 0 and nothing is learned; try a reward with partial credit, a larger "
+                "algorithm.group_size, a higher rollout.temperature, or a warm start (sft_warmup.steps)"
+            )
 
     def close(self) -> None:
         """Flush and close every writer (the TensorBoard writer's thread included): nothing writes

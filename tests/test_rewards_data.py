@@ -52,6 +52,26 @@ def test_a_reward_that_is_no_number_is_a_failure_and_a_bool_is_a_number():
             score_value(wrong)
 
 
+def test_a_reward_function_named_by_its_file_is_logged_by_its_name_not_its_path(tmp_path):
+    from rltrain.rollout.rewards import reward_name
+    from rltrain.run.scoring import user_code_calls
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "myreward.py").write_text("def reverse_reward(c, a):\n    raise ValueError(c)\n")
+    spec = f"{tmp_path}/sub/myreward.py:reverse_reward"
+    with RewardScorer({spec: 1.0, "math": 1.0}, timeout_s=5) as scorer:
+        scores = scorer(["12"], ["12"])
+    assert set(scores.per_function) == {"myreward:reverse_reward", "math"}  # reward/myreward:reverse_reward
+    assert set(user_code_calls([], scores.calls)) == {
+        "reward function myreward:reverse_reward",
+        "reward function math",
+    }
+    assert (
+        reward_name("reward_fns:parity_reward") == "reward_fns:parity_reward"
+        and reward_name("math") == "math"
+    )
+
+
 def workers() -> list[psutil.Process]:
     """The scorer's worker processes: spawned children of this process (not multiprocessing's
     resource tracker, which lives as long as we do, nor a Ray instance another test started)."""

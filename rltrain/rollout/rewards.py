@@ -35,6 +35,7 @@ import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pebble import ProcessPool
@@ -130,6 +131,15 @@ def _preload(specs: list[str]) -> None:
     """Worker start-up: import every function before taking calls (imports do not eat deadlines)."""
     for spec in specs:
         _cached_fn(spec)
+
+
+def reward_name(spec: str) -> str:
+    """A reward function's name in metrics, logs and rollouts on disk: its spec, but for a
+    ``path/to/file.py:function`` the file's stem in place of its path (``file:function``)."""
+    module, sep, attr = spec.rpartition(":")
+    if sep and module.endswith(".py"):
+        return f"{Path(module).stem}:{attr}"
+    return spec
 
 
 def score_value(value: Any) -> float | None:
@@ -232,16 +242,17 @@ class RewardScorer:
         totals = [0.0] * len(completions)
         per_function, per_sample, calls, failures = {}, {}, {}, 0
         for spec, weight in self.functions.items():
+            name = reward_name(spec)
             if spec in GIVEN:
                 values = given.get(spec, [None] * len(completions))
             else:
-                values, calls[spec] = self._scores(spec, completions, answers, columns)
+                values, calls[name] = self._scores(spec, completions, answers, columns)
             if spec != ENV:
                 failures += sum(v is None for v in values)
             scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
-            per_function[spec] = sum(scores) / max(len(scores), 1)
-            per_sample[spec] = scores
+            per_function[name] = sum(scores) / max(len(scores), 1)
+            per_sample[name] = scores
         return Scores(totals, per_function, failures, per_sample, calls)
 
     def close(self) -> None:

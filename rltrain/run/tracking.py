@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rltrain.config import Config
+from rltrain.rollout.rewards import reward_name
 
 FLAT_STEPS = 3  # steps in a row without reward variance before the run says nothing is learned
 SUMMARY = [
@@ -30,7 +31,7 @@ class Tracker:
         self.out_dir, self.total = out_dir, config.run.steps
         # what a step's reward is the sum of: each weighted function and the overlong penalty
         penalty = ["overlong"] if config.algorithm.overlong == "soft_penalty" else []
-        self.components = [*config.reward.functions, *penalty]
+        self.components = [*map(reward_name, config.reward.functions), *penalty]
         # a resumed run re-runs the steps after its checkpoint: their old rows go, in every log
         # (a fresh run logs its own step 0, the evaluation before training: an earlier run's goes too)
         truncate_metrics(out_dir / "metrics.jsonl", start_step if start_step else -1)

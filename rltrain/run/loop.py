@@ -120,18 +120,19 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 batch, metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
                 metrics["distill/teacher_failures"] = 0.0
             trained = step
-            metrics |= update(run, config, step, batch, scored.rewards)
-            sync_s = push(run, step, batch, metrics, check=sync_unchecked)
-            sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
-            step_s = time.perf_counter() - t0
-            busy_now = generators.busy_seconds()
-            engines_busy_s, busy_s = busy_now - busy_s, busy_now
-            last = step in (config.run.steps, config.run.stop_after)
-            if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
-                metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
-            times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
-                     "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
-            tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
+            with interrupt.deferred():  # an update issued: its step is logged before a Ctrl-C saves it
+                metrics |= update(run, config, step, batch, scored.rewards)
+                sync_s = push(run, step, batch, metrics, check=sync_unchecked)
+                sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
+                step_s = time.perf_counter() - t0
+                busy_now = generators.busy_seconds()
+                engines_busy_s, busy_s = busy_now - busy_s, busy_now
+                last = step in (config.run.steps, config.run.stop_after)
+                if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
+                    metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
+                times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
+                         "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
+                tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
             check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 if saved(config, run.out, step, partial(save_checkpoint, run, config, step, interrupt)):
@@ -196,26 +197,33 @@ class CtrlC:
     """Ctrl-C, always honoured. Its handler raises KeyboardInterrupt and records it; the loop checks
     the record at every step's end, so an interrupt whose exception a library swallowed (Python
     drops one raised inside a finalizer or a callback) still stops the run. While a checkpoint is
-    written (:meth:`deferred`) a Ctrl-C is recorded only, and so is a second one (the interrupted
-    step's save is under way): the save completes, then the run stops. A third stops at once."""
+    written, or a step whose update was issued finishes and is logged (:meth:`deferred`), a Ctrl-C
+    is recorded only, and so is a second one: the save or the step completes, then the run stops
+    (so every step a checkpoint holds has its row in metrics.jsonl). A third stops at once."""
 
     def __init__(self):
-        self.count, self.saving = 0, False
+        self.count, self.deferring = 0, False
         main = threading.current_thread() is threading.main_thread()
         self.previous = signal.signal(signal.SIGINT, self._on_sigint) if main else None
 
     def _on_sigint(self, signum, frame) -> None:
         self.count += 1
-        if self.count >= 3 or (self.count == 1 and not self.saving):
+        if self.count >= 3 or (self.count == 1 and not self.deferring):
             raise KeyboardInterrupt
+        if self.count == 1:
+            print("rltrain: interrupted; what is under way finishes first (a third Ctrl-C stops at once)",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     @contextlib.contextmanager
     def deferred(self):
-        self.saving = True
+        """A Ctrl-C inside waits for the block's end (then :meth:`check` raises it); nested blocks
+        (a save within a step) keep deferring until the outermost ends."""
+        outer = self.deferring
+        self.deferring = True
         try:
             yield
         finally:
-            self.saving = False
+            self.deferring = outer
 
     def check(self) -> None:
         if self.count:

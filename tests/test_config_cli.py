@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -606,3 +607,31 @@ def test_lora_takes_in_flight_updates_and_refuses_sequence_parallelism_in_one_li
     assert load_config(None, ["model.lora.rank=8", "rollout.inflight_updates=true"]).model.lora.rank == 8
     with pytest.raises(ConfigError, match=r"^model.lora.rank=8 with learner.sequence_parallel_size=2 is not"):
         load_config(None, ["model.lora.rank=8", "learner.sequence_parallel_size=2", "learner.num_learners=2"])
+
+
+def test_a_relative_output_dir_under_a_ray_job_stops_in_one_line_and_an_absolute_one_is_kept(
+    tmp_path, monkeypatch, capsys
+):
+    import json
+
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.chdir(tmp_path)  # as Ray's copy of --working-dir
+    # what `ray job submit --working-dir .` hands the entrypoint
+    job = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml")
+    fails_with_one_line(
+        ["--config", config, "run.output_dir=runs/cpu_demo"],
+        f"run.output_dir=runs/cpu_demo is relative, and this run is a Ray job whose working directory is "
+        f"Ray's temporary copy of --working-dir ({tmp_path})",
+        capsys,
+    )
+    from rltrain.config import load_config
+    from rltrain.run.checks import _output_folder
+
+    out = _output_folder(load_config(None, [f"run.output_dir={tmp_path}/abs"]))
+    assert out == tmp_path / "abs" and out.is_dir()
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # not a job: a relative folder is the user's own
+    assert _output_folder(load_config(None, ["run.output_dir=rel"])) == tmp_path / "rel"  # absolute

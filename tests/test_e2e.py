@@ -508,6 +508,9 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
             time.sleep(2)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "succeeded" in done.stdout
+        # the outputs are where the job's last line says: the absolute path it was given
+        said = re.search(r"rltrain: done; outputs in (\S+)/: ", done.stdout)
+        assert said and Path(said.group(1)) == out, done.stdout[-3000:]
         assert (out / "final_model" / "config.json").exists()
     finally:
         os.killpg(head.pid, signal.SIGTERM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -305,8 +306,21 @@ def _check_tools(config: Config) -> None:
             )
 
 
+# set by `ray job submit` for the job's entrypoint: its runtime_env (the --working-dir Ray copied)
+RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
 def _output_folder(config: Config) -> Path:
+    """The run's folder, written to once to check it, as an absolute path (the last line prints it)."""
     out = Path(config.run.output_dir).expanduser()
+    if not out.is_absolute() and (job_dir := _job_working_dir()) is not None:
+        # the entrypoint runs in Ray's temporary copy of --working-dir, which goes with the job
+        # (the folder the job was submitted from is not known here)
+        raise ConfigError(
+            f"run.output_dir={config.run.output_dir} is relative, and this run is a Ray job whose working "
+            f"directory is Ray's temporary copy of --working-dir ({job_dir}), where outputs would be lost; "
+            "give an absolute path on the cluster, e.g. run.output_dir=$PWD/" + str(config.run.output_dir)
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.output_dir: {str(out)!r} is a file, expected a folder (or a new path)")
     try:
@@ -315,7 +329,17 @@ def _output_folder(config: Config) -> Path:
         (out / ".write_test").unlink()
     except OSError as e:
         raise ConfigError(f"run.output_dir: cannot write to {str(out)!r} ({e.strerror})") from None
-    return out
+    return out.resolve()
+
+
+def _job_working_dir() -> str | None:
+    """The working directory of a ``ray job submit`` entrypoint given ``--working-dir`` (Ray's copy
+    of it), or None when this run is no such job."""
+    try:
+        runtime_env = json.loads(os.environ.get(RAY_JOB_CONFIG, "{}")).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    return os.getcwd() if runtime_env.get("working_dir") else None
 
 
 def _model_config(config: Config, key: str, model_path: str):

@@ -35,6 +35,31 @@ class ActorFailure(RuntimeError):
         self.stacks: Path | None = None  # where every actor's stacks were written (a time-out)
 
 
+class StartupTimeout(RuntimeError):
+    """Ray could not place a group of actors within ``run.startup_timeout_s``; says what was asked
+    and what the cluster has."""
+
+
+def wait_placed(group, what: str, bundles: list[dict], strategy: str, timeout_s: float) -> None:
+    """Wait for the placement group ``group`` (``bundles`` under ``strategy``) for ``what``; past
+    ``timeout_s`` raise :class:`StartupTimeout` (the caller removes the group)."""
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        per_node = "; ".join(_resources(n) for n in nodes)
+        raise StartupTimeout(
+            f"{what}: Ray could not place {len(bundles)} x {_resources(bundles[0])} ({strategy}) within "
+            f"run.startup_timeout_s={timeout_s:g}s; the cluster has {len(nodes)} node(s) ({per_node}), "
+            f"free now: {_resources(ray.available_resources())}"
+        ) from None
+
+
+def _resources(resources: dict) -> str:
+    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU") and v}
+    return ", ".join(f"{v:g} {k}" for k, v in shown.items()) or "nothing"
+
+
 def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float | None = None) -> list[Any]:
     """The results of ``refs`` (one call on the actor ``names[i]`` each), in order."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

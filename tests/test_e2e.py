@@ -405,6 +405,33 @@ def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_train
     assert rows[2]["rollout/stale_dropped"] == sequences and rows[2]["train/skipped"] == 1
 
 
+def test_bundles_no_node_can_place_stop_the_run_in_one_line_within_the_startup_timeout(ray_local, tmp_path):
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from rltrain.config import load_config
+    from rltrain.run.loop import RunFailed, train
+
+    # two learners on two different nodes (STRICT_SPREAD) of a one-node cluster: the CPUs suffice in
+    # all, but no placement ever exists (it waited forever)
+    overrides = [*SMALL, HF, f"run.output_dir={tmp_path}", "run.steps=1", "learner.placement=STRICT_SPREAD",
+                 "run.startup_timeout_s=3"]  # fmt: skip
+    before = ray.available_resources().get("CPU")
+    with pytest.raises(RunFailed) as stopped:
+        train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith(
+        "the policy learners: Ray could not place 2 x 0.5 CPU (STRICT_SPREAD) within run.startup_timeout_s=3s; "
+        "the cluster has 1 node(s) (4 CPU), free now: "
+    ), message
+    # nothing of the run is left: its generator and its placement group are gone
+    assert all(group["state"] == "REMOVED" for group in placement_group_table().values())
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == before
+
+
 def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, tmp_path, monkeypatch):
     from rltrain.config import load_config
     from rltrain.run.loop import train

@@ -362,6 +362,10 @@ class RunConfig(Section):
     """When an actor dies or stops answering, tear every actor down, start fresh ones and resume
     from the newest checkpoint, up to this many times per run; past it the run stops with the
     resume command."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long the run waits for Ray to place a group of actors (its bundles of CPUs and GPUs);
+    past it the run stops with one line naming what was asked and what the cluster has (resources
+    another job holds, or bundles no node can hold though the total would)."""
     actor_timeout_s: float = Field(1800.0, gt=0)
     """An actor call of a training step (generate, train, sync, save) that takes longer counts as
     a failure of that actor; the Python stacks of every actor are written to

@@ -16,7 +16,7 @@ from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_p
 from rltrain.config import Config
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
-from rltrain.remote import gather
+from rltrain.remote import gather, wait_placed
 
 
 class LearnerGroup:
@@ -36,19 +36,26 @@ class LearnerGroup:
         self.names = [f"{learner_cls.ROLE} {i}" for i in range(lc.num_learners)]
         self.timeout_s = config.run.actor_timeout_s
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
-        self.placement_group = placement_group([bundle] * lc.num_learners, strategy=lc.placement)
-        ray.get(self.placement_group.ready())
-        actor_cls = ray.remote(learner_cls)
-        self.actors = [
-            actor_cls.options(
-                num_cpus=lc.cpus_per_learner,
-                num_gpus=lc.gpus_per_learner,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
-            ).remote(config, model_path, i, lc.num_learners)
-            for i in range(lc.num_learners)
-        ]
-        addr, port = gather([self.actors[0].node_address.remote()], self.names[:1])[0]
-        gather([a.setup.remote(addr, port, total_optimizer_steps) for a in self.actors], self.names)
+        bundles = [bundle] * lc.num_learners
+        self.placement_group = placement_group(bundles, strategy=lc.placement)
+        self.actors: list[Any] = []
+        try:  # what started is stopped again if the rest does not
+            wait_placed(self.placement_group, f"the {learner_cls.ROLE}s", bundles, lc.placement,
+                        config.run.startup_timeout_s)  # fmt: skip
+            actor_cls = ray.remote(learner_cls)
+            self.actors = [
+                actor_cls.options(
+                    num_cpus=lc.cpus_per_learner,
+                    num_gpus=lc.gpus_per_learner,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i),
+                ).remote(config, model_path, i, lc.num_learners)
+                for i in range(lc.num_learners)
+            ]
+            addr, port = gather([self.actors[0].node_address.remote()], self.names[:1])[0]
+            gather([a.setup.remote(addr, port, total_optimizer_steps) for a in self.actors], self.names)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])

@@ -52,7 +52,7 @@ def write_stacks(run: Run, step: int) -> Path | None:
 def train(config: Config, inputs: Inputs | None = None) -> Path:
     """Run the training loop; when an actor dies or stops answering, start every actor afresh from
     the newest checkpoint (up to ``run.max_restarts`` times) and go on."""
-    from rltrain.remote import ActorFailure
+    from rltrain.remote import ActorFailure, StartupTimeout
 
     inputs = inputs or preflight(config)
     before = checkpoint.latest_marker(inputs.out)
@@ -67,6 +67,8 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
                     raise RunFailed(str(e)) from None
                 return train_once(config, dataclasses.replace(inputs, model_path=warm))
             return train_once(config, inputs)
+        except StartupTimeout as e:  # nothing to restart: the cluster cannot hold the run as asked
+            raise RunFailed(str(e)) from None
         except ActorFailure as failure:
             tag = checkpoint.latest_tag(inputs.out)
             # a restart resumes what this run saved or resumed from, never an older run's checkpoint
@@ -88,18 +90,22 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
     from rltrain.run.tracking import Tracker, write_rollouts
 
-    run = start_run(config, inputs)
+    run = start_run(config, inputs)  # (every actor it starts is shut down on any way out below)
     generators, orchestrator = run.generators, run.orchestrator
-    tracker = Tracker(run.out, config, run.start_step)
     env = config.episodic  # episodes of an environment or an agent
-    if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
-        tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
     sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
-    busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
     user_code = UserCodeFailures(run.out, config.run.max_user_failure_steps)
+    try:
+        tracker = Tracker(run.out, config, run.start_step)
+    except BaseException:
+        run.shutdown()
+        raise
     interrupt = CtrlC()
     try:
+        if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
+            tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
+        busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
             scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled

@@ -97,26 +97,25 @@ class Tracker:
             )
 
     def close(self) -> None:
-        """Flush and close every writer (the TensorBoard writer's thread included): nothing writes
-        into the run's folder after this."""
+        """Flush and close every writer (the TensorBoard writer's thread included), then draw
+        ``curves.png`` and print the held-out table: nothing writes into the run's folder after
+        this."""
         self.bar.close()
         self.jsonl.close()
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+        table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"))
+        if table:
+            print(table, flush=True)
 
     def __enter__(self) -> Tracker:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
-        table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"))
-        if table:
-            print(table, flush=True)
 
 
 def write_rollouts(path: Path, scored) -> None:

@@ -24,8 +24,7 @@ from rltrain.rollout.chat import ChatRenderer
 from rltrain.run.diagnostics import layout_config, relative_difference, update_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
 
-# (one xdist worker runs the module: its fixtures are built once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_e2e")]
+pytestmark = pytest.mark.slow
 ENV = {"env": {"name": "builtin:guess", "max_turns": 3}, "data": {"source": "builtin:guess", "max_prompt_tokens": 64},
        "rollout": {"max_new_tokens": 120}, "reward": {"functions": {"env": 1.0}}}  # fmt: skip
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from test_e2e import TESTS_ON_PATH, final_weights, logged_rows, run_trainer, stopped_after_step_2
+from test_e2e import TESTS_ON_PATH, final_weights, logged_rows, run_trainer
+from test_resume import stopped_after_step_2
 from transformers import AutoModelForCausalLM
 
 from rltrain.config import Config

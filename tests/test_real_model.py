@@ -18,8 +18,7 @@ from rltrain.run.diagnostics import (
     updates_after_one_step,
 )
 
-# (one xdist worker runs the module: its fixtures are built once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_model")]
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 

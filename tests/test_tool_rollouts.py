@@ -16,8 +16,7 @@ from rltrain.data import arithmetic_rows, tokenize_prompts
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor, VLLMBackend
 
-# (one xdist worker runs the module: its fixtures are built once)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tool_model")]
+pytestmark = pytest.mark.slow
 CALL, RESULT, ANSWER = "<tool:calculator>6*7</tool>", "<result>42</result>", "The answer is 42.<|im_end|>"
 
 

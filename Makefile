@@ -2,7 +2,8 @@
 PY := .venv/bin/python
 CONFIG ?= configs/cpu_demo.yaml
 # pytest-xdist workers for `make test`: the suite's processes leave about a third of two cores idle
-# (start-up, imports, waits); a second worker fills it. Whole modules go to a worker (loadfile)
+# (start-up, imports, waits); a second worker fills it. Whole modules go to a worker (loadfile),
+# in the order tests/conftest.py collects them (the longest first)
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint format bench
@@ -14,7 +15,7 @@ demo: setup            ## the main job: a small GRPO run on CPU with a built-in 
 	$(PY) -m rltrain.train --config $(CONFIG)
 
 test: setup            ## the whole CPU suite, slow end-to-end tests included (what CI runs), on two workers
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup       ## unit and invariance tests only (seconds)
 	$(PY) -m pytest -m "not slow and not gpu"

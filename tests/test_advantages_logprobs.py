@@ -167,3 +167,30 @@ def test_the_kept_set_is_vllms():
         )
         mine = truncation_keep(z, theirs.argmax(-1), Truncation(top_k=k or 0, top_p=p or 1.0))
         assert torch.equal(mine, theirs > float("-inf")), (k, p)
+
+
+def test_invalid_samples_leave_their_groups_statistics_and_get_no_advantage():
+    from rltrain.loss.advantages import grpo_advantages, rloo_advantages, zero_variance_groups
+
+    # one group of 4, the third sample's reward could not be computed (its 5.0 must count nowhere)
+    rewards = torch.tensor([1.0, 0.0, 5.0, 0.0])
+    valid = torch.tensor([True, True, False, True])
+    # valid rewards 1, 0, 0: mean 1/3; unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
+    std = (1 / 3) ** 0.5
+    expected = torch.tensor([(2 / 3) / std, (-1 / 3) / std, 0.0, (-1 / 3) / std])
+    torch.testing.assert_close(grpo_advantages(rewards, 4, valid_N=valid), expected, atol=1e-5, rtol=0)
+    # Dr. GRPO: r - mean only
+    dr = grpo_advantages(rewards, 4, normalize_std=False, valid_N=valid)
+    torch.testing.assert_close(dr, torch.tensor([2 / 3, -1 / 3, 0.0, -1 / 3]))
+    # RLOO: r_i - (sum of the other valid) / 2: 1 - 0, 0 - 1/2, -, 0 - 1/2
+    torch.testing.assert_close(
+        rloo_advantages(rewards, 4, valid_N=valid), torch.tensor([1.0, -0.5, 0.0, -0.5])
+    )
+    # the same group with the failed sample's reward counted would differ (the bug this prevents)
+    assert not torch.allclose(grpo_advantages(rewards, 4), expected)
+    # a group whose valid samples agree is a zero-variance group, whatever the invalid one holds
+    same = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    assert (
+        zero_variance_groups(same, 4, valid).tolist() == [True] and not zero_variance_groups(same, 4).item()
+    )
+    assert grpo_advantages(same, 4, valid_N=valid).abs().sum() == 0

@@ -103,3 +103,47 @@ def test_overlong_penalty_is_in_the_reward_and_logged_apart_from_the_functions()
     assert scored.metrics["reward/exact_match"] == 1.0  # the function's own score, unshaped
     assert scored.metrics["reward/overlong"] == -0.125  # (0 - 0.25) / 2
     assert scored.metrics["reward/mean"] == 0.875
+
+
+def completion(text: str, finish: str = "stop", **fields) -> Completion:
+    ids = list(text.encode())
+    return Completion(ids, [-0.5] * len(ids), [1] * len(ids), text=text, finish_reason=finish, **fields)
+
+
+def test_samples_that_failed_outside_the_policy_are_kept_out_of_the_loss_and_their_groups_stats():
+    from rltrain.config import load_config
+    from rltrain.run.scoring import build_batch, drop_failed, score
+
+    config = load_config(None, ["algorithm.group_size=4", "algorithm.overlong=none",
+                                "reward.functions={reward_fns:raises_unless_right: 1.0, digits: 1.0}"])  # fmt: skip
+    prompts = [Prompt(0, [256, 1], "12", {}), Prompt(1, [256, 2], "7", {})]
+    # group 0: two right answers, one the reward function cannot score ("x1"), one malformed tool
+    # call (the policy's own failure: scored as it is); group 1: three cannot be scored -> 1 left
+    group0 = [completion("12"), completion("12"), completion("x1"), completion("12", errors={"bad_json": 1})]
+    group1 = [completion("7"), completion("a"), completion("b"), completion("c")]
+    with RewardScorer(config.reward.functions, timeout_s=5) as scorer:
+        scored = score(prompts, group0 + group1, config, scorer)
+    fn = "reward_fns:raises_unless_right"
+    assert scored.failed == [None, None, fn, None, None, fn, fn, fn]
+    assert scored.metrics["failures/outside_policy"] == 4 and scored.metrics["failures/policy"] == 1
+    kept = drop_failed(scored, 4)
+    assert [p.index for p in kept.prompts] == [0]  # group 1 had one sample left: it goes whole
+    assert kept.metrics["rollout/dropped_samples"] == 5  # x1, and all of group 1
+    batch = build_batch(kept, config, pad_id=0)
+    # rewards: "12" -> 1 + digits 1 = 2, "x1" -> 0 (failed) + 0.5 = 0.5, malformed "12" -> 2; the
+    # valid ones all 2: no variance, advantage 0 -- with the failed 0.5 counted they would differ
+    assert batch.advantages.abs().sum() == 0
+    assert batch.response_mask[2].sum() == 0 and batch.response_mask[[0, 1, 3]].sum(-1).tolist() == [2, 2, 2]
+    zero = load_config(None, ["algorithm.group_size=4", "algorithm.overlong=none", "reward.on_failure=zero",
+                              f"reward.functions={{{fn}: 1.0, digits: 1.0}}"])  # fmt: skip
+    old = build_batch(scored.keep(torch.tensor([True, False]), 4), zero, pad_id=0)
+    assert old.response_mask[2].sum() == 2 and old.advantages[2] < 0  # the old way: trained on as 0
+
+
+def test_an_episode_that_failed_outside_the_policy_or_sampled_nothing_is_a_failed_sample():
+    from rltrain.run.scoring import episode_failure
+
+    assert episode_failure(completion("ok")) is None
+    assert episode_failure(completion("", finish="error", failures={"agent": "Traceback ..."})) == "agent"
+    assert episode_failure(Completion(finish_reason="stop", by_agent=True)) == "no token sampled"
+    assert episode_failure(completion("cut", finish="length")) is None  # overlong: the policy's own

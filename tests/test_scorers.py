@@ -422,7 +422,9 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
          "algorithm.distill_coef=0.5", f"reward.model={reward_model_path}",
          "reward.functions={math: 1.0, model: 0.5, judge: 1.0}", "reward.judge={max_new_tokens: 8}",
          "algorithm.teacher_learners.cpus_per_learner=0.25",
-         "reward.model_learners.cpus_per_learner=0.25", "rollout.max_staleness=1"],
+         "reward.model_learners.cpus_per_learner=0.25", "rollout.max_staleness=1",
+         # (an unparsed verdict is a failed reward: trained on as 0 here, or every group would go)
+         "reward.on_failure=zero"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
         env={**os.environ, **ray_cluster},
     )  # fmt: skip

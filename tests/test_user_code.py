@@ -119,3 +119,19 @@ def test_steps_without_reward_variance_are_said_to_teach_nothing_once(tmp_path, 
     assert out.count("nothing is learned") == 1
     assert "rltrain: step 6: every group of the last 3 steps scored the same" in out
     assert "algorithm.group_size" in out
+
+
+def test_steps_with_nothing_to_train_for_failures_stop_the_run_past_the_bound(tmp_path):
+    import pytest
+
+    from rltrain.run.user_code import UserCodeFailed, UserCodeFailures
+
+    failures = UserCodeFailures(tmp_path, max_failed_steps=2)
+    failures.nothing_to_train(1, {"failures/outside_policy": 16.0})  # 1 in a row: accepted
+    failures.trained()  # a step that trained resets the count
+    failures.nothing_to_train(2, {"failures/outside_policy": 16.0})
+    failures.nothing_to_train(3, {"rollout/stale_dropped": 16.0})  # skipped, but not for failures: resets
+    failures.nothing_to_train(4, {"failures/outside_policy": 16.0})
+    with pytest.raises(UserCodeFailed, match=r"^step 5: every sample of 2 step\(s\) in a row failed outside the "
+                       r"policy, nothing to train on \(16 failed this step\); stopping \(run.max_user_failure_steps=2"):  # fmt: skip
+        failures.nothing_to_train(5, {"failures/outside_policy": 16.0})

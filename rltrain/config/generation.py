@@ -242,10 +242,18 @@ class RewardConfig(Section):
     list of floats (the data's other columns come as keyword lists). With an environment, the
     completion is the last assistant turn's text."""
     timeout_s: float = Field(5.0, gt=0)
-    """A reward call that takes longer scores 0, is counted as a failure, and is stopped (its worker
-    process is killed and replaced)."""
+    """A reward call that takes longer fails (reward.on_failure says what becomes of its sample), is
+    counted, and is stopped (its worker process is killed and replaced)."""
     workers: int = Field(2, ge=1)
     """Worker processes that run reward functions."""
+    on_failure: Literal["drop", "zero"] = "drop"
+    """A sample whose reward could not be computed (a reward function raised, timed out, or
+    returned None, NaN or no number; a reward model or judge gave none) or whose episode failed
+    outside the policy (its environment, tool host, agent or chat template failed): `drop` keeps it
+    out of the loss (no token counted; its group's advantages come from the samples that remain, and
+    a group left with fewer than two goes whole); `zero` trains on it with reward 0, as if the policy
+    had earned it. Failures the policy causes itself (a malformed tool call, an overlong answer, a
+    wrong one) are scored as they are either way."""
     model: str | None = None
     """A reward model: a sequence-classification model folder (or hub name) with one label and the
     policy's tokenizer; it scores each whole sequence (the prompt's chat rendering and the

@@ -8,6 +8,10 @@ Rewards arrive flat, ``[num_groups * group_size]``, with the completions of one 
   question-difficulty bias the std introduces.
 - RLOO: ``r_i - mean_{j != i} r_j``, the leave-one-out baseline.
 
+A sample may be marked invalid (``valid_N``): its reward could not be computed (a reward function
+raised, an environment or agent failed), so it is no outcome of the policy. Its group's statistics
+are taken over the valid samples alone, and it gets advantage 0.
+
 A group whose rewards are all equal has **exactly** zero advantage everywhere and teaches nothing;
 :func:`zero_variance_groups` finds them so DAPO's dynamic sampling can drop and refill them. Group
 statistics are computed in float64 and equal groups are zeroed explicitly: in float32 the rounding
@@ -33,40 +37,73 @@ def _grouped(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards_N.reshape(-1, group_size).to(torch.float64)  # [G, n]
 
 
-def _finish(advantages_Gn: torch.Tensor, r_Gn: torch.Tensor, rewards_N: torch.Tensor) -> torch.Tensor:
-    """Zero the groups whose rewards are all equal (exactly, whatever the rounding), flatten, and
-    return float64 for float64 rewards, float32 otherwise."""
-    equal_G = (r_Gn == r_Gn[:, :1]).all(-1, keepdim=True)
-    advantages_Gn = torch.where(equal_G, torch.zeros_like(advantages_Gn), advantages_Gn)
+def _finish(
+    advantages_Gn: torch.Tensor, r_Gn: torch.Tensor, rewards_N: torch.Tensor, valid_Gn: torch.Tensor
+) -> torch.Tensor:
+    """Zero the groups whose valid rewards are all equal (exactly, whatever the rounding) and the
+    samples that are not valid, flatten, and return float64 for float64 rewards, float32 otherwise."""
+    equal_G = ((r_Gn == _first_valid(r_Gn, valid_Gn)) | ~valid_Gn).all(-1, keepdim=True)
+    advantages_Gn = torch.where(equal_G | ~valid_Gn, torch.zeros_like(advantages_Gn), advantages_Gn)
     dtype = torch.float64 if rewards_N.dtype == torch.float64 else torch.float32
     return advantages_Gn.reshape(-1).to(dtype)
 
 
+def _first_valid(r_Gn: torch.Tensor, valid_Gn: torch.Tensor) -> torch.Tensor:
+    """Each group's first valid reward, ``[G, 1]`` (0 for a group with none)."""
+    first = valid_Gn.long().argmax(-1, keepdim=True)
+    return r_Gn.gather(-1, first)
+
+
+def _valid(valid_N: torch.Tensor | None, r_Gn: torch.Tensor) -> torch.Tensor:
+    """``[G, n]`` bool: the samples whose reward counts (every one when ``valid_N`` is None)."""
+    return torch.ones_like(r_Gn, dtype=torch.bool) if valid_N is None else valid_N.reshape(r_Gn.shape).bool()
+
+
 def grpo_advantages(
-    rewards_N: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards_N: torch.Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    valid_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GRPO (``normalize_std=True``) or Dr. GRPO (``False``) advantages, shape ``[N]``."""
+    """GRPO (``normalize_std=True``) or Dr. GRPO (``False``) advantages, shape ``[N]``. ``valid_N``
+    (bool ``[N]``): only these samples' rewards form their group's mean and std, and the others get
+    advantage 0 (a sample whose reward could not be computed is no outcome of the policy)."""
     r_Gn = _grouped(rewards_N, group_size)
-    centered = r_Gn - r_Gn.mean(-1, keepdim=True)
+    valid_Gn = _valid(valid_N, r_Gn)
+    count_G = valid_Gn.sum(-1, keepdim=True)
+    mean_G = torch.where(valid_Gn, r_Gn, 0.0).sum(-1, keepdim=True) / count_G.clamp(min=1)
+    centered = r_Gn - mean_G
     if normalize_std:
-        std = r_Gn.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(r_Gn[:, :1])
+        # the unbiased std over the valid samples (0 where fewer than two)
+        squares_G = torch.where(valid_Gn, centered**2, 0.0).sum(-1, keepdim=True)
+        std = (squares_G / (count_G - 1).clamp(min=1)).sqrt() * (count_G > 1)
         centered = centered / (std + eps)
-    return _finish(centered, r_Gn, rewards_N)
+    return _finish(centered, r_Gn, rewards_N, valid_Gn)
 
 
-def rloo_advantages(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Leave-one-out advantages ``r_i - mean_{j != i} r_j = n/(n-1) * (r_i - mean)``, shape ``[N]``."""
+def rloo_advantages(
+    rewards_N: torch.Tensor, group_size: int, valid_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Leave-one-out advantages ``r_i - mean_{j != i} r_j = n/(n-1) * (r_i - mean)``, shape ``[N]``;
+    with ``valid_N``, over the valid samples of each group (the others get 0)."""
     if group_size < 2:
         raise ValueError("RLOO needs group_size >= 2")
     r_Gn = _grouped(rewards_N, group_size)
-    baseline = (r_Gn.sum(-1, keepdim=True) - r_Gn) / (group_size - 1)
-    return _finish(r_Gn - baseline, r_Gn, rewards_N)
+    valid_Gn = _valid(valid_N, r_Gn)
+    count_G = valid_Gn.sum(-1, keepdim=True)
+    total_G = torch.where(valid_Gn, r_Gn, 0.0).sum(-1, keepdim=True)
+    baseline = (total_G - r_Gn) / (count_G - 1).clamp(min=1)
+    return _finish(r_Gn - baseline, r_Gn, rewards_N, valid_Gn)
 
 
-def zero_variance_groups(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Boolean ``[G]``: True for groups whose completions all got the same reward."""
+def zero_variance_groups(
+    rewards_N: torch.Tensor, group_size: int, valid_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean ``[G]``: True for groups whose (valid) completions all got the same reward."""
     r_Gn = _grouped(rewards_N, group_size)
-    return (r_Gn == r_Gn[:, :1]).all(-1)
+    valid_Gn = _valid(valid_N, r_Gn)
+    return ((r_Gn == _first_valid(r_Gn, valid_Gn)) | ~valid_Gn).all(-1)
 
 
 def gae_advantages(

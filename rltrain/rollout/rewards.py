@@ -183,6 +183,8 @@ class Scores:
     failures: int  # calls that raised, hung or returned a non-number
     per_sample: dict[str, list[float]]  # each function's score of each completion
     calls: dict[str, Calls] = field(default_factory=dict)  # each called function's calls
+    # each completion's first function (its name) whose score could not be computed, or None
+    failed: list[str | None] = field(default_factory=list)
 
 
 class RewardScorer:
@@ -241,6 +243,7 @@ class RewardScorer:
         given = given or {}
         totals = [0.0] * len(completions)
         per_function, per_sample, calls, failures = {}, {}, {}, 0
+        failed: list[str | None] = [None] * len(completions)
         for spec, weight in self.functions.items():
             name = reward_name(spec)
             if spec in GIVEN:
@@ -249,11 +252,13 @@ class RewardScorer:
                 values, calls[name] = self._scores(spec, completions, answers, columns)
             if spec != ENV:
                 failures += sum(v is None for v in values)
+            if spec not in (ENV, AGENT):  # (an episode's own reward may be none; its failure is its own)
+                failed = [f or (name if v is None else None) for f, v in zip(failed, values)]
             scores = [v or 0.0 for v in values]
             totals = [t + weight * v for t, v in zip(totals, scores)]
             per_function[name] = sum(scores) / max(len(scores), 1)
             per_sample[name] = scores
-        return Scores(totals, per_function, failures, per_sample, calls)
+        return Scores(totals, per_function, failures, per_sample, calls, failed)
 
     def close(self) -> None:
         self.pool.stop()

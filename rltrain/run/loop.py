@@ -26,7 +26,7 @@ from rltrain.run import checkpoint
 from rltrain.run.checks import Inputs, preflight
 from rltrain.run.eval import evaluate
 from rltrain.run.launch import Run, start_run
-from rltrain.run.scoring import build_batch, with_distillation, with_gae
+from rltrain.run.scoring import build_batch, drop_failed, with_distillation, with_gae
 from rltrain.run.user_code import UserCodeFailures
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
 
 def train_once(config: Config, inputs: Inputs) -> Path:
     """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
-    from rltrain.run.tracking import Tracker, write_rollouts
+    from rltrain.run.tracking import Tracker
 
     run = start_run(config, inputs)  # (every actor it starts is shut down on any way out below)
     generators, orchestrator = run.generators, run.orchestrator
@@ -111,11 +111,10 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             scored = orchestrator.next_batch(step)  # generated ahead (rollout.max_staleness) and refilled
             scored.metrics.update(user_code.check(step, scored.calls))  # its failures shown and bounded
             generate_s = time.perf_counter() - t0
-            if not scored.completions:
+            scored = trainable(run.out, config, step, scored, user_code)
+            if not scored.completions:  # (every sample failed, was stale, or had no reward variance)
                 skip(run, tracker, step, scored.metrics, user_code.note)
                 continue
-            if config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
-                write_rollouts(run.out / "rollouts" / f"step_{step}.jsonl", scored)
             batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
             metrics = {}
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
@@ -147,6 +146,9 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             if step == config.run.stop_after:
                 break
         if step == config.run.steps:
+            if trained == run.start_step < step:  # (a step trained nothing, and so did every other)
+                raise RunFailed(f"steps {run.start_step + 1}-{step} trained on nothing: every sample "
+                                "failed, was stale or had no reward variance; see the step lines")  # fmt: skip
             export_final(run, config, step)
     except KeyboardInterrupt:
         raise Interrupted(
@@ -162,6 +164,25 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         interrupt.restore()
     run.shutdown()
     return run.out
+
+
+def trainable(out: Path, config: Config, step: int, scored, user_code: UserCodeFailures):
+    """The step's samples to train on: written to ``rollouts/`` where asked (those that failed
+    outside the policy marked), and with ``reward.on_failure: drop`` without them (their groups too
+    where fewer than two remain); empty where nothing is left, which ``run.max_user_failure_steps``
+    bounds when failures emptied it."""
+    from rltrain.run.tracking import write_rollouts
+
+    drop = config.reward.on_failure == "drop"
+    if scored.completions and config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
+        write_rollouts(out / "rollouts" / f"step_{step}.jsonl", scored, drop)
+    if scored.completions and drop:
+        scored = drop_failed(scored, config.algorithm.group_size)
+    if scored.completions:
+        user_code.trained()
+    else:
+        user_code.nothing_to_train(step, scored.metrics)
+    return scored
 
 
 def saved_on_interrupt(

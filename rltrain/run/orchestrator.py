@@ -83,7 +83,8 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         return scored
     parts, found, rounds = [], 0, 1
     while True:
-        informative = ~zero_variance_groups(scored.rewards, alg.group_size)
+        valid = scored.valid() if config.reward.on_failure == "drop" else None  # (failed ones count not)
+        informative = ~zero_variance_groups(scored.rewards, alg.group_size, valid)
         parts.append(scored.keep(informative, alg.group_size))
         found += int(informative.sum())
         if found >= alg.prompts_per_step or rounds >= alg.max_sampling_rounds:

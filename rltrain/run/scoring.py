@@ -36,6 +36,8 @@ class ScoredGroups:
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # each function's scores, [N]
     # the user's code called for these groups (and for any filtered out): see user_code_calls
     calls: dict[str, Calls] = field(default_factory=dict)
+    # why each completion failed outside the policy (its reward, its episode), or None: [N]
+    failed: list[str | None] = field(default_factory=list)
 
     def keep(self, groups: torch.Tensor, group_size: int) -> ScoredGroups:
         """The groups whose flag in ``groups`` ([G] bool) is True."""
@@ -48,7 +50,12 @@ class ScoredGroups:
             self.metrics,
             {name: scores[rows] for name, scores in self.per_function.items()},
             self.calls,
+            [self.failed[i] for i in rows] if self.failed else [],
         )
+
+    def valid(self) -> torch.Tensor:
+        """Bool ``[N]``: the completions that did not fail outside the policy."""
+        return torch.tensor([f is None for f in self.failed] or [True] * len(self.completions))
 
     @staticmethod
     def concat(parts: list[ScoredGroups]) -> ScoredGroups:
@@ -59,6 +66,7 @@ class ScoredGroups:
             parts[0].metrics,
             {name: torch.cat([s.per_function[name] for s in parts]) for name in parts[0].per_function},
             merge_calls([s.calls for s in parts]),
+            [f for s in parts for f in (s.failed or [None] * len(s.completions))],
         )
 
 
@@ -130,7 +138,33 @@ def score(
     if alg.overlong == "soft_penalty":  # a sample's reward is the sum of these: the penalty shown too
         per_function["overlong"] = penalties
     calls = user_code_calls(completions, scores.calls)
-    return ScoredGroups(prompts, completions, rewards, metrics, per_function, calls)
+    failed = [episode_failure(c) or reward for c, reward in zip(completions, scores.failed)]
+    metrics["failures/outside_policy"] = float(sum(f is not None for f in failed))
+    # the policy's own: a malformed or refused tool call, an answer cut at its length
+    metrics["failures/policy"] = float(sum(bool(c.errors) or c.truncated for c in completions))
+    return ScoredGroups(prompts, completions, rewards, metrics, per_function, calls, failed)
+
+
+def episode_failure(c: Completion) -> str | None:
+    """Why a completion failed outside the policy, or None: its episode ended on a failure of the
+    environment, a tool's host, an agent or the chat template (finish reason ``error``), or it holds
+    no token the policy sampled (an agent that never called)."""
+    if c.finish_reason == "error":
+        return next(iter(c.failures), "episode error")
+    if not any(any(part.tool_mask) for part in [*c.earlier, c]):
+        return "no token sampled"
+    return None
+
+
+def drop_failed(scored: ScoredGroups, group_size: int) -> ScoredGroups:
+    """``reward.on_failure: drop``: the groups with at least two completions that did not fail
+    outside the policy (the failed ones in them are kept out of the loss by :func:`build_batch`);
+    logs ``rollout/dropped_samples``, the completions that will not train."""
+    valid = scored.valid().view(-1, group_size)
+    kept = scored.keep(valid.sum(-1) >= 2, group_size) if not valid.all() else scored
+    dropped = len(scored.completions) - int(kept.valid().sum())
+    kept.metrics = {**scored.metrics, "rollout/dropped_samples": float(dropped)}
+    return kept
 
 
 def batch_columns(prompts: list[Prompt]) -> dict[str, list]:
@@ -228,11 +262,16 @@ def drop_stale(scored: ScoredGroups, version: int, max_staleness: int, group_siz
     return kept
 
 
-def advantages(rewards: torch.Tensor, alg: AlgorithmConfig) -> torch.Tensor:
+def advantages(
+    rewards: torch.Tensor, alg: AlgorithmConfig, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group advantages; ``valid`` ([N] bool): the samples whose rewards count (the others get 0)."""
     if alg.advantage == "rloo":
-        return rloo_advantages(rewards, alg.group_size)
+        return rloo_advantages(rewards, alg.group_size, valid)
     # distillation mixes in GRPO's advantages (algorithm.distill_coef)
-    return grpo_advantages(rewards, alg.group_size, normalize_std=alg.advantage in ("grpo", "distill"))
+    return grpo_advantages(
+        rewards, alg.group_size, normalize_std=alg.advantage in ("grpo", "distill"), valid_N=valid
+    )
 
 
 def sequence_prompts(prompts: list[Prompt], completions: list[Completion]) -> list[list[int]]:
@@ -247,10 +286,18 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     ``version``: the learners' policy version (marks the tokens it sampled where versions mix)."""
     alg = config.algorithm
     prompt_ids = sequence_prompts(per_completion(scored.prompts, alg.group_size), scored.completions)
-    group = torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg)
+    # reward.on_failure=drop: what failed outside the policy counts in no group statistic and no loss
+    valid = (
+        scored.valid() if config.reward.on_failure == "drop" else torch.ones(len(scored.completions)).bool()
+    )
+    group = (
+        torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg, valid)
+    )
+    _, _, valid = training_sequences(prompt_ids, scored.completions, valid)
     prompt_ids, completions, group = training_sequences(prompt_ids, scored.completions, group)
-    exclude = [c.truncated for c in completions] if alg.overlong == "filter" else None
-    return collate(prompt_ids, completions, group, pad_id, exclude, version)
+    filtered = [alg.overlong == "filter" and c.truncated for c in completions]
+    exclude = [f or not v for f, v in zip(filtered, valid.tolist())]
+    return collate(prompt_ids, completions, group, pad_id, exclude if any(exclude) else None, version)
 
 
 def training_sequences(

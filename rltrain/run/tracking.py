@@ -12,6 +12,8 @@ from tqdm import tqdm
 from rltrain.config import Config
 from rltrain.rollout.rewards import reward_name
 
+# failures/ counts of samples (rltrain.run.scoring.score), beside the user code's failures by kind
+SAMPLE_COUNTS = ("failures/outside_policy", "failures/policy")
 FLAT_STEPS = 3  # steps in a row without reward variance before the run says nothing is learned
 SUMMARY = [
     ("reward", "reward/mean", "{:.3f}"),
@@ -71,7 +73,9 @@ class Tracker:
         ]
         if len(self.components) > 1 and shown and parts and parts[0].startswith("reward "):
             parts[0] += f" ({', '.join(shown)})"
-        if failed := sum(v for k, v in metrics.items() if k.startswith("failures/")):
+        if failed := sum(
+            v for k, v in metrics.items() if k.startswith("failures/") and k not in SAMPLE_COUNTS
+        ):
             parts.append(f"user-code failures {failed:.0f}")
         if score := held_out_score(metrics):
             parts.append(f"held-out {metrics[score]:.0%} (tool {metrics['eval/tool_call_rate']:.0%})")
@@ -118,12 +122,13 @@ class Tracker:
         self.close()
 
 
-def write_rollouts(path: Path, scored) -> None:
+def write_rollouts(path: Path, scored, dropped: bool = True) -> None:
     """``rollouts/step_<N>.jsonl``: a line per sample of a step's :class:`~rltrain.run.scoring.ScoredGroups`
     with what the policy saw and did: messages (assistant turns as generated, tool calls parsed),
     token ids, the mask (1 = sampled by the policy), log-probs, the policy version of each token,
-    rewards per function, finish reason, turns; a black-box agent's episode also its calls and
-    the training sequences it split off. Written atomically."""
+    rewards per function, finish reason, turns; a sample that failed outside the policy, why
+    (``failed``) and whether it was kept out of the loss (``dropped``); a black-box agent's episode
+    also its calls and the training sequences it split off. Written atomically."""
     group = len(scored.completions) // max(len(scored.prompts), 1)
     lines = []
     for i, c in enumerate(scored.completions):
@@ -147,6 +152,9 @@ def write_rollouts(path: Path, scored) -> None:
             "tool_calls": c.tool_calls,
             "errors": c.errors,
         }
+        if scored.failed and scored.failed[i] is not None:  # failed outside the policy: why
+            record["failed"] = scored.failed[i]
+            record["dropped"] = dropped  # kept out of the loss (reward.on_failure=drop), or trained on as 0
         if c.calls:  # a black-box agent's episode: its chat completions, and sequences split off
             record["calls"] = c.calls
             record["earlier_sequences"] = [

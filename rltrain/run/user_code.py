@@ -40,6 +40,7 @@ class UserCodeFailures:
         self.saved: dict[str, Path] = {}  # kind -> its first traceback's file
         self.streak: Counter[str] = Counter()  # kind -> steps in a row in which every call failed
         self.note = ""  # the last step's word on its episodes, where most of them failed
+        self.empty_steps = 0  # steps in a row whose every sample failed outside the policy
 
     def check(self, step: int, calls: dict[str, Calls]) -> dict[str, float]:
         """The step's ``failures/<kind>`` metrics; a kind's first failure is shown and kept; raises
@@ -63,6 +64,27 @@ class UserCodeFailures:
                     f"(run.max_user_failure_steps={limit})"
                 )
         return metrics
+
+    def nothing_to_train(self, step: int, metrics: dict[str, float]) -> None:
+        """A step skipped with nothing to train on: where every sample failed outside the policy,
+        raises :class:`UserCodeFailed` once ``max_failed_steps`` such steps came in a row."""
+        failed = metrics.get("failures/outside_policy", 0.0)
+        if not failed:
+            self.empty_steps = 0  # (skipped for staleness or filtering, not for failures)
+            return
+        self.empty_steps += 1
+        limit = self.max_failed_steps
+        if limit and self.empty_steps >= limit:
+            why = f": {self.note}" if self.note else ""
+            raise UserCodeFailed(
+                f"step {step}: every sample of {self.empty_steps} step(s) in a row failed outside the policy, "
+                f"nothing to train on ({failed:.0f} failed this step{why}); stopping "
+                f"(run.max_user_failure_steps={limit}; the failures are counted as failures/* and kept in "
+                f"{self.folder})"
+            )
+
+    def trained(self) -> None:
+        self.empty_steps = 0
 
     def _show(self, step: int, kind: str, c: Calls) -> None:
         path = self.folder / f"{slug(kind)}.txt"

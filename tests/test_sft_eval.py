@@ -198,10 +198,28 @@ def test_an_environments_held_out_success_is_what_the_table_and_the_curves_show(
     assert task[1].split() == ["accuracy", "50.0%", "50.0%"]
 
 
-def test_the_step_line_shows_an_environments_held_out_success(tmp_path, capsys):
-    with Tracker(tmp_path, Config(), start_step=0) as tracker:
+def test_the_step_line_shows_what_the_held_out_set_is_scored_by_and_tools_only_where_there_are(
+    tmp_path, capsys
+):
+    from rltrain.config import load_config
+
+    tools = load_config(None, ["rollout.tools.enabled=[calculator]"])
+    (tmp_path / "env").mkdir()
+    (tmp_path / "own").mkdir()
+    with Tracker(tmp_path / "env", tools, start_step=0) as tracker:
         tracker.log(5, {"eval/success": 0.5, "eval/tool_call_rate": 1.0})
-    assert "held-out 50% (tool 100%)" in capsys.readouterr().out
+    assert "held-out success 50% (tool 100%)" in capsys.readouterr().out
+    # a run without tools, scored by its own reward function (no correctness function among them)
+    rows = [{"eval/reward": r, "eval/reward/mine:f": r, "eval/tool_call_rate": 0.0} for r in (0.25, 0.75)]
+    with Tracker(tmp_path / "own", Config(), start_step=0) as tracker:
+        tracker.log(0, rows[0], advance=False)
+        tracker.log(5, rows[1])
+    out = capsys.readouterr().out
+    assert "step 5/20 held-out reward 0.750\n" in out and "tool" not in out
+    # the closing table: the weighted reward and each function, no tool-call row
+    assert [line.split() for line in out.splitlines()[-3:]] == [
+        ["held-out", "(greedy)", "step", "0", "step", "5"], ["reward", "0.250", "0.750"],
+        ["reward", "mine:f", "0.250", "0.750"]]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -302,3 +320,36 @@ def test_a_full_fine_tuning_warm_start_under_lora_is_the_one_a_run_without_lora_
     full = Config.model_validate({"model": {"lora": {"rank": 8}}, "sft_warmup": {"lora": False}})
     # sft_warmup.lora=false trains every weight: the same model as without LoRA, reused from its cache
     assert _settings(full, "m") == _settings(plain, "m") != _settings(adapters, "m")
+
+
+def test_held_out_completions_are_scored_by_the_runs_own_reward_functions(tmp_path):
+    from rltrain.config import load_config
+    from rltrain.data import Prompt
+
+    # a task of the user's own (the word reversed), with its own reward: math-verify would score 0
+    (tmp_path / "reverse.py").write_text("def reverse_reward(c, a):\n    return float(c.strip() == a)\n")
+    spec = f"{tmp_path}/reverse.py:reverse_reward"
+    config = load_config(None, [f"reward.functions={{{spec}: 1.0}}"])
+    assert config.eval_functions == {spec: 1.0}  # the run's own, by default
+    prompts = [Prompt(i, [1, 2], answer) for i, answer in enumerate(["olleh", "dlrow", "tac", "god"])]
+    pool = ScriptedPool(["olleh", "dlrow", "cat", "god"])  # 3 of 4 right
+    with RewardScorer(config.eval_functions, timeout_s=10) as scorer:
+        metrics = evaluate(pool, prompts, scorer, functions=config.eval_functions)
+    assert metrics["eval/reward"] == 0.75 and metrics["eval/reward/reverse:reverse_reward"] == 0.75
+    assert "eval/accuracy" not in metrics  # no correctness function among them
+    # eval.reward_functions overrides them; math among them gives eval/accuracy (0 here: words)
+    both = load_config(
+        None, [f"reward.functions={{{spec}: 1.0}}", f"eval.reward_functions={{{spec}: 2.0, math: 1.0}}"]
+    )
+    with RewardScorer(both.eval_functions, timeout_s=10) as scorer:
+        metrics = evaluate(
+            ScriptedPool(["olleh", "dlrow", "cat", "god"]), prompts, scorer, functions=both.eval_functions
+        )
+    assert metrics["eval/reward"] == 1.5 and metrics["eval/accuracy"] == 0.0  # 2.0 * 0.75 + 1.0 * 0
+    # a reward model's and a judge's score are left out unless eval.model_rewards says so
+    judged = load_config(
+        None, ["reward.functions={math: 1.0, judge: 1.0}", "reward.judge={max_new_tokens: 8}"]
+    )
+    assert judged.eval_functions == {"math": 1.0}
+    assert load_config(None, ["reward.functions={math: 1.0, judge: 1.0}", "reward.judge={max_new_tokens: 8}",
+                              "eval.model_rewards=true"]).eval_functions == {"math": 1.0, "judge": 1.0}  # fmt: skip

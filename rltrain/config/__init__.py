@@ -243,6 +243,16 @@ class Config(Section):
         return self.max_prompt_tokens + self.rollout.max_new_tokens
 
     @property
+    def eval_functions(self) -> dict[str, float]:
+        """What held-out completions are scored by: eval.reward_functions, or the run's own
+        reward.functions (a reward model's and a judge's with eval.model_rewards only)."""
+        if self.eval.reward_functions is not None:
+            return dict(self.eval.reward_functions)
+        costly = () if self.eval.model_rewards else ("model", "judge")
+        kept = {name: weight for name, weight in self.reward.functions.items() if name not in costly}
+        return kept or {"math": 1.0}
+
+    @property
     def prompt_limit_key(self) -> str:
         agent = self.agent.entrypoint is not None and self.agent.max_prompt_tokens is not None
         return "agent.max_prompt_tokens" if agent else "data.max_prompt_tokens"

@@ -305,6 +305,15 @@ class SFTWarmupConfig(Section):
 class EvalConfig(Section):
     num_prompts: int = Field(64, ge=1)
     """Held-out prompts: never used for training."""
+    reward_functions: dict[str, float] | None = None
+    """What held-out completions are scored by, as reward.functions (weights included): logged per
+    function (`eval/reward/<name>`) and weighted (`eval/reward`), and `eval/accuracy` where a
+    correctness function (`math`, `exact_match`) is among them. null: the run's own
+    reward.functions, those computed by code always, a reward model's and a judge's (they cost a
+    model's forward per completion) only with eval.model_rewards."""
+    model_rewards: bool = False
+    """Score held-out completions by the run's reward model and judge too (with eval.reward_functions
+    null); a `rltrain eval` has no reward model or judge actors, and leaves them out."""
     source: str | None = None
     """Where they come from: a local .jsonl/.json/.parquet/.arrow file with the training data's
     columns; null: generated apart from the training prompts (`builtin:arithmetic`) or the last

@@ -202,9 +202,14 @@ class RewardScorer:
             context=multiprocessing.get_context("spawn"),
         )
 
-    def one(self, spec: str, completions: list[str], answers: list[str]) -> list[float | None]:
-        """One function's score per completion (None where it failed), in the same workers."""
-        return self._scores(spec, completions, answers, None)[0]
+    def one(
+        self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None = None
+    ) -> list[float | None]:
+        """One function's score per completion (None where it failed), in the same workers; a
+        function this scorer was not made with is loaded here (``columns``: as for ``__call__``)."""
+        if spec not in self.functions and takes_batches(load_reward_fn(spec)):
+            self.batch.add(spec)
+        return self._scores(spec, completions, answers, columns)[0]
 
     def _scores(
         self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None

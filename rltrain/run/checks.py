@@ -45,13 +45,29 @@ class Inputs:
 def preflight(config: Config) -> Inputs:
     """Every check that needs more than the schema (reward and tool specs, output folder, model,
     lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
-    for spec in config.reward.functions:
-        if spec in GIVEN:
-            continue  # the environment's reward or the reward model's: both are checked below
-        try:
-            load_reward_fn(spec)
-        except ValueError as e:
-            raise ConfigError(f"reward.functions: {e}") from None
+    for key, functions in [("reward.functions", config.reward.functions),
+                           ("eval.reward_functions", config.eval.reward_functions or {})]:  # fmt: skip
+        for spec in functions:
+            if spec in GIVEN:
+                continue  # the environment's reward or the reward model's: both are checked below
+            try:
+                load_reward_fn(spec)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+    given = {"env": config.env.name, "agent": config.agent.entrypoint, "model": config.reward.model,
+             "judge": config.reward.judge}  # fmt: skip
+    for spec in config.eval.reward_functions or {}:
+        if spec in given and given[spec] is None:
+            raise ConfigError(f"eval.reward_functions: `{spec}` needs what reward.functions' `{spec}` needs "
+                              f"({'env.name' if spec == 'env' else 'agent.entrypoint' if spec == 'agent' else 'reward.' + spec})")  # fmt: skip
+    if (
+        config.eval.reward_functions
+        and {"model", "judge"} & set(config.eval.reward_functions)
+        and not config.eval.model_rewards
+    ):
+        raise ConfigError(
+            "eval.reward_functions: a reward model's or judge's score needs eval.model_rewards=true"
+        )
     for key, source in [("data.source", config.data.source), ("eval.source", config.eval.source),
                         ("sft_warmup.source", config.sft_warmup.source)]:  # fmt: skip
         looks_local = source is not None and source.startswith(("/", "./", "../", "~"))

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use.
+"""Held-out evaluation: greedy decoding through the generators, scored by the run's own reward
+functions (``eval.reward_functions``), tool use.
 
 During training ``run.eval_every`` logs ``eval/*`` at the start, every N steps and at the end. The same
 scoring of a saved model:
@@ -19,28 +20,58 @@ from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
+CORRECTNESS = ("math", "exact_match")  # reward functions whose mean is a held-out accuracy
 
 
-def evaluate(generators, prompts: list[Prompt], scorer, env: bool = False) -> dict[str, float]:
-    """``eval/accuracy`` (math-verify against the reference), ``eval/tool_call_rate`` (completions
-    that called a tool), ``eval/tool_errors``, ``eval/response_length`` on ``prompts``; with an
-    environment or an agent (``env``: the prompts are its rows) ``eval/success`` (episodes whose
-    reward is positive), ``eval/env_reward`` (an agent's: ``eval/agent_reward``) and ``eval/turns``
-    in place of the accuracy."""
+def evaluate(
+    generators,
+    prompts: list[Prompt],
+    scorer,
+    env: bool = False,
+    functions: dict[str, float] | None = None,
+    model_scorers: dict | None = None,
+) -> dict[str, float]:
+    """Greedy completions of ``prompts`` scored by ``functions`` (the run's reward functions, as
+    :attr:`Config.eval_functions` picks them; when not given, `math`, or an episode's own reward): ``eval/reward/<name>``
+    per function, ``eval/reward`` weighted, ``eval/accuracy`` where a correctness function (math,
+    exact match) is among them; ``eval/tool_call_rate`` (completions that called a tool),
+    ``eval/tool_errors``, ``eval/response_length``. With an environment or an agent (``env``: the
+    prompts are its rows) also ``eval/success`` (episodes whose reward is positive),
+    ``eval/env_reward`` (an agent's: ``eval/agent_reward``) and ``eval/turns``. ``model_scorers``:
+    a reward model's and a judge's, where they are among ``functions``."""
+    from rltrain.rollout.rewards import AGENT, ENV, GIVEN, reward_name
+    from rltrain.run.scoring import batch_columns
+
     requests = [p.row if env else p.token_ids for p in prompts]
     completions = generators.collect(generators.submit(requests, [EVAL_SEED] * len(prompts), greedy=True))
     n = len(completions)
+    agent = any(c.by_agent for c in completions)
+    functions = functions or {(AGENT if agent else ENV) if env else "math": 1.0}
+    given = {ENV: [c.env_reward for c in completions], AGENT: [c.agent_reward for c in completions]}
+    for name, model_scorer in (model_scorers or {}).items():
+        if name in functions:
+            given[name] = model_scorer(prompts, completions)[0]
+    texts, answers = [c.text for c in completions], [p.answer for p in prompts]
+    columns = batch_columns(prompts) if prompts and prompts[0].row else None
+    scores, total = {}, [0.0] * n
+    for spec, weight in functions.items():
+        if spec in GIVEN:
+            values = given.get(spec, [None] * n)
+        else:
+            values = scorer.one(spec, texts, answers, columns)
+        values = [v or 0.0 for v in values]
+        scores[reward_name(spec)] = sum(values) / n
+        total = [t + weight * v for t, v in zip(total, values)]
+    quality = {"eval/reward": sum(total) / n, **{f"eval/reward/{name}": v for name, v in scores.items()}}
     if env:
-        agent = any(c.by_agent for c in completions)
         rewards = [(c.agent_reward if agent else c.env_reward) or 0.0 for c in completions]
-        quality = {
+        quality |= {
             "eval/success": sum(r > 0 for r in rewards) / n,
             "eval/agent_reward" if agent else "eval/env_reward": sum(rewards) / n,
             "eval/turns": sum(c.turns for c in completions) / n,
         }
-    else:
-        correct = scorer.one("math", [c.text for c in completions], [p.answer for p in prompts])
-        quality = {"eval/accuracy": sum(v or 0.0 for v in correct) / n}
+    elif correctness := next((s for s in CORRECTNESS if s in functions), None):
+        quality["eval/accuracy"] = scores[correctness]
     return {
         **quality,
         "eval/tool_call_rate": sum(c.tool_calls > 0 for c in completions) / n,
@@ -89,8 +120,11 @@ def score_model(config: Config, inputs) -> dict[str, float]:
 
     generators = GeneratorPool(config, inputs.model_path)
     try:
-        with RewardScorer({"math": 1.0}, config.reward.timeout_s, config.reward.workers) as scorer:
-            return evaluate(generators, inputs.eval_prompts, scorer, env=config.episodic)
+        functions = config.eval_functions
+        if config.eval.reward_functions is None:  # (no reward model or judge actors here)
+            functions = {k: v for k, v in functions.items() if k not in ("model", "judge")} or {"math": 1.0}
+        with RewardScorer(functions, config.reward.timeout_s, config.reward.workers) as scorer:
+            return evaluate(generators, inputs.eval_prompts, scorer, config.episodic, functions)
     finally:
         generators.shutdown()
 

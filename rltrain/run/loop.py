@@ -92,7 +92,6 @@ def train_once(config: Config, inputs: Inputs) -> Path:
 
     run = start_run(config, inputs)  # (every actor it starts is shut down on any way out below)
     generators, orchestrator = run.generators, run.orchestrator
-    env = config.episodic  # episodes of an environment or an agent
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
     sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
     user_code = UserCodeFailures(run.out, config.run.max_user_failure_steps)
@@ -104,7 +103,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
     interrupt = CtrlC()
     try:
         if inputs.eval_prompts and run.start_step == 0:  # the starting point of the held-out curve
-            tracker.log(0, evaluate(generators, inputs.eval_prompts, run.scorer, env), advance=False)
+            tracker.log(0, held_out(run, config, inputs), advance=False)
         busy_s = generators.busy_seconds()  # the engines' time in rollouts, for their busy share
         for step in range(run.start_step + 1, config.run.steps + 1):
             t0 = time.perf_counter()
@@ -134,7 +133,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 engines_busy_s, busy_s = busy_now - busy_s, busy_now
                 last = step in (config.run.steps, config.run.stop_after)
                 if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
-                    metrics |= evaluate(generators, inputs.eval_prompts, run.scorer, env)
+                    metrics |= held_out(run, config, inputs)
                 times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
                          "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
                 tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
@@ -164,6 +163,14 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         interrupt.restore()
     run.shutdown()
     return run.out
+
+
+def held_out(run: Run, config: Config, inputs: Inputs) -> dict[str, float]:
+    """The held-out evaluation, scored by the run's own reward functions (eval.reward_functions)."""
+    models = run.orchestrator.model_scorers if config.eval.model_rewards else None
+    return evaluate(
+        run.generators, inputs.eval_prompts, run.scorer, config.episodic, config.eval_functions, models
+    )
 
 
 def trainable(out: Path, config: Config, step: int, scored, user_code: UserCodeFailures):

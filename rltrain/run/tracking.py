@@ -52,6 +52,8 @@ class Tracker:
                 resume="allow",
             )
         self.flat_steps = 0  # steps in a row in which every group scored the same
+        # (a run without tools shows no tool-call rate: an environment's or an agent's may have some)
+        self.tools = bool(config.rollout.tools.enabled) or config.episodic
         # a bar on a terminal; in a log file (CI, `ray job submit`) the per-step lines alone
         self.bar = tqdm(total=config.run.steps, initial=start_step, desc="training", unit="step",
                         dynamic_ncols=True, disable=None)  # fmt: skip
@@ -78,7 +80,10 @@ class Tracker:
         ):
             parts.append(f"user-code failures {failed:.0f}")
         if score := held_out_score(metrics):
-            parts.append(f"held-out {metrics[score]:.0%} (tool {metrics['eval/tool_call_rate']:.0%})")
+            shown = f"{metrics[score]:.3f}" if score == "eval/reward" else f"{metrics[score]:.0%}"
+            label = {"eval/accuracy": "", "eval/success": "success ", "eval/reward": "reward "}[score]
+            tools = f" (tool {metrics['eval/tool_call_rate']:.0%})" if self.tools else ""
+            parts.append(f"held-out {label}{shown}{tools}")
         if note:
             parts.append(f"({note})")
         self.bar.write(f"step {step}/{self.total} " + " ".join(parts))
@@ -111,7 +116,7 @@ class Tracker:
             self.wandb.finish()
             self.wandb = None
         plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
-        table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"))
+        table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"), self.tools)
         if table:
             print(table, flush=True)
 
@@ -167,7 +172,8 @@ def write_rollouts(path: Path, scored, dropped: bool = True) -> None:
     _write_atomically(path, "".join(line + "\n" for line in lines))
 
 
-HELD_OUT_SCORES = [("eval/accuracy", "accuracy"), ("eval/success", "success")]  # the task's; an environment's
+# the task's correctness; an environment's or agent's success; else the run's rewards, weighted
+HELD_OUT_SCORES = [("eval/accuracy", "accuracy"), ("eval/success", "success"), ("eval/reward", "reward")]
 
 
 def held_out_score(metrics: dict) -> str | None:
@@ -175,16 +181,24 @@ def held_out_score(metrics: dict) -> str | None:
     return next((key for key, _ in HELD_OUT_SCORES if key in metrics), None)
 
 
-def eval_table(rows: list[dict]) -> str:
-    """Held-out results at the first and the last evaluation of the run, side by side."""
+def eval_table(rows: list[dict], tools: bool = True) -> str:
+    """Held-out results at the first and the last evaluation of the run, side by side (``tools``:
+    with the tool-call rate)."""
     evals = [r for r in rows if held_out_score(r)]
     if len(evals) < 2:
         return ""
     first, last = evals[0], evals[-1]
     score = held_out_score(first)
     lines = [f"{'held-out (greedy)':<22}{'step ' + str(first['step']):>10}{'step ' + str(last['step']):>10}"]
-    for name, key, fmt in [(dict(HELD_OUT_SCORES)[score], score, "{:.1%}"), ("tool-call rate", "eval/tool_call_rate", "{:.1%}"),
-                           ("turns", "eval/turns", "{:.2f}"), ("response length", "eval/response_length", "{:.1f}")]:  # fmt: skip
+    score_format = "{:.3f}" if score == "eval/reward" else "{:.1%}"
+    rows = [(dict(HELD_OUT_SCORES)[score], score, score_format),
+            *[(f"reward {key.removeprefix('eval/reward/')}", key, "{:.3f}") for key in first
+              if key.startswith("eval/reward/") and score == "eval/reward"],
+            ("tool-call rate", "eval/tool_call_rate", "{:.1%}"), ("turns", "eval/turns", "{:.2f}"),
+            ("response length", "eval/response_length", "{:.1f}")]  # fmt: skip
+    for name, key, fmt in rows:
+        if key == "eval/tool_call_rate" and not tools:
+            continue
         if key in first and key in last:
             lines.append(f"{name:<22}{fmt.format(first[key]):>10}{fmt.format(last[key]):>10}")
     return "\n".join(lines)

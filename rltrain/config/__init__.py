@@ -349,8 +349,9 @@ def _one_line(error: ValidationError) -> str:
     unknown = [e for e in error.errors() if e["type"] == "extra_forbidden"]
     if unknown:
         return "; ".join(_unknown_key(_key(e["loc"])) for e in unknown) + " (see `rltrain --help-config`)"
-    if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):
-        return f"{key + '.' if key else ''}{message}"
+    if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):  # (the message names its key)
+        section = key.removesuffix(message.split(":")[0]).removesuffix(".")
+        return f"{section + '.' if section else ''}{message}"
     if first["type"] == "value_error" and not key:
         return message  # a cross-section check names its keys itself; its input is the whole config
     if first.get("input", "") is None and first["type"] != "missing":

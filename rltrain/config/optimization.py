@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -243,7 +243,7 @@ class LossConfig(Section):
     """Correction of the engine's sampling against the learner's old policy: truncated weights,
     masked importance sampling (IcePop) or a geometric sequence mask, per token or per sequence;
     null: tis_cap."""
-    masked_mean_denominator: Any = "token"
+    masked_mean_denominator: Denominator = "token"
     """`token`: divide by the count of the whole optimizer step (all micro-batches, all ranks; loss
     tokens for token-mean, sequences for the per-sequence aggregations), exact under any layout;
     null: this micro-batch's own count (the common, layout-dependent behaviour); a positive number:
@@ -259,10 +259,15 @@ class LossConfig(Section):
     aggregation_norm: float | None = Field(None, gt=0)
     """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
 
+    @field_validator("masked_mean_denominator", mode="before")
+    @classmethod
+    def _denominator_value(cls, value: object) -> Denominator:
+        """ "token", a positive number (a numeric string too, as YAML or an override may give it), or
+        null; anything else is one line naming the key and the accepted forms."""
+        return resolve_denominator(value)
+
     @model_validator(mode="after")
     def _denominator(self) -> LossConfig:
-        resolved = resolve_denominator(self.masked_mean_denominator, self.masked_mean_axis)
-        object.__setattr__(self, "masked_mean_denominator", resolved)
         if self.masked_mean_axis == 1 and self.aggregation not in (None, "seq-mean-token-mean"):
             raise ValueError(
                 f"masked_mean_axis: 1 means aggregation seq-mean-token-mean; got "

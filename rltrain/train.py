@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         inputs = preflight(config)
-        connect_ray(config)
+        connect_ray(config, inputs.model_path)
     except ConfigError as e:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2

@@ -147,3 +147,20 @@ def test_an_episode_that_failed_outside_the_policy_or_sampled_nothing_is_a_faile
     assert episode_failure(completion("", finish="error", failures={"agent": "Traceback ..."})) == "agent"
     assert episode_failure(Completion(finish_reason="stop", by_agent=True)) == "no token sampled"
     assert episode_failure(completion("cut", finish="length")) is None  # overlong: the policy's own
+
+
+def test_a_version_bump_sends_no_weights_and_keeps_weights_not_yet_taken(tiny_model_path, monkeypatch):
+    config = Config.model_validate({"rollout": {"backend": "hf", "inflight_updates": True}})
+    actor = GeneratorActor(config, tiny_model_path, engine_index=0)
+    loads = []
+    monkeypatch.setattr(actor.backend, "load_weights", lambda named: loads.append(dict(named)))
+    actor.load_weights({}, 3)  # a step without an update: the same weights, as policy version 3
+    assert actor.version == 3 and loads == []
+    # new weights not yet taken (a rollout in progress holds the engine), then a version bump:
+    # the bump keeps them, and they are taken as the newer version
+    actor._engine.acquire()
+    weights = {"lm_head.weight": actor.backend.model.lm_head.weight.detach().clone()}
+    actor.load_weights(weights, 4)
+    actor.load_weights({}, 5)
+    actor._engine.release()
+    assert actor._between_steps() == 5 and list(loads[0]) == ["lm_head.weight"]

@@ -2,6 +2,7 @@
 resume."""
 
 import json
+import os
 
 import pytest
 
@@ -164,3 +165,13 @@ def test_ctrl_c_is_recorded_where_its_exception_could_be_lost_and_waits_for_a_sa
     quiet = CtrlC()  # a run that ends without one hands the handler back
     quiet.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_runs_own_object_store_holds_twice_the_weights_it_syncs(tmp_path):
+    from rltrain.run.launch import MIN_OBJECT_STORE, object_store_bytes
+
+    assert object_store_bytes(None) == MIN_OBJECT_STORE  # the built-in model: 512 MiB is plenty
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    os.truncate(tmp_path / "model.safetensors", 538 * 2**20)  # SmolLM2-135M in fp32 (sparse file)
+    # 2 x 538 MiB + 256 MiB of room (it was 512 MiB, smaller than the weights one sync puts there)
+    assert object_store_bytes(str(tmp_path)) == (2 * 538 + 256) * 2**20

@@ -133,6 +133,8 @@ class GeneratorActor:
         beside them (the ``weights`` group) and taken at the next decode step or chunk boundary of
         the rollout in progress (returns at once)."""
         with self._pending_lock:
+            if not state_dict and self._pending is not None:  # a new version of weights not yet taken
+                state_dict = self._pending[0]
             self._pending = (state_dict, version)
         if not self.config.rollout.inflight_updates:
             with self._engine:  # waits for the rollout in progress
@@ -151,9 +153,10 @@ class GeneratorActor:
         with self._pending_lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            self.backend.load_weights(pending[0].items())
+            if pending[0]:  # (no weights: the same ones, as a new policy version)
+                self.backend.load_weights(pending[0].items())
+                self._loaded_names = list(pending[0])
             self.version = pending[1]
-            self._loaded_names = list(pending[0])
 
     @ray.method(concurrency_group="weights")  # answers beside a rollout in progress
     def busy_seconds(self) -> float:
@@ -234,6 +237,11 @@ class GeneratorPool:
             a.load_weights.options(concurrency_group=group).remote(state_ref, version) for a in self.actors
         ]
         gather(refs, self.names, self.timeout_s)
+
+    def bump_version(self, version: int) -> None:
+        """The engines' weights, unchanged, become policy ``version`` (a step without an update):
+        nothing is sent but the number."""
+        self.load_weights(ray.put({}), version)
 
     def busy_seconds(self) -> float:
         """Seconds the engines have spent generating rollouts since they started, summed."""

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         config = config.model_copy(update={"run": config.run.model_copy(update={"eval_every": 1})})
         inputs = preflight(config)
-        connect_ray(_one_engine(config))
+        connect_ray(_one_engine(config), inputs.model_path)
     except ConfigError as e:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2

@@ -39,10 +39,26 @@ def quiet_console() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: said, not guessed (and warned)
 
 
-def connect_ray(config: Config) -> None:
+MIN_OBJECT_STORE = 512 * 2**20
+
+
+def object_store_bytes(model_path: str | None) -> int:
+    """The object store of a run's own Ray instance: twice the weights a full sync puts there (the
+    model's weight files; fp32 on CPU) and room besides, at least 512 MiB, at most 30% of memory."""
+    import psutil
+
+    files = (
+        [f for f in Path(model_path).glob("*") if f.suffix in (".safetensors", ".bin")] if model_path else []
+    )
+    weights = sum(f.stat().st_size for f in files)
+    return int(min(max(MIN_OBJECT_STORE, 2 * weights + 256 * 2**20), 0.3 * psutil.virtual_memory().total))
+
+
+def connect_ray(config: Config, model_path: str | None = None) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local instance of the run's own (never one that
-    something else started); then check the layout fits. A cluster that cannot be reached or an
-    instance that does not start raises a one-line ConfigError."""
+    something else started), its object store sized for the weights of ``model_path``; then check
+    the layout fits. A cluster that cannot be reached or an instance that does not start raises a
+    one-line ConfigError."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -61,7 +77,7 @@ def connect_ray(config: Config) -> None:
                 num_cpus=have_cpu,
                 include_dashboard=False,
                 log_to_driver=False,
-                object_store_memory=512 * 2**20,
+                object_store_memory=object_store_bytes(model_path),
                 logging_level=logging.WARNING,
             )
             return

@@ -318,7 +318,10 @@ def skip(run: Run, tracker: Tracker, step: int, metrics: dict[str, float], note:
     """A step without an update, logged with ``metrics`` and ``train/skipped``: the engines hold
     the learners' weights still, now as policy version ``step``, so what they sample next is not
     counted a version old (and dropped as stale)."""
-    run.weight_sync.push(run.learners, run.generators, step)
+    if run.weight_sync.adapters_only:  # (an engine serves each version as an adapter: it gets one)
+        run.weight_sync.push(run.learners, run.generators, step)
+    else:
+        run.generators.bump_version(step)  # the weights it holds, unchanged: nothing sent but the number
     tracker.log(step, {**metrics, "train/skipped": 1.0}, note=note)
 
 

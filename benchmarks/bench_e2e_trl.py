@@ -8,7 +8,7 @@ several model sizes, each measured in one run.
 A size is HIDDENxLAYERS:COMPLETION_TOKENS of the built-in Qwen2-shaped model (64x2 is the demo's
 ~107k parameters, 256x4 ~2.7M, 640x6 ~20M). rltrain runs the demo's CPU layout (2 DeepSpeed
 learners + 1 vLLM engine on Ray, packed micro-batches), once with synchronous generation and once
-with `rollout.async_steps=1`; TRL runs its single-process trainer with transformers `generate`
+with `rollout.max_staleness=1`; TRL runs its single-process trainer with transformers `generate`
 (its vLLM colocate mode does not sync weights on CPU). The first step of each (warm-up) is left out.
 Needs `trl` (`make bench` installs it).
 """

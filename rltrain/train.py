@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rltrain.config import TINY_MODEL, ConfigError, describe, load_config
+from rltrain.config import TINY_MODEL, ConfigError, describe, describe_respelled, load_config
 from rltrain.run import checkpoint
 from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
@@ -103,6 +103,9 @@ def help_config(args: argparse.Namespace) -> int:
     }
     try:
         print(describe(load_config(args.config, overrides), section or None, builtins))
+        older = describe_respelled(section or None)
+        if older:
+            print(f"\n{older}")
     except ConfigError as e:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2

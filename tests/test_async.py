@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from rltrain.batch import Completion, Segment
-from rltrain.config import ConfigError, load_config
 from rltrain.data import Prompt
 from rltrain.rollout.inflight import continuation_seed, generate_in_chunks
 from rltrain.run.scoring import ScoredGroups, drop_stale
-
-
-def test_async_steps_is_the_older_name_of_max_staleness():
-    assert load_config(None, ["rollout.async_steps=2"]).rollout.max_staleness == 2
-    assert load_config(None, ["rollout.max_staleness=2", "rollout.async_steps=2"]).rollout.max_staleness == 2
-    with pytest.raises(ConfigError, match="async_steps=1 and max_staleness=2 disagree"):
-        load_config(None, ["rollout.max_staleness=2", "rollout.async_steps=1"])
 
 
 def completion(versions: list[int], tool_mask: list[int] | None = None) -> Completion:

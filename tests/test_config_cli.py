@@ -19,9 +19,10 @@ CASES = {
         'a positive number, or "token"',
     ),
     "zero denominator": (["loss.masked_mean_denominator=0"], "loss.masked_mean_denominator: got 0;"),
-    "axis against aggregation": (
-        ["loss.masked_mean_axis=1", "loss.aggregation=seq-mean-token-sum"],
-        "loss.masked_mean_axis: 1 means aggregation seq-mean-token-mean; got loss.aggregation=seq-mean-token-sum",
+    "older spelling, a value it cannot take": (
+        ["loss.masked_mean_axis=0"],
+        "loss.masked_mean_axis: only 1 is accepted, got 0 (the older spelling of loss.aggregation: "
+        "1: seq-mean-token-mean; null: unset)",
     ),
     "unknown aggregation": (
         ["loss.aggregation=seq-mean"],
@@ -157,9 +158,9 @@ INPUTS = {
         lambda t: [f"sft_warmup.source={t / 'nope.jsonl'}"],
         "nope.jsonl' does not exist",
     ),
-    "warm-up row without a completion": (  # `sft_warmup.data` is the same key as `sft_warmup.source`
+    "warm-up row without a completion": (
         lambda t: [
-            jsonl(t, '{"prompt": "1+1?", "completion": "2"}', '{"prompt": "2+2?"}', key="sft_warmup.data")
+            jsonl(t, '{"prompt": "1+1?", "completion": "2"}', '{"prompt": "2+2?"}', key="sft_warmup.source")
         ],
         (
             "config error: sft_warmup.source '",
@@ -500,6 +501,74 @@ def test_help_config_lists_documented_keys(capsys):
     out = capsys.readouterr().out
     assert "loss.masked_mean_denominator = 'token'" in out
     assert "exact under any layout" in out
+
+
+# each older spelling, a value of it, and what its new key then holds
+OLDER_SPELLINGS = {
+    "loss.tis_cap=3.0": ("loss.rollout_correction", {"kind": "tis", "level": "token", "cap": 3.0, "low": 0.5,
+                                                     "high": 2.0}),
+    "loss.tis_cap=null": ("loss.rollout_correction", None),  # no correction (the default has one)
+    "loss.masked_mean_axis=1": ("loss.aggregation", "seq-mean-token-mean"),  # (the default: token-mean)
+    "loss.masked_mean_axis=null": ("loss.aggregation", "token-mean"),  # sets nothing
+    "rollout.async_steps=2": ("rollout.max_staleness", 2),
+    "eval.every=3": ("run.eval_every", 3),
+    "sft_warmup.data=rows.jsonl": ("sft_warmup.source", "rows.jsonl"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("override", OLDER_SPELLINGS)
+def test_an_older_spelling_is_read_as_its_new_key_with_a_one_line_note(override, capsys, monkeypatch):
+    from rltrain.config import spellings
+
+    monkeypatch.setattr(spellings, "_noted", set())  # (notes are once per key and process)
+    new_key, expected = OLDER_SPELLINGS[override]
+    old_key = override.split("=")[0]
+    for _ in range(2):  # twice: one note
+        config = load_config(None, [override])
+        section, leaf = new_key.split(".")
+        held = getattr(getattr(config, section), leaf)
+        assert (held.model_dump() if hasattr(held, "model_dump") else held) == expected
+    notes = capsys.readouterr().err.splitlines()
+    if override == "loss.masked_mean_axis=null":  # (it sets nothing: no note)
+        assert notes == []
+    else:
+        assert len(notes) == 1 and notes[0].startswith(f"rltrain: note: {old_key} is read as {new_key}=")
+        assert notes[0].endswith(f"; write {new_key} (the older spelling will go)")
+    # the config a run writes holds the new spelling alone
+    section, leaf = old_key.split(".")
+    assert leaf not in config.model_dump()[section]
+
+
+def test_an_older_and_a_new_spelling_in_one_file_must_agree_and_an_override_wins_in_either(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("rollout:\n  async_steps: 1\n  max_staleness: 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(both)
+    assert str(error.value) == (
+        "rollout.async_steps=1 and rollout.max_staleness=2 disagree (rollout.async_steps is the older "
+        "spelling of rollout.max_staleness; set one)"
+    )
+    both.write_text("loss:\n  masked_mean_axis: 1\n  aggregation: seq-mean-token-mean\n")  # they agree
+    assert load_config(both).loss.aggregation == "seq-mean-token-mean"
+    # an override replaces the file's value, whichever spelling either uses
+    both.write_text("rollout:\n  max_staleness: 1\nloss:\n  tis_cap: 3.0\n")
+    config = load_config(both, ["rollout.async_steps=2", "loss.rollout_correction=null"])
+    assert config.rollout.max_staleness == 2 and config.loss.rollout_correction is None
+
+
+def test_help_config_lists_older_spellings_apart_from_the_keys(capsys):
+    assert main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    keys, older = out.split("\nOlder spellings (still read, each with a one-line note; write the new key):\n")
+    assert "loss.rollout_correction.cap = 2.0" in keys and "loss.aggregation = 'token-mean'" in keys
+    from rltrain.config import RESPELLED
+
+    for r in RESPELLED:  # each older key, with its new one, never among the keys
+        assert f"    {r.old} -> {r.new} (" in older
+        assert f"\n{r.old} = " not in keys and not keys.startswith(f"{r.old} = ")
+    assert main(["--help-config", "loss"]) == 0  # a section lists its own
+    out = capsys.readouterr().out
+    assert "loss.tis_cap -> loss.rollout_correction" in out and "rollout.async_steps" not in out
 
 
 def test_help_config_shows_this_runs_values_a_section_allowed_values_and_the_code_s_built_ins(capsys):

@@ -78,7 +78,7 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path, r
         "run.checkpoint_every=2",
         "loss.kl_beta=0.01",
         "loss.kl_estimator=k3+",
-        "rollout.async_steps=1",  # the older name of rollout.max_staleness
+        "rollout.max_staleness=1",
         "rollout.inflight_updates=true",  # the next step's rollout takes new weights between chunks
         "rollout.inflight_chunk_tokens=8",
         "rollout.tools.enabled=[calculator,python]",
@@ -111,7 +111,7 @@ def test_training_run_writes_loadable_checkpoints_and_finite_metrics(tmp_path, r
 
 
 # DAPO's dynamic sampling with a reward that leaves about half of the groups without variance: refill
-# rounds take prompts between saves (and, with async_steps, between the steps generated ahead)
+# rounds take prompts between saves (and, with max_staleness, between the steps generated ahead)
 REFILLING = [
     "algorithm.dynamic_sampling=true",
     "algorithm.group_size=2",

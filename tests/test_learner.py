@@ -327,7 +327,7 @@ def test_gspo_under_sequence_parallelism_uses_each_whole_sequence_ratio(ray_loca
     # the straddling sequence's ratio needs its log-ratios from both ranks (one all-reduce in the
     # sp group); with a rank's own part alone the update is ~1e-3 off (wide clips: nothing clipped)
     batch = straddling_rollouts()
-    loss = {"kind": "gspo", "clip_low": 10.0, "clip_high": 10.0, "masked_mean_axis": 1}
+    loss = {"kind": "gspo", "clip_low": 10.0, "clip_high": 10.0, "aggregation": "seq-mean-token-mean"}
     reference = update_after_one_step(layout_config(1, 5, 0, loss=loss), tiny_model_path, batch)
     sp = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
     diff = relative_difference(update_after_one_step(sp, tiny_model_path, batch), reference)
@@ -364,7 +364,7 @@ def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
     # reference: no correction at all, the rejected tokens masked out by hand before training, so
     # that they count in no loss and no token total
     by_hand = batch.replace(tool_mask=batch.tool_mask * accept)
-    uncorrected = layout_config(1, 5, 0, loss={"tis_cap": None})
+    uncorrected = layout_config(1, 5, 0, loss={"rollout_correction": None})
     loss = {"rollout_correction": correction}
     layouts = {
         "one learner": layout_config(1, 5, 0, loss=loss),

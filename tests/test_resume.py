@@ -34,7 +34,7 @@ RESUME_LAYOUTS = {
     "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1", HF],
     # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
     # normalized over the step's sequences (each split sequence counted once)
-    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.masked_mean_axis=1", HF],
+    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.aggregation=seq-mean-token-mean", HF],
     # a critic with its own learner, checkpointed and restored beside the policy; its value loss and
     # the policy loss in Dr. GRPO's per-sequence sum over a constant
     "ppo with a critic": [

@@ -52,6 +52,7 @@ from rltrain.config.optimization import (
     first_line,
     resolve_denominator,
 )
+from rltrain.config.spellings import RESPELLED, UNSET, describe_respelled, respell, respell_key
 
 
 class Config(Section):
@@ -77,14 +78,9 @@ class Config(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _eval_every_spelled_in_its_section(cls, raw: Any) -> Any:
-        """`eval.every` is accepted for `run.eval_every`."""
-        if isinstance(raw, dict) and isinstance(raw.get("eval"), dict) and "every" in raw["eval"]:
-            raw = {**raw, "eval": dict(raw["eval"])}
-            every = raw["eval"].pop("every")
-            run = raw.get("run") or {}
-            raw["run"] = {**run, "eval_every": every} if isinstance(run, dict) else run
-        return raw
+    def _older_spellings(cls, raw: Any) -> Any:
+        """Older spellings of keys are read as their new ones (rltrain.config.spellings)."""
+        return respell(raw)
 
     @model_validator(mode="after")
     def _layout(self) -> Config:
@@ -289,6 +285,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
                 f"config file {str(path)!r} holds a {type(raw).__name__}, expected a mapping of sections "
                 "(model:, learner:, loss:, ...)"
             )
+    raw = _respelled(raw)  # (an override then wins over the file's value in either spelling)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -305,7 +302,27 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             problem = getattr(e, "problem", None) or type(e).__name__
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
         _check_mapping_value(item, key, node[leaf])
+        new_key, new_value = _respelled_key(key, node[leaf])
+        if new_key != key:  # an older spelling: moved to its new key
+            del node[leaf]
+            if new_value is not UNSET:
+                section, new_leaf = new_key.split(".")
+                raw[section] = {**(raw.get(section) or {}), new_leaf: new_value}
     return validate(raw)
+
+
+def _respelled(raw: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return respell(raw)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _respelled_key(key: str, value: Any) -> tuple[str, Any]:
+    try:
+        return respell_key(key, value)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_mapping_value(item: str, key: str, value: Any) -> None:
@@ -349,7 +366,7 @@ def _one_line(error: ValidationError) -> str:
     unknown = [e for e in error.errors() if e["type"] == "extra_forbidden"]
     if unknown:
         return "; ".join(_unknown_key(_key(e["loc"])) for e in unknown) + " (see `rltrain --help-config`)"
-    if message.startswith(("masked_mean_denominator:", "masked_mean_axis:")):  # (the message names its key)
+    if message.startswith("masked_mean_denominator:"):  # (the message names its key)
         section = key.removesuffix(message.split(":")[0]).removesuffix(".")
         return f"{section + '.' if section else ''}{message}"
     if first["type"] == "value_error" and not key:
@@ -447,6 +464,7 @@ __all__ = [
     "CriticLearnerConfig",
     "DENOMINATOR_KEY",
     "DataConfig",
+    "RESPELLED",
     "Denominator",
     "EnvConfig",
     "EvalConfig",
@@ -467,6 +485,7 @@ __all__ = [
     "TINY_MODEL",
     "ToolsConfig",
     "describe",
+    "describe_respelled",
     "dump",
     "load_config",
     "resolve_denominator",

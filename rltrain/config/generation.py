@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from rltrain.config.optimization import BUILTIN_TASK, FrozenLearnerConfig, Section
 
@@ -112,7 +112,7 @@ class RolloutConfig(Section):
     prompts are generated while the current step trains (off-policy; see loss.rollout_correction).
     Every sampled token carries the version of the weights that sampled it (the training steps
     behind them); a group holding a token more than k versions older than the learners' weights is
-    dropped and counted (`rollout/stale_dropped`), never trained on. `async_steps` is the older name."""
+    dropped and counted (`rollout/stale_dropped`), never trained on."""
     inflight_updates: bool = False
     """New weights reach the engines without waiting for the requests in flight: vLLM takes them
     between two decode steps and keeps its requests (their seeds and KV caches); the transformers
@@ -134,20 +134,6 @@ class RolloutConfig(Section):
     inline as <result>...</result>), or the name of one of vLLM's tool parsers (`llama3_json` for
     Llama 3.x, `mistral`, `qwen3_xml`, `deepseek_v3`, ...; results as `tool` messages); null:
     hermes with an environment, tag without. Without an environment only `tag` is available."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _async_steps_is_max_staleness(cls, raw: Any) -> Any:
-        """`rollout.async_steps` is accepted for `rollout.max_staleness`."""
-        if isinstance(raw, dict) and "async_steps" in raw:
-            raw = dict(raw)
-            steps = raw.pop("async_steps")
-            if raw.setdefault("max_staleness", steps) != steps:
-                raise ValueError(
-                    f"async_steps={steps} and max_staleness={raw['max_staleness']} disagree "
-                    "(async_steps is the older name of max_staleness; set one)"
-                )
-        return raw
 
 
 class DataConfig(Section):
@@ -292,14 +278,6 @@ class SFTWarmupConfig(Section):
     """With model.lora.rank: the warm start trains the adapters (true; RL then starts from their
     merged result with fresh adapters) or every weight (false: the full fine-tuning warm start, as
     when a model is made from scratch, such as the demo's)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _data_is_source(cls, raw: Any) -> Any:
-        """`sft_warmup.data` is accepted for `sft_warmup.source` (and wins over it, as an override)."""
-        if isinstance(raw, dict) and "data" in raw:
-            raw = {key: value for key, value in raw.items() if key != "data"} | {"source": raw["data"]}
-        return raw
 
 
 class EvalConfig(Section):

@@ -236,26 +236,20 @@ class LossConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3", "k3+", "abs"] = "k3"
     """KL estimator: Schulman's k1/k2/k3, `abs` (|log-ratio|), or `k3+` (k3's value with k2's
     gradient, straight-through)."""
-    tis_cap: float | None = Field(2.0, gt=0)
-    """Cap of truncated importance weights learner/generator; null disables the correction. The
-    older spelling of rollout_correction {kind: tis, level: token, cap: x}, used when that is null."""
-    rollout_correction: RolloutCorrectionConfig | None = None
-    """Correction of the engine's sampling against the learner's old policy: truncated weights,
-    masked importance sampling (IcePop) or a geometric sequence mask, per token or per sequence;
-    null: tis_cap."""
+    rollout_correction: RolloutCorrectionConfig | None = RolloutCorrectionConfig()
+    """Correction of the engine's sampling against the learner's old policy: truncated weights
+    (the default: token-level, capped at 2), masked importance sampling (IcePop) or a geometric
+    sequence mask, per token or per sequence; null: none."""
     masked_mean_denominator: Denominator = "token"
     """`token`: divide by the count of the whole optimizer step (all micro-batches, all ranks; loss
     tokens for token-mean, sequences for the per-sequence aggregations), exact under any layout;
     null: this micro-batch's own count (the common, layout-dependent behaviour); a positive number:
     a constant in place of the count, per micro-batch (Dr. GRPO)."""
-    masked_mean_axis: Literal[1] | None = None
-    """1: mean per sequence, then over sequences (original GRPO): the same as
-    aggregation=seq-mean-token-mean; null: as `aggregation` says."""
-    aggregation: Aggregation | None = None
-    """How per-token losses reduce (verl's loss_agg_mode names): `token-mean`, `seq-mean-token-mean`,
-    `seq-mean-token-sum`, `seq-mean-token-sum-norm` (token sums over `aggregation_norm`, Dr. GRPO);
-    null: token-mean, or seq-mean-token-mean with masked_mean_axis=1. Applies to the policy, value
-    and warm-up (SFT) losses alike."""
+    aggregation: Aggregation = "token-mean"
+    """How per-token losses reduce (verl's loss_agg_mode names): `token-mean`, `seq-mean-token-mean`
+    (each sequence's mean, then over sequences: original GRPO), `seq-mean-token-sum`,
+    `seq-mean-token-sum-norm` (token sums over `aggregation_norm`, Dr. GRPO). Applies to the
+    policy, value and warm-up (SFT) losses alike."""
     aggregation_norm: float | None = Field(None, gt=0)
     """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
 
@@ -265,18 +259,6 @@ class LossConfig(Section):
         """ "token", a positive number (a numeric string too, as YAML or an override may give it), or
         null; anything else is one line naming the key and the accepted forms."""
         return resolve_denominator(value)
-
-    @model_validator(mode="after")
-    def _denominator(self) -> LossConfig:
-        if self.masked_mean_axis == 1 and self.aggregation not in (None, "seq-mean-token-mean"):
-            raise ValueError(
-                f"masked_mean_axis: 1 means aggregation seq-mean-token-mean; got "
-                f"loss.aggregation={self.aggregation} (set one of the two)"
-            )
-        if self.aggregation is None:
-            aggregation = "seq-mean-token-mean" if self.masked_mean_axis == 1 else "token-mean"
-            object.__setattr__(self, "aggregation", aggregation)
-        return self
 
 
 class AlgorithmConfig(Section):

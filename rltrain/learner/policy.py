@@ -17,11 +17,9 @@ from rltrain.loss.losses import PolicyLossSettings, policy_loss
 
 
 def rollout_correction(config: Config) -> RolloutCorrection | None:
-    """The correction the loss applies (``loss.rollout_correction``, or ``loss.tis_cap``), or None."""
-    c, cap = config.loss.rollout_correction, config.loss.tis_cap
-    if c is not None:
-        return RolloutCorrection(c.kind, c.level, c.cap, c.low, c.high)
-    return RolloutCorrection("tis", cap=cap) if cap is not None else None
+    """The correction the loss applies (``loss.rollout_correction``), or None."""
+    c = config.loss.rollout_correction
+    return None if c is None else RolloutCorrection(c.kind, c.level, c.cap, c.low, c.high)
 
 
 class PolicyLearner(EngineLearner):

@@ -103,7 +103,7 @@ def _settings(config: Config, model_path: str) -> str:
     the adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
-    aggregation = [loss.aggregation, loss.masked_mean_axis, norm, loss.masked_mean_denominator]
+    aggregation = [loss.aggregation, norm, loss.masked_mean_denominator]
     learners = SFTLearner.section(config).model_dump(
         exclude={"cpus_per_learner", "gpus_per_learner", "placement"}
     )

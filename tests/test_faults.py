@@ -61,7 +61,7 @@ def kill_actor(out: Path, actor: str) -> int:
 # of the restarted run must be the uninterrupted run's
 RESTART_CASES = {
     "policy learner 1": [*FAULT_RUN, *REFILLING, HF],
-    "generator 0": [*FAULT_RUN, *REFILLING, "rollout.async_steps=1"],
+    "generator 0": [*FAULT_RUN, *REFILLING, "rollout.max_staleness=1"],
 }
 
 
@@ -85,16 +85,49 @@ def test_a_killed_actor_restarts_the_run_which_ends_as_an_uninterrupted_one(tmp_
     assert max(r["rollout/sampling_rounds"] for r in logged_rows(straight_run)) > 1  # refills happened
 
 
-def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tmp_path, ray_cluster):
+def placement(out: Path) -> list[dict] | None:
+    """placement.json's entries, or None until it is written whole."""
+    try:
+        return json.loads((out / "placement.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def created_placement_groups(ray) -> int:
+    from ray.util import placement_group_table
+
+    return sum(pg["state"] == "CREATED" for pg in placement_group_table().values())
+
+
+def test_a_generator_killed_in_the_first_evaluation_restarts_one_set_of_actors_and_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(
+    tmp_path, ray_local, ray_cluster
+):
     out = tmp_path / "run"
-    proc = start_trainer(out, *FAULT_RUN, "run.max_restarts=0", HF, env=ray_cluster)
-    wait_for(lambda: len(logged_steps(out)) >= 3, proc)
+    # a held-out set (64 prompts) evaluated at step 0 and at the end (run.eval_every past the steps)
+    evaluated = ["run.eval_every=100", "eval.num_prompts=64"]
+    proc = start_trainer(out, *FAULT_RUN, *evaluated, "run.max_restarts=1", HF, env=ray_cluster)
+    # 1. placement.json is written as the run's actors start; nothing uses a generator before the
+    # step-0 evaluation (no weights to send in a fresh run), so its first call finds the engine dead
+    wait_for(lambda: placement(out) is not None, proc)
+    one_set = created_placement_groups(ray_local)  # the run's own (each test's runs have ended)
+    first = kill_actor(out, "generator 0")
+    wait_for(lambda: len(logged_steps(out)) >= 4, proc)  # the step-0 row and steps 1-3 of the restart
+    assert (
+        placement(out) != []
+        and next(p for p in placement(out) if p["actor"] == "generator 0")["pid"] != first
+    )
+    # the failed start left nothing behind: the restart holds no more placement groups than the start
+    # did (a leaked set would double them; an earlier run's may still be going as Ray removes them)
+    assert created_placement_groups(ray_local) <= one_set
+    # 2. past run.max_restarts the run stops with one line and the command that resumes it
     pid = kill_actor(out, "policy learner 0")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1
+    assert "rltrain: generator 0 died" in err and f"pid {first}" in err, err[-3000:]
+    assert "restarting every actor from the first step (no checkpoint yet) (restart 1 of 1)" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rltrain: policy learner 0 died (") and f"pid {pid}" in last, err[-3000:]
-    assert "stopping after 0 restart(s) (run.max_restarts=0)" in last
+    assert "stopping after 1 restart(s) (run.max_restarts=1)" in last
     tag = (out / "checkpoints" / "latest").read_text()
     assert f"last checkpoint: {out / 'checkpoints' / tag}" in last
     command = last.split("resume with: ")[1]
@@ -104,7 +137,8 @@ def test_past_max_restarts_the_run_stops_with_one_line_and_the_resume_command(tm
     done = subprocess.run([sys.executable, *command.split()[1:]], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **ray_cluster})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert logged_steps(out) == [1, 2, 3, 4, 5, 6]
+    # every step's row once: the step-0 evaluation's too (logged by the restart alone)
+    assert logged_steps(out) == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, ray_cluster):

@@ -96,11 +96,9 @@ def test_an_agent_that_rewrites_its_history_splits_into_sequences_each_token_in_
     )
     assert episode_metrics([c])["rollout/gateway_splits"] == 1.0
     # both sequences train, each with the episode's advantage
-    prompts, sequences, advantages = training_sequences(
-        [c.prompt_ids], [c], __import__("torch").tensor([0.7])
-    )
+    prompts, sequences, episode = training_sequences([c.prompt_ids], [c])
     assert sequences == [first, c] and prompts == [first.prompt_ids, c.prompt_ids]
-    assert advantages.tolist() == pytest.approx([0.7, 0.7])
+    assert episode.tolist() == [0, 0]  # both parts of completion 0: its advantage
 
 
 def test_a_template_that_rewrites_earlier_turns_splits_the_episode_under_full_render_only():

@@ -271,21 +271,14 @@ class Gateway:
             if room <= 0:
                 raise OutOfRoom(e)
             return e, prompt, room, e.seed + len(e.calls) * SEED_STRIDE
-        except OutOfRoom:
-            e.count_request("length")
-            e.busy = False
-            raise
-        except Refused as refused:
-            e.count_request(refused.kind)
-            e.busy = False
-            raise
-        except TemplateError as error:
-            e.count_request("template")
-            e.failures.setdefault(TEMPLATE, str(error))
-            e.busy = False
-            raise Refused(400, "template", str(error)) from None
-        except BaseException:
-            e.busy = False
+        except BaseException as error:
+            e.busy = False  # whatever went wrong releases the episode; a refusal is counted by its kind
+            if isinstance(error, TemplateError):
+                e.failures.setdefault(TEMPLATE, str(error))
+                e.count_request("template")
+                raise Refused(400, "template", str(error)) from None
+            if isinstance(error, (OutOfRoom, Refused)):
+                e.count_request("length" if isinstance(error, OutOfRoom) else error.kind)
             raise
 
     def _prompt(self, e: AgentEpisode, messages: Messages, tools: list[dict] | None) -> list[int]:

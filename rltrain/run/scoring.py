@@ -293,28 +293,26 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     group = (
         torch.zeros_like(scored.rewards) if alg.advantage == "gae" else advantages(scored.rewards, alg, valid)
     )
-    _, _, valid = training_sequences(prompt_ids, scored.completions, valid)
-    prompt_ids, completions, group = training_sequences(prompt_ids, scored.completions, group)
+    prompt_ids, completions, episode = training_sequences(prompt_ids, scored.completions)
+    group, valid = group[episode], valid[episode]  # a split episode's parts share its advantage
     filtered = [alg.overlong == "filter" and c.truncated for c in completions]
     exclude = [f or not v for f, v in zip(filtered, valid.tolist())]
     return collate(prompt_ids, completions, group, pad_id, exclude if any(exclude) else None, version)
 
 
 def training_sequences(
-    prompt_ids: list[list[int]], completions: list[Completion], advantages_N: torch.Tensor
+    prompt_ids: list[list[int]], completions: list[Completion]
 ) -> tuple[list[list[int]], list[Completion], torch.Tensor]:
-    """Every training sequence: a black-box agent's episode that split (it changed its history)
-    is several, the ones split off first (``Completion.earlier``), each with its own prompt and the
-    episode's advantage. Others are one each."""
-    if not any(c.earlier for c in completions):
-        return prompt_ids, completions, advantages_N
+    """Every training sequence, its prompt, and the index of the completion it belongs to: a
+    black-box agent's episode that split (it changed its history) is several, the ones split off
+    first (``Completion.earlier``), each with its own prompt. Others are one each."""
     prompts, sequences, episode = [], [], []
     for i, (prompt, last) in enumerate(zip(prompt_ids, completions)):
         for part in [*last.earlier, last]:
             prompts.append(part.prompt_ids if part is not last else prompt)
             sequences.append(part)
             episode.append(i)
-    return prompts, sequences, advantages_N[episode]
+    return prompts, sequences, torch.tensor(episode, dtype=torch.long)
 
 
 def with_gae(

@@ -572,10 +572,10 @@ def test_help_config_lists_older_spellings_apart_from_the_keys(capsys):
 
 
 def test_help_config_shows_this_runs_values_a_section_allowed_values_and_the_code_s_built_ins(capsys):
-    # cpu_demo.yaml sets run.steps: 40 (the default is 20); the override sets the backend
+    # cpu_demo.yaml sets run.steps: 60 (the default is 20); the override sets the backend
     assert main(["--config", "configs/cpu_demo.yaml", "--help-config", "run", "rollout.backend=hf"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("run.output_dir = ") and "run.steps = 40\n" in out
+    assert out.startswith("run.output_dir = ") and "run.steps = 60\n" in out
     assert not [line for line in out.splitlines() if line.startswith("rollout.")]  # the section filter
     assert (
         main(["--config", "configs/cpu_demo.yaml", "--help-config", "rollout.backend", "rollout.backend=hf"])

@@ -550,6 +550,11 @@ def test_an_older_and_a_new_spelling_in_one_file_must_agree_and_an_override_wins
     )
     both.write_text("loss:\n  masked_mean_axis: 1\n  aggregation: seq-mean-token-mean\n")  # they agree
     assert load_config(both).loss.aggregation == "seq-mean-token-mean"
+    # the resolved config.yaml of an earlier version (what a resume reads) holds both keys of the
+    # correction; there rollout_correction: null meant "as tis_cap says"
+    both.write_text("loss:\n  tis_cap: 2.0\n  rollout_correction: null\n  masked_mean_axis: null\n")
+    assert load_config(both).loss.rollout_correction.model_dump() == {
+        "kind": "tis", "level": "token", "cap": 2.0, "low": 0.5, "high": 2.0}  # fmt: skip
     # an override replaces the file's value, whichever spelling either uses
     both.write_text("rollout:\n  max_staleness: 1\nloss:\n  tis_cap: 3.0\n")
     config = load_config(both, ["rollout.async_steps=2", "loss.rollout_correction=null"])

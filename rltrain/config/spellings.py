@@ -23,6 +23,9 @@ class Respelled:
     """How an old value reads as a new one (for the note and ``--help-config``)."""
     convert: Callable[[Any], Any] = lambda value: value
     """The old value as the new key takes it (UNSET: none); ValueError for a value it cannot take."""
+    null_defers: bool = False
+    """The new key set to null gives way to the older one: what earlier versions meant by both
+    (their resolved config.yaml, which a resume reads, holds both)."""
 
 
 def _tis_cap(cap: Any) -> Any:
@@ -38,7 +41,8 @@ def _masked_mean_axis(axis: Any) -> Any:
 
 
 RESPELLED = (
-    Respelled("loss.tis_cap", "loss.rollout_correction", "x: {kind: tis, level: token, cap: x}; null: null", _tis_cap),
+    Respelled("loss.tis_cap", "loss.rollout_correction", "x: {kind: tis, level: token, cap: x}; null: null", _tis_cap,
+              null_defers=True),  # (rollout_correction: null meant "as tis_cap says")
     Respelled("loss.masked_mean_axis", "loss.aggregation", "1: seq-mean-token-mean; null: unset", _masked_mean_axis),
     Respelled("rollout.async_steps", "rollout.max_staleness"),
     Respelled("eval.every", "run.eval_every"),
@@ -84,7 +88,8 @@ def respell(raw: Any) -> Any:
         new_section, new_key = new.split(".")
         target = raw.get(new_section)
         target = dict(target) if isinstance(target, dict) else {}
-        if new_key in target and target[new_key] != value:
+        deferred = r.null_defers and target.get(new_key, 0) is None
+        if new_key in target and target[new_key] != value and not deferred:
             raise ValueError(
                 f"{r.old}={section[old_key]!r} and {r.new}={target[new_key]!r} disagree ({r.old} is the "
                 f"older spelling of {r.new}; set one)"

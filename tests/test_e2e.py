@@ -23,7 +23,7 @@ from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
 from rltrain.rollout.sandbox import isolation_problem
 from rltrain.run.diagnostics import synthetic_rollouts
-from rltrain.run.weight_sync import ObjectStoreSync
+from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -155,8 +155,11 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     config = {"learner": {"num_learners": 1, "zero_stage": 0, "lr": 0.05}}
     learners = LearnerGroup(Config.model_validate(config), path, total_optimizer_steps=1)
-    engines = {backend: GeneratorPool(Config.model_validate({**config, "rollout": {"backend": backend}}), path)
-               for backend in ("vllm", "hf")}  # fmt: skip
+
+    def pool_config(backend: str) -> Config:
+        return Config.model_validate({**config, "rollout": {"backend": backend}})
+
+    engines = {backend: GeneratorPool(pool_config(backend), path) for backend in ("vllm", "hf")}
     batch = synthetic_rollouts()
     try:
         learners.train_step(batch)  # the head (= the embeddings) moves with every update
@@ -169,8 +172,8 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
         ):
             check_sync(learners, engines["vllm"], batch, 0.0, 1)
         gaps = {}
-        for backend, pool in engines.items():
-            ObjectStoreSync().push(learners, pool, 1)
+        for backend, pool in engines.items():  # over the weight group: the head is sent once, loaded twice
+            CollectiveSync(learners, pool, False, pool_config(backend).rollout).push(learners, pool, 1)
             gaps[backend] = check_sync(learners, pool, batch, 0.0, 1)
         learners.save_hf(tmp_path / "export")
     finally:
@@ -184,31 +187,53 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
     torch.testing.assert_close(exported.model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
-def test_vllm_logprobs_match_the_learner_after_a_weight_sync(ray_local, tiny_model_path):
+def test_vllm_logprobs_match_the_learner_after_a_collective_sync_and_a_stuck_generator_is_named(
+    ray_local, tiny_model_path
+):
+    import os
+    import signal
+
+    from rltrain.remote import ActorFailure
+
     temperature = 0.8
     config = Config.model_validate(
         {
             "learner": {"num_learners": 2, "zero_stage": 3, "lr": 0.05},
-            "rollout": {"temperature": temperature, "max_new_tokens": 12},
+            # buckets of 64 KiB: the tiny model's 0.4 MB go in several, each gathered from ZeRO-3 shards
+            "rollout": {"temperature": temperature, "max_new_tokens": 12, "num_engines": 2,
+                        "weight_sync_bucket_mb": 1 / 16, "weight_sync_timeout_s": 5},
         }
-    )
+    )  # fmt: skip
     learners = LearnerGroup(config, tiny_model_path, total_optimizer_steps=2)
     generators = GeneratorPool(config, tiny_model_path)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     try:
+        sync = CollectiveSync(learners, generators, False, config.rollout)
         learners.train_step(synthetic_rollouts())  # the learners' weights now differ from the engine's
         stale = generators.prompt_logprobs(prompts)
-        ObjectStoreSync().push(learners, generators, 1)
-        synced = generators.prompt_logprobs(prompts)
+        sync.push(learners, generators, 1)
+        synced = generators.prompt_logprobs(prompts, every=True)
         completions = generators.collect(generators.submit(prompts, seeds=[1, 2]))
         # a judge's greedy replies (reward.judge): none within a millisecond, then the replies
         late = generators.complete(prompts, 6, timeout_s=1e-3)
         replies = generators.complete(prompts, 6, timeout_s=120)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         model.load_state_dict(learners.state_dict())
+        # a generator that stops answering in a sync: named once the sync's time limit has passed
+        stuck = generators.where()[1]["pid"]
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            with pytest.raises(ActorFailure, match=r"^generator 1 did not finish the weight sync within "
+                               r"rollout.weight_sync_timeout_s=5s"):  # fmt: skip
+                sync.push(learners, generators, 2)
+        finally:
+            os.kill(stuck, signal.SIGCONT)
     finally:
         learners.shutdown()
         generators.shutdown()
+    assert len(layout_buckets := sync.layout.buckets) > 2 and sync.backend == "gloo", len(layout_buckets)
+    assert synced[0] == synced[1]  # both engines took the same weights
+    synced = synced[0]
 
     def learner_logprobs(seq, t):
         ids = torch.tensor([seq])
@@ -302,7 +327,8 @@ def test_mismatch_guard_stops_a_run_whose_engine_keeps_its_first_synced_weights(
 
     monkeypatch.setattr(ObjectStoreSync, "push", stuck_push)
     # the guard's default (auto: 1e-2, no staleness here)
-    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=10", "run.checkpoint_every=0"]
+    overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=10", "run.checkpoint_every=0",
+                 "rollout.weight_sync=object_store"]  # fmt: skip
     with pytest.raises(
         RunFailed, match=r"step \d+: rollout/mismatch_kl = .* > run.max_mismatch_kl = auto: 0.01"
     ):
@@ -327,7 +353,7 @@ def test_samples_from_an_engine_whose_weights_never_arrive_are_dropped_not_train
     monkeypatch.setattr(ObjectStoreSync, "push", lambda self, learners, generators, version: 0.0)
     # (run.check_sync would stop this run at its first sync, which is the point of that check)
     overrides = [*SMALL, f"run.output_dir={tmp_path}", "run.steps=3", "run.checkpoint_every=0",
-                 "rollout.max_staleness=1", "run.check_sync=false"]  # fmt: skip
+                 "rollout.max_staleness=1", "run.check_sync=false", "rollout.weight_sync=object_store"]  # fmt: skip
     train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sequences = 4 * 4  # SMALL: 4 prompts x 4 completions a step

@@ -75,8 +75,17 @@ def test_the_layers_point_down():
             "rltrain.data",
             "rltrain.loading",
             "rltrain.adapters",
+            "rltrain.weight_transfer",
         },
-        "learner": {"learner", "loss", "config", "rltrain.batch", "rltrain.remote", "rltrain.adapters"},
+        "learner": {
+            "learner",
+            "loss",
+            "config",
+            "rltrain.batch",
+            "rltrain.remote",
+            "rltrain.adapters",
+            "rltrain.weight_transfer",
+        },  # fmt: skip
         "rltrain.loading": set(),  # the user's code, loaded for rewards, environments and agents
         "config": {"config"},
     }

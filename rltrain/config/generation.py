@@ -122,6 +122,19 @@ class RolloutConfig(Section):
     inflight_chunk_tokens: int = Field(16, ge=1)
     """With inflight_updates, the transformers backend or LoRA adapters: tokens a request generates between two
     chances to take new weights."""
+    weight_sync: Literal["collective", "object_store"] = "collective"
+    """How new weights reach the engines after an update. `collective`: learner rank 0 and every
+    engine join one process group at start-up (NCCL where each holds a GPU of its own, else gloo
+    through host memory) and rank 0 broadcasts the weights in buckets, gathered bucket by bucket
+    under ZeRO-3. `object_store`: rank 0 puts the whole state dict in Ray's object store and each
+    engine fetches it. Where the group cannot be formed the run says so in one line at start-up and
+    uses the object store."""
+    weight_sync_bucket_mb: float = Field(64.0, gt=0)
+    """collective: the bytes gathered, copied and broadcast at once (a tensor larger than this goes
+    alone); bounds the memory the sync takes on the learner."""
+    weight_sync_timeout_s: float = Field(300.0, gt=0)
+    """collective: forming the group, and one sync's broadcast, fail after this long; a generator
+    that is gone or stuck is named and the run restarts from its newest checkpoint."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """vLLM CPU KV cache size."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)

@@ -116,6 +116,27 @@ class LearnerGroup:
         ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
         return refs[0]
 
+    def device_key(self) -> str | None:
+        """Rank 0's GPU (:func:`rltrain.weight_transfer.device_key`)."""
+        return gather([self.actors[0].device_key.remote()], self.names[:1], self.timeout_s)[0]
+
+    def weight_layout(self, adapters_only: bool, bucket_bytes: int) -> Any:
+        """What a collective sync sends (:meth:`LearnerState.weight_layout`)."""
+        return gather([self.actors[0].weight_layout.remote(adapters_only, bucket_bytes)], self.names[:1],
+                      self.timeout_s)[0]  # fmt: skip
+
+    def open_weight_group(
+        self, world_size: int, backend: str, timeout_s: float
+    ) -> tuple[tuple[str, int], ray.ObjectRef]:
+        """Rank 0 opens the weight group on a free port of its node: the address and the call, to
+        be awaited together with the receivers' joining it."""
+        address = gather([self.actors[0].node_address.remote()], self.names[:1], self.timeout_s)[0]
+        return address, self.actors[0].open_weight_group.remote(*address, world_size, backend, timeout_s)
+
+    def broadcast_weights(self, adapters_only: bool, layout: Any) -> list[ray.ObjectRef]:
+        """Every rank gathers, rank 0 sends (the calls, awaited with the receivers')."""
+        return [actor.broadcast_weights.remote(adapters_only, layout) for actor in self.actors]
+
     def sent_bytes(self) -> int:
         """The size of the weights or adapters rank 0 gathered last."""
         return gather([self.actors[0].get_sent_bytes.remote()], self.names[:1], self.timeout_s)[0]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rltrain import adapters
+from rltrain.learner.sender import WeightSender
 
 LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
 LAYOUT_FREE = (
@@ -120,7 +121,7 @@ def recorded_write_errors(
                 delattr(engine, name)  # the class's method again
 
 
-class LearnerState:
+class LearnerState(WeightSender):
     """The weights-and-files half of :class:`~rltrain.learner.engine.EngineLearner` (which sets
     ``engine``, ``lc``, ``rank``, ``config``, ``model_path`` and ``optimizer_steps``)."""
 
@@ -129,24 +130,12 @@ class LearnerState:
 
     def _gathered(self, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor] | None:
         """The module's parameters that ``keep`` names, whole, on rank 0 (None elsewhere), by every
-        name the model's own state dict has: a tied output head is sent as ``lm_head.weight`` too
-        (``named_parameters()`` names a shared parameter once, and an engine that reloads in place
-        kept its first head). Under ZeRO-3 every rank must call this together."""
-        import deepspeed
-
-        state: dict[str, torch.Tensor] = {}
-        first_name: dict[int, str] = {}  # a shared parameter is gathered once, sent under each name
-        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
-            if not keep(name):
-                continue
-            if id(param) in first_name:
-                if self.rank == 0:
-                    state[name] = state[first_name[id(param)]]
-                continue
-            first_name[id(param)] = name
-            with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
-                if self.rank == 0:
-                    state[name] = param.detach().to("cpu", copy=True)
+        name the model's own state dict has (:meth:`_sent`). Under ZeRO-3 every rank must call
+        this together."""
+        state = {name: tensor.to("cpu", copy=True) for name, tensor in self._full(keep) if self.rank == 0}
+        for name, _, shared in self._sent(keep):
+            if shared is not None and self.rank == 0:
+                state[name] = state[shared]
         self.sent_bytes = sum(t.numel() * t.element_size() for t in state.values())
         return state if self.rank == 0 else None
 

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from rltrain import weight_transfer
 from rltrain.adapters import is_adapter
 from rltrain.batch import Completion, Segment
 from rltrain.config import Config
@@ -69,6 +70,8 @@ class GeneratorActor:
         self._loaded_names: list[str] = []  # of the last weights taken
         self._pending_lock = threading.Lock()
         self._busy_s, self._since = 0.0, None  # seconds in finished rollouts; the one running since
+        self.weight_group = None  # rollout.weight_sync=collective: this engine's member of the weight group
+        self._received: dict[int, dict[str, torch.Tensor]] = {}  # by version, over the collective
 
     def rollout(self, requests: list, seeds: list[int], greedy: bool = False) -> list[Completion]:
         """A completion per request: a prompt's token ids, or with an environment a data row."""
@@ -145,6 +148,28 @@ class GeneratorActor:
             finally:
                 self._engine.release()
 
+    def device_key(self) -> str | None:
+        return weight_transfer.device_key()
+
+    @ray.method(concurrency_group="health")  # answers while every other call waits
+    def alive(self) -> bool:
+        return True
+
+    def open_weight_group(self, address: str, port: int, rank: int, world_size: int, backend: str,
+                          timeout_s: float) -> None:  # fmt: skip
+        """Join the weight group (:mod:`rltrain.weight_transfer`) as member ``rank``."""
+        self.weight_group = weight_transfer.open_group(address, port, rank, world_size, backend, timeout_s)
+
+    @ray.method(concurrency_group="weights")  # at once, beside a rollout in progress
+    def receive_weights(self, layout: weight_transfer.Layout, version: int) -> None:
+        """The weights of policy ``version`` over the weight group, held until
+        :meth:`take_received` (which keeps the place of :meth:`load_weights` among the rollouts)."""
+        self._received[version] = weight_transfer.receive(self.weight_group, layout)
+
+    def take_received(self, version: int) -> None:
+        """:meth:`load_weights` with the weights received for ``version``."""
+        self.load_weights(self._received.pop(version), version)
+
     def _between_steps(self) -> int:
         self._take_weights()
         return self.version
@@ -188,7 +213,8 @@ class GeneratorPool:
         """``lora``: the engines take the policy's LoRA adapters (``model.lora``), not full weights."""
         rc = config.rollout
         # in-flight weights and the busy-time probe answer beside a rollout in progress
-        actor_cls = ray.remote(concurrency_groups={"weights": 1})(GeneratorActor).options(
+        # (and whether the process answers at all, beside a call blocked in the weight group)
+        actor_cls = ray.remote(concurrency_groups={"weights": 1, "health": 1})(GeneratorActor).options(
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )
         self.actors = [actor_cls.remote(config, model_path, i, lora) for i in range(rc.num_engines)]
@@ -232,11 +258,40 @@ class GeneratorPool:
     def load_weights(self, state_ref: ray.ObjectRef, version: int) -> None:
         """Every engine takes the weights of policy ``version`` (with in-flight updates, at its
         next chunk boundary)."""
+        self._load("load_weights", state_ref, version)
+
+    def take_received(self, version: int) -> None:
+        """:meth:`load_weights` with the weights each engine received over the weight group."""
+        self._load("take_received", version)
+
+    def _load(self, method: str, *args: Any) -> None:
         group = "weights" if self.inflight else None  # beside the rollouts in flight, or after them
-        refs = [
-            a.load_weights.options(concurrency_group=group).remote(state_ref, version) for a in self.actors
-        ]
+        refs = [getattr(a, method).options(concurrency_group=group).remote(*args) for a in self.actors]
         gather(refs, self.names, self.timeout_s)
+
+    def device_keys(self) -> list[str | None]:
+        """Each engine's GPU (:func:`rltrain.weight_transfer.device_key`)."""
+        return gather([a.device_key.remote() for a in self.actors], self.names, self.timeout_s)
+
+    def open_weight_group(
+        self, address: str, port: int, backend: str, timeout_s: float
+    ) -> list[ray.ObjectRef]:
+        """Every engine joins the weight group (ranks 1 and up; the sender is rank 0): the calls,
+        to be awaited together with the sender's."""
+        world = self.size + 1
+        return [a.open_weight_group.remote(address, port, i + 1, world, backend, timeout_s)
+                for i, a in enumerate(self.actors)]  # fmt: skip
+
+    def silent(self, names: list[str], timeout_s: float = 2.0) -> list[str]:
+        """Which of the generators ``names`` do not answer at all within ``timeout_s`` (a process
+        stopped or stuck outside Python), as against one that waits on a peer."""
+        refs = {self.actors[self.names.index(name)].alive.remote(): name for name in names}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        return [name for ref, name in refs.items() if ref not in ready]
+
+    def receive_weights(self, layout: Any, version: int) -> list[ray.ObjectRef]:
+        """Every engine receives a collective sync (the calls, awaited with the sender's)."""
+        return [a.receive_weights.remote(layout, version) for a in self.actors]
 
     def bump_version(self, version: int) -> None:
         """The engines' weights, unchanged, become policy ``version`` (a step without an update):

@@ -228,6 +228,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             parts["reward_model"] = RewardModel(
                 partial(LearnerGroup, config, inputs.model_path, 0, RewardModelLearner)
             )
+        sync = weight_sync(config, parts["learners"], parts["generators"])
     except BaseException:
         for part in parts.values():
             part.shutdown()
@@ -237,7 +238,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
         config, sampler, parts["generators"], scorer, model_scorers(config, inputs, parts)
     )
     run = Run(out, inputs.tokenizer, orchestrator, scorer, parts["learners"], parts["generators"],
-              weight_sync(config), start_step=0, critic=parts.get("critic"), teacher=parts.get("teacher"),
+              sync, start_step=0, critic=parts.get("critic"), teacher=parts.get("teacher"),
               reward_model=parts.get("reward_model"), judge_engines=parts.get("judge_engines"))  # fmt: skip
     try:
         record_placement(run)

@@ -1,13 +1,20 @@
 """Weight sync from the learners to the generators, behind one interface, and its check.
 
-``ObjectStoreSync``: learner rank 0 gathers the full weights (under ZeRO-3
-every rank takes part in the gather), puts them in the Ray object store once, and every engine
-reloads them in place through its model's checkpoint loader. The weights go by every name the
-model's state dict has, a tied output head included. It works on CPU and GPU alike; on GPU a
-broadcast over NCCL between learner rank 0 and the engines would skip the host copy, and belongs
-behind this same interface.
+``CollectiveSync`` (``rollout.weight_sync: collective``, the default): learner rank 0 and every
+engine form one process group at start-up (:mod:`rltrain.weight_transfer`: NCCL where each holds a
+GPU of its own, gloo through host memory otherwise) and rank 0 broadcasts the weights in buckets of
+``rollout.weight_sync_bucket_mb``, gathered bucket by bucket under ZeRO-3 (every rank takes part
+in the gathers). Each engine receives beside the rollout in progress and takes the weights where
+the object store's would have been taken. A generator that dies or sticks in a sync is named and
+the run restarts, forming the group afresh; where the group cannot be formed at all the run says
+so in one line and uses the object store.
 
-``AdapterSync`` (with ``model.lora.rank``): the same path with the LoRA adapters alone.
+``ObjectStoreSync`` (``rollout.weight_sync: object_store``): rank 0 gathers the full weights, puts
+them in the Ray object store once, and every engine reloads them from there.
+
+Both send the weights by every name the model's state dict has, a tied output head included, and
+every engine reloads them in place through its model's checkpoint loader. With ``model.lora.rank``
+both send the LoRA adapters alone (``adapters_only``).
 
 :func:`check_sync`: after a run's first sync, every engine and the learners score the same probe
 sequences; a gap beyond the numerical noise measured before the update stops the run with one line
@@ -16,13 +23,16 @@ that names the engine parameters no sent weight loads, or says that none is know
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Protocol
 
+import ray
 import torch
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.group import LearnerGroup
+from rltrain.remote import ActorFailure, gather
 from rltrain.rollout import GeneratorPool
 
 PROBE_SEQUENCES = 4
@@ -44,9 +54,11 @@ class WeightSync(Protocol):
 
 
 class ObjectStoreSync:
-    """The full weights through the object store (see the module docstring)."""
+    """The full weights (``adapters_only``: the LoRA adapters) through the object store (see the
+    module docstring)."""
 
-    adapters_only = False
+    def __init__(self, adapters_only: bool = False):
+        self.adapters_only = adapters_only
 
     def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()
@@ -55,17 +67,62 @@ class ObjectStoreSync:
         return time.perf_counter() - start
 
 
-class AdapterSync(ObjectStoreSync):
-    """``model.lora``: the LoRA adapters alone (megabytes, not the base model's gigabytes). A vLLM
-    engine serves each version as a LoRA adapter over its unchanged base, keeping the versions
-    that rollouts still in flight need; the transformers backend loads it through peft."""
+class CollectiveSync:
+    """The weights broadcast over the weight group (see the module docstring)."""
 
-    adapters_only = True
+    def __init__(self, learners: LearnerGroup, generators: GeneratorPool, adapters_only: bool, rc) -> None:
+        self.adapters_only, self.timeout_s = adapters_only, rc.weight_sync_timeout_s
+        keys = [learners.device_key(), *generators.device_keys()]
+        self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
+        address, sender = learners.open_weight_group(generators.size + 1, self.backend, self.timeout_s)
+        receivers = generators.open_weight_group(*address, self.backend, self.timeout_s)
+        self._await(learners.names[:1], [sender], generators, receivers, "joining the weight group")
+        self.layout = learners.weight_layout(adapters_only, int(rc.weight_sync_bucket_mb * 2**20))
+
+    def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
+        start = time.perf_counter()
+        receivers = generators.receive_weights(self.layout, version)
+        senders = learners.broadcast_weights(self.adapters_only, self.layout)
+        self._await(learners.names, senders, generators, receivers, "the weight sync")
+        generators.take_received(version)  # in order with the rollouts, as the object store's
+        return time.perf_counter() - start
+
+    def _await(self, sender_names, senders, generators: GeneratorPool, receivers, what: str) -> None:
+        """Every call of a collective step, within ``rollout.weight_sync_timeout_s``: a generator
+        that dies is named (its peers' errors are its doing), and so is one that does not finish
+        (the learners wait on it)."""
+        refs, names = [*receivers, *senders], [*generators.names, *sender_names]
+        _, silent = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if silent:
+            waiting = [name for ref, name in zip(refs, names) if ref in silent]
+            # the generators that answer nothing, else every generator still waiting, else the learners
+            engines = [name for name in waiting if name in generators.names]
+            named = generators.silent(engines) or engines or waiting
+            raise ActorFailure(", ".join(named), f"did not finish {what} within rollout.weight_sync_timeout_s="
+                               f"{self.timeout_s:g}s", timed_out=True)  # fmt: skip
+        gather(refs, names, self.timeout_s)
 
 
-def weight_sync(config) -> WeightSync:
-    """The sync for the run: adapters with ``model.lora.rank``, else the full weights."""
-    return AdapterSync() if config.model.lora.rank else ObjectStoreSync()
+def weight_sync(config, learners: LearnerGroup, generators: GeneratorPool) -> WeightSync:
+    """The run's sync: ``rollout.weight_sync``, and the object store where the weight group cannot
+    be formed (said in one line)."""
+    adapters_only = config.model.lora.rank > 0
+    if config.rollout.weight_sync == "collective":
+        try:
+            return CollectiveSync(learners, generators, adapters_only, config.rollout)
+        except ActorFailure as e:
+            if not e.timed_out:  # an actor died: the run restarts
+                raise
+            why = str(e)
+        except (RuntimeError, OSError) as e:  # what gloo, NCCL and the store raise (a bug propagates)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        print(
+            f"rltrain: note: rollout.weight_sync=collective could not be set up ({why}); the weights go "
+            "through the object store (rollout.weight_sync=object_store)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ObjectStoreSync(adapters_only)
 
 
 def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch) -> float:

@@ -1,0 +1,75 @@
+"""The learners' side of the weight sync: which parameters go to the engines, by which names, and
+the collective sync's sender (:mod:`rltrain.weight_transfer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rltrain import adapters, weight_transfer
+
+
+class WeightSender:
+    """Mixed into :class:`~rltrain.learner.state.LearnerState` (which sets ``engine``, ``lc``,
+    ``rank`` and ``sent_bytes``)."""
+
+    def _sent(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.nn.Parameter, str | None]]:
+        """The parameters that ``keep`` names, by every name the model's own state dict has, each
+        with the name it was first seen under where it is shared (a tied output head:
+        ``named_parameters()`` names it once, and an engine that reloads in place kept its first
+        head), else None."""
+        first_name: dict[int, str] = {}
+        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+            if keep(name):
+                yield name, param, first_name.get(id(param))
+                first_name.setdefault(id(param), name)
+
+    def _full(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each parameter ``keep`` names that is not shared under an earlier name, whole: gathered
+        one at a time under ZeRO-3 (every rank must iterate together), on rank 0 a view valid until
+        the next item (None elsewhere)."""
+        import deepspeed
+
+        for name, param, shared in self._sent(keep):
+            if shared is None:
+                with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
+                    yield name, param.detach() if self.rank == 0 else None
+
+    def _sent_names(self, adapters_only: bool) -> tuple[Callable[[str], bool], Callable[[str], str]]:
+        """Which parameters a sync sends and the name each goes by: every one by its own name, or
+        the LoRA adapters by peft's file names."""
+        if adapters_only:
+            return adapters.is_adapter, adapters.file_name
+        return (lambda name: True), (lambda name: name)
+
+    def weight_layout(self, adapters_only: bool, bucket_bytes: int) -> weight_transfer.Layout:
+        """What a collective sync sends (rank 0): the tensors, their buckets and the shared names."""
+        keep, rename = self._sent_names(adapters_only)
+        metas, aliases = [], {}
+        for name, param, shared in self._sent(keep):
+            if shared is not None:
+                aliases[rename(name)] = rename(shared)
+            else:  # under ZeRO-3 a rank holds a shard; ds_shape is the whole parameter's
+                shape = tuple(getattr(param, "ds_shape", param.shape))
+                metas.append(weight_transfer.TensorMeta(rename(name), shape, param.dtype))
+        return weight_transfer.plan_buckets(metas, bucket_bytes, aliases)
+
+    def device_key(self) -> str | None:
+        return weight_transfer.device_key()
+
+    def open_weight_group(
+        self, address: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Rank 0 joins the weight group as its sender (and hosts its store)."""
+        self.weight_group = weight_transfer.open_group(address, port, 0, world_size, backend, timeout_s)
+
+    def broadcast_weights(self, adapters_only: bool, layout: weight_transfer.Layout) -> None:
+        """A collective sync: every rank gathers (ZeRO-3), rank 0 sends bucket by bucket."""
+        keep, rename = self._sent_names(adapters_only)
+        tensors = ((rename(name), tensor) for name, tensor in self._full(keep))
+        if self.rank == 0:
+            self.sent_bytes = weight_transfer.send(self.weight_group, layout, tensors)
+        else:
+            for _ in tensors:  # take part in every gather
+                pass

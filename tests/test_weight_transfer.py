@@ -1,0 +1,105 @@
+"""The weight group's transport (rltrain.weight_transfer) between real processes over gloo: what is
+sent arrives bit for bit whatever the dtypes and bucket cuts, and a receiver that is gone or stuck
+fails the sender instead of hanging it."""
+
+import multiprocessing
+import socket
+import time
+
+import pytest
+import torch
+
+from rltrain.weight_transfer import Layout, TensorMeta, open_group, plan_buckets, receive, send
+
+TIMEOUT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(7, 5, generator=g),  # 140 bytes
+        "norm": torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: the next tensor is realigned
+        "steps": torch.arange(5, dtype=torch.int64),  # 40 bytes
+        "big": torch.randn(40, 10, generator=g),  # 1600 bytes: more than a bucket, alone
+        "head": torch.randn(2, 2, generator=g).double(),  # 32 bytes
+    }
+
+
+def _layout(bucket_bytes: int = 256) -> Layout:
+    metas = [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in _weights().items()]
+    return plan_buckets(metas, bucket_bytes, aliases={"lm_head": "embed"})
+
+
+def _member(rank: int, port: int, behaviour: str, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        group = open_group("127.0.0.1", port, rank, 3, "gloo", TIMEOUT_S)
+        layout = _layout()
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                results.put((0, send(group, layout, iter(_weights().items())), time.monotonic() - start))
+            except RuntimeError as e:
+                results.put((0, f"error: {e}", time.monotonic() - start))
+        elif behaviour == "gone" and rank == 2:
+            return  # leaves the group before the sync
+        elif behaviour == "stuck" and rank == 2:
+            time.sleep(3 * TIMEOUT_S)  # alive, never receives
+        else:
+            results.put((rank, {k: v.clone() for k, v in receive(group, layout).items()}, 0.0))
+    except Exception as e:  # noqa: BLE001  (reported, so the test fails at once, not at its queue's time-out)
+        results.put((rank, f"error: {e}", 0.0))
+
+
+def _run(behaviour: str) -> dict[int, tuple]:
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_member, args=(rank, port, behaviour, results)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    expected = 3 if behaviour == "ok" else 2
+    out = {}
+    for _ in range(expected):
+        rank, value, seconds = results.get(timeout=60)
+        out[rank] = (value, seconds)
+    for p in procs:
+        p.join(timeout=1 if behaviour == "stuck" else 30)
+        if p.is_alive():
+            p.kill()
+    return out
+
+
+def test_buckets_cut_in_order_and_a_tensor_larger_than_a_bucket_goes_alone():
+    layout = _layout(bucket_bytes=256)
+    # 140 + 6 + 40 = 186 <= 256, + 1600 would pass: cut; big alone; head after it in a new bucket
+    assert [[m.name for m in b] for b in layout.buckets] == [["embed", "norm", "steps"], ["big"], ["head"]]
+    assert layout.nbytes == 140 + 6 + 40 + 1600 + 32
+    assert layout.aliases == {"lm_head": "embed"}
+
+
+def test_every_receiver_gets_the_weights_bit_for_bit():
+    out = _run("ok")
+    sent_bytes = out[0][0]
+    # bucket 1: embed at 0 (140 bytes), norm at 144 (the next multiple of 16), steps at 160: 200 bytes
+    assert sent_bytes == 200 + 1600 + 32
+    for rank in (1, 2):
+        got = out[rank][0]
+        assert set(got) == {*_weights(), "lm_head"}
+        for name, tensor in _weights().items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert torch.equal(got["lm_head"], _weights()["embed"])  # the alias, sent once
+
+
+@pytest.mark.parametrize("behaviour", ["gone", "stuck"])
+def test_a_receiver_gone_or_stuck_fails_the_sender_instead_of_hanging_it(behaviour):
+    out = _run(behaviour)
+    message, seconds = out[0]
+    assert isinstance(message, str) and message.startswith("error:"), message
+    # gone: the connection closes at once; stuck: the group's time limit (5 s) ends the wait
+    assert seconds < 6 * TIMEOUT_S

@@ -194,7 +194,7 @@ def trainer_run(model: str, method: str, steps: int, out: Path) -> list[object]:
     if placement.exists():
         time.sleep(0.5)
         actors = {a["actor"]: a["pid"] for a in json.loads(placement.read_text())}
-        pids = {"learner": actors["learner 0"], "engine": actors["generator 0"]}
+        pids = {"learner": actors["policy learner 0"], "engine": actors["generator 0"]}
     with PeakRSS(pids) as peaks:
         _, err = proc.communicate()
     if proc.returncode != 0:

@@ -1,10 +1,10 @@
 """The weight sync, collective against object store, side by side in one run.
 
-    python benchmarks/bench_sync.py [--steps 3] [--models tiny tiny-256 tiny-512 smollm2]
+    python benchmarks/bench_sync.py [--steps 3] [--models tiny tiny-256 tiny-512 smollm2] [--zero 2 3]
     python benchmarks/bench_sync.py --transport [--shape 1.5b] [--buckets 64 256 1024]
 
-Trainer mode (the default): one ``python -m rltrain.train`` run per model and method, the demo's
-layout (2 DeepSpeed learners under ZeRO-3, 1 vLLM engine) doing plain GRPO with full fine-tuning.
+Trainer mode (the default): one ``python -m rltrain.train`` run per model, ZeRO stage and method,
+the demo's layout (2 DeepSpeed learners, 1 vLLM engine) doing plain GRPO with full fine-tuning.
 It reports the sync's seconds and bytes (the mean over the steps after the first), the step time
 around it, the largest engine-learner log-prob gap (``rollout/mismatch_max``), and the peak resident
 memory of learner rank 0 and of the engine, sampled from outside every 20 ms over the whole run
@@ -175,14 +175,14 @@ def transport_main(args) -> None:
 # ---------------------------------------------------------------- trainer mode (Ray, DeepSpeed, vLLM)
 
 
-def trainer_run(model: str, method: str, steps: int, out: Path) -> list[object]:
+def trainer_run(model: str, method: str, zero: int, steps: int, out: Path) -> list[object]:
     import json
     import subprocess
 
     from common import PLAIN_GRPO, REPO
 
     small = ["algorithm.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=16",
-             "learner.micro_batch_size=8", "learner.zero_stage=3"]  # fmt: skip
+             "learner.micro_batch_size=8", f"learner.zero_stage={zero}"]  # fmt: skip
     cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *PLAIN_GRPO,
            f"run.output_dir={out}", f"model.name_or_path={model}", f"run.steps={steps}",
            f"rollout.weight_sync={method}", *small]  # fmt: skip
@@ -225,12 +225,13 @@ def trainer_main(args) -> None:
 
                 hidden, layers = BUILTIN_SIZES[name]
                 model = str(build_tiny_model(Path(scratch) / name, hidden_size=hidden, num_layers=layers))
-            for method in ("collective", "object_store"):
-                out = Path(scratch) / f"{name}-{method}"
-                os.makedirs(out, exist_ok=True)
-                results.append([name, *trainer_run(model, method, args.steps, out)])
-                print(results[-1], flush=True)
-    print(table(["model", "sync", "MiB", "s / sync", "s / step", "mismatch max", "learner 0 peak MiB",
+            for zero in args.zero:
+                for method in ("collective", "object_store"):
+                    out = Path(scratch) / f"{name}-{zero}-{method}"
+                    os.makedirs(out, exist_ok=True)
+                    results.append([name, zero, *trainer_run(model, method, zero, args.steps, out)])
+                    print(results[-1], flush=True)
+    print(table(["model", "ZeRO", "sync", "MiB", "s / sync", "s / step", "mismatch max", "learner 0 peak MiB",
                  "engine peak MiB"], results))  # fmt: skip
 
 
@@ -242,6 +243,7 @@ def main() -> None:
     parser.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     parser.add_argument("--buckets", type=float, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--zero", type=int, nargs="+", default=[2, 3], help="the learners' ZeRO stages")
     parser.add_argument(
         "--models", nargs="+", default=[*BUILTIN_SIZES, "smollm2"], choices=[*BUILTIN_SIZES, "smollm2"]
     )

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from rltrain import tasks
 from rltrain.config import BUILTIN_TASK, DataConfig, EvalConfig, SFTWarmupConfig, first_line
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -55,6 +56,7 @@ BUILTIN_SOURCES = {
     "builtin:guess": episode_rows,
     "builtin:chain": episode_rows,
 }
+HELD_OUT_SEED = 1_000_003  # a generated task's held-out questions: its seed plus this
 ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
 
@@ -62,7 +64,8 @@ RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
 def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[list[dict], list[dict]]:
     """``(training rows, held-out rows)``: no held-out question is ever a training question."""
     n = ev.num_prompts
-    if ev.source is None and data.source != BUILTIN_TASK:
+    generated = data.source == BUILTIN_TASK or tasks.is_task(data.source)
+    if ev.source is None and not generated:
         if len(rows) <= n:
             raise ValueError(
                 f"eval.num_prompts={n} would leave none of the {len(rows)} rows of data.source to train on"
@@ -70,6 +73,10 @@ def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[
         return rows[:-n], rows[-n:]
     if ev.source is not None:
         candidates = load_rows(data.model_copy(update={"source": ev.source}), "eval.source")
+    elif tasks.is_task(data.source):  # more questions from another seed, drawn apart from the training ones
+        candidates = tasks.task_rows(
+            data.source, 8 * n, data.seed + HELD_OUT_SEED, data.task_config, "data.source"
+        )
     else:  # the built-in task: more questions, drawn apart from the training ones
         candidates = arithmetic_rows(n=8 * n, seed=4321)
     seen, held = {r["prompt"] for r in rows}, []
@@ -161,6 +168,8 @@ def tokenize_completion(text: str, tokenizer) -> tuple[list[int], list[int]]:
 def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
     """Every row as ``{"prompt", "answer"}``, validated: a problem raises ValueError naming the
     config ``key`` the source came from, the row (line, for JSON Lines) and the column."""
+    if tasks.is_task(config.source):
+        return tasks.task_rows(config.source, config.size, config.seed, config.task_config, key)
     if config.source.startswith("builtin:"):
         if config.source not in BUILTIN_SOURCES:
             raise ValueError(

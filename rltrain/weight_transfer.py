@@ -8,8 +8,9 @@ buckets on the GPU where the sender and every receiver hold a GPU of their own. 
 has a time limit, so a peer that is gone or stuck fails the sync instead of hanging it.
 
 A bucket is a flat byte buffer that the tensors of a stretch of the model fill one after another
-(any dtype); a tensor larger than a bucket goes alone. The sender gathers, copies and sends one
-bucket at a time, so the host memory the sync takes on the sender is one bucket, not the model.
+(any dtype); a tensor larger than a bucket goes alone. The sender gathers and copies one bucket
+while the one before it is on its way, so the memory the sync takes on the sender is two buckets at
+most, not the model.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Layout:
     def nbytes(self) -> int:
         return sum(meta.nbytes for bucket in self.buckets for meta in bucket)
 
+    @property
+    def names(self) -> list[str]:
+        """Every name a sync loads: each tensor's, and the aliases."""
+        return [meta.name for bucket in self.buckets for meta in bucket] + list(self.aliases)
+
 
 def plan_buckets(
     metas: Iterable[TensorMeta], bucket_bytes: int, aliases: dict[str, str] | None = None
@@ -74,10 +80,12 @@ class WeightGroup:
     store: Any
     device: torch.device
 
-    def broadcast(self, buffer: torch.Tensor) -> None:
+    def broadcast(self, buffer: torch.Tensor):
+        """Start broadcasting ``buffer`` from rank 0 (into it, elsewhere); ``.wait()`` the result.
+        The group carries its broadcasts in the order they were started."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([buffer], options).wait()
+        return self.group.broadcast([buffer], options)
 
 
 def open_group(
@@ -105,9 +113,10 @@ def device_key() -> str | None:
 
 def send(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
     """Rank 0: broadcast ``tensors`` (by the layout's order and names, each taken from the iterator
-    just before it is copied, so a gathered parameter can be let go at once) bucket by bucket.
-    Returns the bytes sent."""
-    sent = 0
+    just before it is copied, so a gathered parameter can be let go at once) bucket by bucket, each
+    bucket filled while the one before it is on its way (two at most at once). Returns the bytes
+    sent."""
+    sent, in_flight = 0, None
     for bucket in layout.buckets:
         offsets, size = _places(bucket)
         buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
@@ -117,23 +126,47 @@ def send(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str, torch.
                 raise RuntimeError(f"weight sync: sent {name} {tuple(tensor.shape)}, the layout has "
                                    f"{meta.name} {tuple(meta.shape)}")  # fmt: skip
             view.copy_(tensor.detach())
-        group.broadcast(buffer)
+        if in_flight is not None:
+            in_flight.wait()  # (its buffer goes with it)
+        in_flight = group.broadcast(buffer)
         sent += size
-        del buffer  # one bucket at a time
+    if in_flight is not None:
+        in_flight.wait()
     return sent
 
 
-def receive(group: WeightGroup, layout: Layout) -> dict[str, torch.Tensor]:
-    """A receiver: every tensor of the layout by name (aliases included), views of the buckets."""
-    out = {}
-    for bucket in layout.buckets:
-        offsets, size = _places(bucket)
-        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer)
-        out |= {meta.name: view for meta, view in zip(bucket, _views(buffer, bucket, offsets))}
+def receive(group: WeightGroup, layout: Layout, ahead: int = 2) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver: every tensor of the layout by name (an alias right after its tensor), views of
+    the buckets, each bucket's as soon as it has arrived; ``ahead`` buckets are posted before the one
+    being read, so a consumer that loads them as they come (an engine's in-place reload) overlaps
+    the transfer. Every bucket must be read (the broadcasts are collective)."""
+    aliases: dict[str, list[str]] = {}
     for alias, name in layout.aliases.items():
-        out[alias] = out[name]
-    return out
+        aliases.setdefault(name, []).append(alias)
+    posted: list[tuple[list[TensorMeta], torch.Tensor, list[int], Any]] = []
+
+    def post(index: int) -> None:
+        if index < len(layout.buckets):
+            bucket = layout.buckets[index]
+            offsets, size = _places(bucket)
+            buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+            posted.append((bucket, buffer, offsets, group.broadcast(buffer)))
+
+    for index in range(ahead + 1):
+        post(index)
+
+    def arriving() -> Iterator[tuple[str, torch.Tensor]]:
+        for index in range(len(layout.buckets)):
+            bucket, buffer, offsets, work = posted[index]
+            posted[index] = None  # (the views keep the buffer as long as they are used)
+            work.wait()
+            post(index + ahead + 1)
+            for meta, view in zip(bucket, _views(buffer, bucket, offsets)):
+                yield meta.name, view
+                for alias in aliases.get(meta.name, ()):
+                    yield alias, view
+
+    return arriving()
 
 
 def _places(bucket: list[TensorMeta]) -> tuple[list[int], int]:

@@ -125,6 +125,18 @@ INPUTS = {
         "data.jsonl line 2, column 'prompt': expected a non-empty string, got None",
     ),
     "unknown built-in data": (lambda t: ["data.source=builtin:chess"], "unknown built-in 'builtin:chess'"),
+    "unknown reasoning-gym task": (
+        lambda t: ["data.source=reasoning_gym:chain_summ", "sft_warmup.steps=0"],
+        "data.source: reasoning-gym has no dataset 'chain_summ'; did you mean chain_sum",
+    ),
+    "a reasoning-gym setting its task does not take": (
+        lambda t: [
+            "data.source=reasoning_gym:chain_sum",
+            "sft_warmup.steps=0",
+            "data.task_config={bogus: 3}",
+        ],
+        "data.source: reasoning-gym's 'chain_sum' does not take data.task_config {'bogus': 3}",
+    ),
     "output folder is a file": (
         lambda t: [f"run.output_dir={(t / 'taken').write_text('') or t / 'taken'}"],
         "taken' is a file, expected a folder",
@@ -432,6 +444,19 @@ def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, 
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *build(tmp_path)]
     capsys.readouterr()  # what building the inputs printed (transformers' progress bars)
     fails_with_one_line(argv, expected, capsys)
+
+
+def test_wandb_not_installed_stops_before_any_actor_with_how_to_install_it(capsys, tmp_path, monkeypatch):
+    import sys
+
+    import rltrain.train
+
+    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
+    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", "run.wandb_project=p"]
+    fails_with_one_line(
+        argv, "run.wandb_project: wandb is not installed (pip install 'rltrain[wandb]'", capsys
+    )
 
 
 def test_a_ray_address_where_nothing_answers_stops_with_one_line(tmp_path, capsys, monkeypatch):

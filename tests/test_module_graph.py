@@ -76,6 +76,7 @@ def test_the_layers_point_down():
             "rltrain.loading",
             "rltrain.adapters",
             "rltrain.weight_transfer",
+            "rltrain.tasks",
         },
         "learner": {
             "learner",

@@ -232,3 +232,40 @@ def test_a_reward_function_from_a_file_path_and_the_hint_for_a_module_not_on_the
         ValueError, match=r"No module named 'nowhere_reward'.*PYTHONPATH.*path/to/nowhere_reward\.py:f"
     ):
         load_reward_fn("nowhere_reward:f")
+
+
+def test_reasoning_gym_rows_their_held_out_questions_and_the_datasets_own_scorer():
+    from rltrain.config import EvalConfig
+    from rltrain.data import split_held_out
+    from rltrain.tasks import extract_answer, reasoning_gym_reward
+
+    data = DataConfig(
+        source="reasoning_gym:chain_sum", size=50, seed=3, task_config={"min_terms": 2, "max_terms": 2}
+    )
+    rows = load_rows(data)
+    assert len(rows) == 50 and rows == load_rows(data)  # the seed fixes them
+    train, held = split_held_out(rows, data, EvalConfig(num_prompts=8))
+    assert train == rows and len(held) == 8
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in rows}  # another seed, none shared
+    row = rows[0]
+    right = json.loads(row["answer"])["answer"]
+    wrong = str(int(right) + 1)
+    # the last <answer> tag, else the last \boxed{}, else the last non-empty line
+    assert extract_answer(f"<answer>{wrong}</answer> no: <answer> {right} </answer>\nbye") == right
+    assert extract_answer(f"so \\boxed{{{right}}}") == right
+    assert extract_answer(f"thinking\n{right}\n\n") == right
+    assert reasoning_gym_reward(f"<answer>{right}</answer>", row["answer"]) == 1.0
+    assert reasoning_gym_reward(f"<answer>{wrong}</answer>", row["answer"]) == 0.0
+    assert load_reward_fn("reasoning_gym") is reasoning_gym_reward
+
+
+def test_a_composite_reasoning_gym_source_mixes_its_datasets_and_scores_each_by_its_own():
+    from rltrain.tasks import reasoning_gym_reward
+
+    data = DataConfig(source="reasoning_gym:composite", size=40, seed=1,
+                      task_config={"datasets": [{"name": "chain_sum", "weight": 3}, {"name": "gcd", "weight": 1}]})  # fmt: skip
+    entries = [json.loads(r["answer"]) for r in load_rows(data)]
+    names = [e["metadata"]["source_dataset"] for e in entries]
+    assert set(names) == {"chain_sum", "gcd"} and names.count("chain_sum") > names.count("gcd")
+    gcd = next(r for r, n in zip(load_rows(data), names) if n == "gcd")
+    assert reasoning_gym_reward(json.loads(gcd["answer"])["answer"], gcd["answer"]) == 1.0  # the last line

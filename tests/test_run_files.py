@@ -9,7 +9,7 @@ import pytest
 from rltrain.learner import state
 from rltrain.run import checkpoint
 from rltrain.run.checkpoint import prune
-from rltrain.run.tracking import read_metrics, truncate_metrics
+from rltrain.run.tracking import Tracker, read_metrics, truncate_metrics
 
 
 def test_prune_keeps_the_newest_and_never_the_latest_pointer(tmp_path):
@@ -175,3 +175,18 @@ def test_a_runs_own_object_store_holds_twice_the_weights_it_syncs(tmp_path):
     os.truncate(tmp_path / "model.safetensors", 538 * 2**20)  # SmolLM2-135M in fp32 (sparse file)
     # 2 x 538 MiB + 256 MiB of room (it was 512 MiB, smaller than the weights one sync puts there)
     assert object_store_bytes(str(tmp_path)) == (2 * 538 + 256) * 2**20
+
+
+def test_wandb_offline_writes_the_runs_file_with_every_metric_tensorboard_gets(tmp_path, monkeypatch):
+    from rltrain.config import load_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: the run's files only
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = load_config(None, ["run.wandb_project=rltrain-tests", "run.steps=2"])
+    with Tracker(tmp_path, config, start_step=0) as tracker:
+        tracker.log(1, {"reward/mean": 0.625, "loss/policy": 0.125})
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    # the records hold each key and its value as JSON text (wandb's own reader is in its Go core)
+    data = runs[0].read_bytes()
+    assert b"reward/mean" in data and b"0.625" in data and b"loss/policy" in data and b"0.125" in data

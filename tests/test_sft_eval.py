@@ -271,6 +271,19 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path, ray_clus
     assert torch.isfinite(torch.tensor(result["eval/accuracy"]))
 
 
+def test_a_reasoning_gym_task_trains_and_is_evaluated_by_its_own_scorer(tmp_path, ray_cluster):
+    out = tmp_path / "run"
+    done = run_trainer(out, "data.source=reasoning_gym:chain_sum", "data.size=64",
+                       "data.task_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+                       "data.max_prompt_tokens=200", "reward.functions={reasoning_gym: 1.0}",
+                       "rollout.tools.enabled=[]", "sft_warmup.steps=0", "run.steps=1", "run.eval_every=1",
+                       "eval.num_prompts=4", "run.checkpoint_every=0", env=ray_cluster)  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # held-out accuracy is the dataset's own score_answer (a correctness function), before and after
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1], done.stdout[-2000:]
+    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0 and "reward/reasoning_gym" in rows[-1]
+
+
 def test_the_cached_warm_start_is_redone_when_its_loss_aggregation_changes():
     from rltrain.config import Config
     from rltrain.run.warm_start import _settings

@@ -52,7 +52,7 @@ def _member(rank: int, port: int, behaviour: str, results) -> None:
         elif behaviour == "stuck" and rank == 2:
             time.sleep(3 * TIMEOUT_S)  # alive, never receives
         else:
-            results.put((rank, {k: v.clone() for k, v in receive(group, layout).items()}, 0.0))
+            results.put((rank, {k: v.clone() for k, v in receive(group, layout)}, 0.0))
     except Exception as e:  # noqa: BLE001  (reported, so the test fails at once, not at its queue's time-out)
         results.put((rank, f"error: {e}", 0.0))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -285,7 +286,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
                 f"config file {str(path)!r} holds a {type(raw).__name__}, expected a mapping of sections "
                 "(model:, learner:, loss:, ...)"
             )
-    raw = _respelled(raw)  # (an override then wins over the file's value in either spelling)
+    raw = _as_config_error(respell, raw)  # (an override then wins over the file's value in either spelling)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -302,7 +303,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             problem = getattr(e, "problem", None) or type(e).__name__
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
         _check_mapping_value(item, key, node[leaf])
-        new_key, new_value = _respelled_key(key, node[leaf])
+        new_key, new_value = _as_config_error(respell_key, key, node[leaf])
         if new_key != key:  # an older spelling: moved to its new key
             del node[leaf]
             if new_value is not UNSET:
@@ -311,16 +312,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     return validate(raw)
 
 
-def _respelled(raw: dict[str, Any]) -> dict[str, Any]:
+def _as_config_error(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its ValueError (an older spelling's bad value, or two that disagree) a ConfigError."""
     try:
-        return respell(raw)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _respelled_key(key: str, value: Any) -> tuple[str, Any]:
-    try:
-        return respell_key(key, value)
+        return fn(*args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

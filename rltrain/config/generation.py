@@ -152,8 +152,18 @@ class RolloutConfig(Section):
 class DataConfig(Section):
     source: str = BUILTIN_TASK
     """A built-in (`builtin:arithmetic`; `builtin:guess` and `builtin:chain`, the rows of those
-    environments' episodes), a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset
-    name."""
+    environments' episodes), `reasoning_gym:<name>` (one of reasoning-gym's procedural datasets,
+    generated with data.size, data.seed and data.task_config; score with the `reasoning_gym`
+    reward), a local .jsonl/.json/.parquet/.arrow file or folder, or a hub dataset name."""
+    size: int = Field(2000, ge=1)
+    """`reasoning_gym:<name>`: the rows generated for training."""
+    seed: int = 0
+    """`reasoning_gym:<name>`: the dataset's seed (held-out rows come from another, and none of
+    them is a training question)."""
+    task_config: dict[str, Any] = {}
+    """`reasoning_gym:<name>`: the dataset's own settings (its config's keys, e.g. `{min_terms: 2,
+    max_terms: 3}` for chain_sum); `reasoning_gym:composite` lists its datasets here as
+    `{datasets: [{name: chain_sum, weight: 2, config: {...}}, {name: gcd}]}`."""
     subset: str | None = None
     """Hub dataset configuration name (e.g. `main` for openai/gsm8k)."""
     split: str = "train"
@@ -233,7 +243,8 @@ class JudgeConfig(Section):
 class RewardConfig(Section):
     functions: dict[str, float] = Field({"math": 1.0}, min_length=1)
     """Reward functions and their weights, `{name: weight, ...}` (a space after each colon):
-    built-ins (`math`: math-verify, `exact_match`, `format`, `digits`), `env` (the environment's
+    built-ins (`math`: math-verify, `exact_match`, `format`, `digits`, `reasoning_gym`: a
+    reasoning_gym:<name> source's own scorer), `env` (the environment's
     own reward, see env.name), `model` (reward.model's score), `judge` (reward.judge's verdict), or
     a user function `module:function` (importable where rltrain runs) or `path/to/file.py:function`.
     A user function takes (completion, answer) and returns a float, or takes TRL's batch form
@@ -299,7 +310,7 @@ class EvalConfig(Section):
     reward_functions: dict[str, float] | None = None
     """What held-out completions are scored by, as reward.functions (weights included): logged per
     function (`eval/reward/<name>`) and weighted (`eval/reward`), and `eval/accuracy` where a
-    correctness function (`math`, `exact_match`) is among them. null: the run's own
+    correctness function (`math`, `exact_match`, `reasoning_gym`) is among them. null: the run's own
     reward.functions, those computed by code always, a reward model's and a judge's (they cost a
     model's forward per completion) only with eval.model_rewards."""
     model_rewards: bool = False

@@ -382,6 +382,8 @@ class RunConfig(Section):
     stop_after: int | None = Field(None, ge=1)
     """Stop (after checkpointing) once this step is reached, as a preempted job would."""
     wandb_project: str | None = None
-    """Also log to Weights & Biases under this project."""
+    """Also log every metric to Weights & Biases under this project, as TensorBoard gets them
+    (`pip install 'rltrain[wandb]'`; WANDB_MODE=offline writes the run's files under
+    output_dir/wandb without an account, for `wandb sync` later)."""
     ray_num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local Ray instance started when no cluster is given (default: all)."""

@@ -65,11 +65,24 @@ class WeightSender:
         self.weight_group = weight_transfer.open_group(address, port, 0, world_size, backend, timeout_s)
 
     def broadcast_weights(self, adapters_only: bool, layout: weight_transfer.Layout) -> None:
-        """A collective sync: every rank gathers (ZeRO-3), rank 0 sends bucket by bucket."""
-        keep, rename = self._sent_names(adapters_only)
-        tensors = ((rename(name), tensor) for name, tensor in self._full(keep))
+        """A collective sync: every rank gathers each bucket's parameters at once (ZeRO-3: one
+        all-gather a bucket), rank 0 sends it."""
+        tensors = self._bucketed(adapters_only, layout)
         if self.rank == 0:
             self.sent_bytes = weight_transfer.send(self.weight_group, layout, tensors)
         else:
             for _ in tensors:  # take part in every gather
                 pass
+
+    def _bucketed(
+        self, adapters_only: bool, layout: weight_transfer.Layout
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        import deepspeed
+
+        keep, rename = self._sent_names(adapters_only)
+        params = {rename(name): param for name, param, shared in self._sent(keep) if shared is None}
+        for bucket in layout.buckets:
+            group = [params[meta.name] for meta in bucket]
+            with deepspeed.zero.GatheredParameters(group, enabled=self.lc.zero_stage == 3):
+                for meta, param in zip(bucket, group):
+                    yield meta.name, param.detach() if self.rank == 0 else None

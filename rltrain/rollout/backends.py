@@ -178,7 +178,9 @@ class VLLMBackend:
         return None if self.adapters is None else self.adapters.request
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        named_tensors = list(named_tensors)
+        """In place, from any iterable (an iterator is read as its tensors arrive)."""
+        if self.adapters is not None:
+            named_tensors = list(named_tensors)
         if self.adapters is not None and all(is_adapter(name) for name, _ in named_tensors):
             # a LoRA adapter: served over the unchanged base from its folder; requests of older
             # versions still in flight keep theirs (each prefix is cached per adapter)

@@ -161,10 +161,19 @@ class GeneratorActor:
         self.weight_group = weight_transfer.open_group(address, port, rank, world_size, backend, timeout_s)
 
     @ray.method(concurrency_group="weights")  # at once, beside a rollout in progress
-    def receive_weights(self, layout: weight_transfer.Layout, version: int) -> None:
-        """The weights of policy ``version`` over the weight group, held until
-        :meth:`take_received` (which keeps the place of :meth:`load_weights` among the rollouts)."""
-        self._received[version] = weight_transfer.receive(self.weight_group, layout)
+    def receive_weights(self, layout: weight_transfer.Layout, version: int, now: bool) -> None:
+        """The weights of policy ``version`` over the weight group. ``now`` (no rollout is in
+        flight or waiting on this engine): loaded bucket by bucket as they arrive; otherwise held
+        until :meth:`take_received`, which keeps the place of :meth:`load_weights` among the
+        rollouts."""
+        arriving = weight_transfer.receive(self.weight_group, layout)
+        if not now:
+            self._received[version] = dict(arriving)
+            return
+        with self._engine, self._pending_lock:
+            self._pending = None  # (older weights not taken yet: these replace them)
+            self.backend.load_weights(arriving)
+            self._loaded_names, self.version = layout.names, version
 
     def take_received(self, version: int) -> None:
         """:meth:`load_weights` with the weights received for ``version``."""
@@ -289,9 +298,12 @@ class GeneratorPool:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         return [name for ref, name in refs.items() if ref not in ready]
 
-    def receive_weights(self, layout: Any, version: int) -> list[ray.ObjectRef]:
-        """Every engine receives a collective sync (the calls, awaited with the sender's)."""
-        return [a.receive_weights.remote(layout, version) for a in self.actors]
+    def receive_weights(self, layout: Any, version: int) -> tuple[list[ray.ObjectRef], bool]:
+        """Every engine receives a collective sync: the calls (awaited with the sender's), and
+        whether the engines load the weights as they arrive (no rollout was in flight: nothing
+        submitted before the weights can take them) or hold them for :meth:`take_received`."""
+        now = not self._submitted
+        return [a.receive_weights.remote(layout, version, now) for a in self.actors], now
 
     def bump_version(self, version: int) -> None:
         """The engines' weights, unchanged, become policy ``version`` (a step without an update):

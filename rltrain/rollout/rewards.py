@@ -41,6 +41,7 @@ from typing import Any
 from pebble import ProcessPool
 
 from rltrain.loading import import_attribute
+from rltrain.tasks import reasoning_gym_reward
 
 RewardFn = Callable[[str, str], float]
 # math-verify warns on every call that its own timeout is off; ours is the worker's deadline
@@ -75,6 +76,7 @@ BUILTIN: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "format": format_reward,
     "digits": digits_reward,
+    "reasoning_gym": reasoning_gym_reward,  # a reasoning_gym:<name> data source's own scorer
 }
 
 

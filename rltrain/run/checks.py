@@ -75,6 +75,7 @@ def preflight(config: Config) -> Inputs:
             raise ConfigError(f"{key}: {source!r} does not exist")
     _check_tools(config)
     _check_backend(config)
+    _check_tracking(config)
     out = _output_folder(config)
     model_path = resolve_model(config, out)
     _check_model(config, model_path)
@@ -445,6 +446,17 @@ def _check_model(config: Config, model_path: str) -> None:
             f"learner.sequence_parallel_size={sp} does not divide the model's "
             f"{model_config.num_attention_heads} attention heads"
         )
+
+
+def _check_tracking(config: Config) -> None:
+    if config.run.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "run.wandb_project: wandb is not installed (pip install 'rltrain[wandb]'; "
+                "WANDB_MODE=offline logs without an account)"
+            ) from None
 
 
 def _check_backend(config: Config) -> None:

@@ -20,7 +20,7 @@ from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
-CORRECTNESS = ("math", "exact_match")  # reward functions whose mean is a held-out accuracy
+CORRECTNESS = ("math", "exact_match", "reasoning_gym")  # reward functions whose mean is a held-out accuracy
 
 
 def evaluate(

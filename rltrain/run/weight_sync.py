@@ -4,8 +4,9 @@
 engine form one process group at start-up (:mod:`rltrain.weight_transfer`: NCCL where each holds a
 GPU of its own, gloo through host memory otherwise) and rank 0 broadcasts the weights in buckets of
 ``rollout.weight_sync_bucket_mb``, gathered bucket by bucket under ZeRO-3 (every rank takes part
-in the gathers). Each engine receives beside the rollout in progress and takes the weights where
-the object store's would have been taken. A generator that dies or sticks in a sync is named and
+in the gathers). An engine with no rollout in flight loads each bucket as it arrives, overlapping
+the transfer; one with rollouts in flight receives beside them and takes the weights where the
+object store's would have been taken. A generator that dies or sticks in a sync is named and
 the run restarts, forming the group afresh; where the group cannot be formed at all the run says
 so in one line and uses the object store.
 
@@ -81,10 +82,11 @@ class CollectiveSync:
 
     def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()
-        receivers = generators.receive_weights(self.layout, version)
+        receivers, loaded = generators.receive_weights(self.layout, version)
         senders = learners.broadcast_weights(self.adapters_only, self.layout)
         self._await(learners.names, senders, generators, receivers, "the weight sync")
-        generators.take_received(version)  # in order with the rollouts, as the object store's
+        if not loaded:
+            generators.take_received(version)  # in order with the rollouts, as the object store's
         return time.perf_counter() - start
 
     def _await(self, sender_names, senders, generators: GeneratorPool, receivers, what: str) -> None:

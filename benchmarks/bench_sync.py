@@ -114,7 +114,7 @@ def _member(rank: int, world: int, port: int, backend: str, shape: str, buckets_
                 if rank == 0:
                     wt.send(group, layout, iter(state.items()))
                 else:  # as an engine loads them: onto its own device
-                    for tensor in wt.receive(group, layout).values():
+                    for _, tensor in wt.receive(group, layout):
                         tensor.to(device, non_blocking=True)
                 if cuda:
                     torch.cuda.synchronize()

@@ -98,6 +98,8 @@ class TrainBatch:
     # set where a step mixes policy versions (in-flight updates): 1 on tokens sampled by the weights
     # the learners hold, the tokens the sampling-mismatch metrics are measured on
     fresh_mask: torch.Tensor | None = None  # [N, T]
+    # set by nonempty on an empty micro-batch's stand-in row: a forward that counts nothing
+    blank: torch.Tensor | None = None  # [N] bool
 
     def loss_tool_mask(self) -> torch.Tensor:
         """The tool mask less what a rollout correction rejected: with ``response_mask``, the loss
@@ -310,4 +312,5 @@ def nonempty(mb: TrainBatch) -> TrainBatch:
         maker = torch.ones if name == "attention_mask" else torch.zeros
         return maker(shape, dtype=value.dtype)
 
-    return TrainBatch(**{f.name: blank(f.name, getattr(mb, f.name)) for f in fields(mb)})
+    row = TrainBatch(**{f.name: blank(f.name, getattr(mb, f.name)) for f in fields(mb)})
+    return row.replace(blank=torch.ones(1, dtype=torch.bool))

@@ -16,6 +16,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
 DEFAULT_HIDDEN_SIZE = 64
+MOE_EXPERTS, MOE_TOP_K = 8, 2  # of builtin:tiny-moe
 TINY_ATTENTION_HEADS = DEFAULT_HIDDEN_SIZE // HEAD_DIM  # of the default built-in model
 # Qwen2.5's structure, with a shorter tool preamble (every character is a token here): tools as
 # one line each in the system turn, calls as JSON in <tool_call> tags, results as <tool_response>
@@ -70,20 +71,24 @@ def build_tiny_model(
     num_layers: int = 2,
     tie_word_embeddings: bool = False,
     family: str = "qwen2",
+    router_std: float | None = None,
 ) -> Path:
     """Write a freshly initialized tiny model and its tokenizer to ``out_dir``; returns the folder.
     ``tie_word_embeddings``: the output head shares the input embeddings, as most pretrained
-    checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma). ``family``: ``qwen2`` or ``llama`` (the
-    architecture engines build for it; vLLM's Llama, for one, takes LoRA on its output head)."""
+    checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma). ``family``: ``qwen2``, ``llama`` (the
+    architecture engines build for it; vLLM's Llama, for one, takes LoRA on its output head) or
+    ``qwen3_moe`` (:data:`MOE_EXPERTS` experts per layer, top-:data:`MOE_TOP_K`: ``builtin:tiny-moe``).
+    ``router_std``: the routers' initial scale (an MoE's default, 0.02, sits near ties: every expert
+    about equally likely; ~0.5 routes decisively)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
     from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     tokenizer = build_tokenizer()
-    config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -97,8 +102,18 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if family == "qwen3_moe":  # vLLM's CPU experts need sizes divisible by 32
+        config = Qwen3MoeConfig(**shape, head_dim=HEAD_DIM, num_experts=MOE_EXPERTS,
+                                num_experts_per_tok=MOE_TOP_K, moe_intermediate_size=hidden_size,
+                                norm_topk_prob=True)  # fmt: skip
+    else:
+        config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if router_std is not None:
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                torch.nn.init.normal_(param, std=router_std)
     out.mkdir(parents=True, exist_ok=True)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a one-shard save needs no progress bar on the console

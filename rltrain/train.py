@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rltrain.config import TINY_MODEL, ConfigError, describe, describe_respelled, load_config
+from rltrain.config import TINY_MODEL, TINY_MOE_MODEL, ConfigError, describe, describe_respelled, load_config
 from rltrain.run import checkpoint
 from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
@@ -99,7 +99,7 @@ def help_config(args: argparse.Namespace) -> int:
         "data.source": list(BUILTIN_SOURCES),
         "eval.source": list(BUILTIN_SOURCES),
         "reward.functions": [*REWARDS, *GIVEN],
-        "model.name_or_path": [TINY_MODEL],
+        "model.name_or_path": [TINY_MODEL, TINY_MOE_MODEL],
     }
     try:
         print(describe(load_config(args.config, overrides), section or None, builtins))

@@ -29,6 +29,11 @@ CASES = {
         "loss.aggregation: got 'seq-mean'; Input should be",
     ),
     "zero aggregation norm": (["loss.aggregation_norm=0"], "loss.aggregation_norm: got 0;"),
+    "load-balancing loss on a dense model": (
+        ["loss.moe_aux_coef=0.01"],
+        "loss.moe_aux_coef=0.01: builtin:tiny is not a mixture of experts",
+    ),
+    "unknown load-balancing scope": (["loss.moe_aux_scope=forward"], "loss.moe_aux_scope: got 'forward';"),
     "too many learners": (
         ["learner.num_learners=8", "learner.cpus_per_learner=1", "run.ray_num_cpus=2"],
         "learner.num_learners: 8 learners x 1.0 CPU + 1 engines x 0.5 CPU need 8.5 CPUs, the cluster has 2",

@@ -54,6 +54,7 @@ def _is_positive_number(value: object) -> bool:
 
 
 TINY_MODEL = "builtin:tiny"
+TINY_MOE_MODEL = "builtin:tiny-moe"  # the same, its MLPs a mixture of experts
 BUILTIN_TASK = "builtin:arithmetic"
 SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
 
@@ -94,8 +95,9 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     name_or_path: str = TINY_MODEL
     """A local model directory, a Hugging Face hub name, a local llama.cpp `.gguf` file (dequantized
-    to a Hugging Face folder once, in ~/.cache/rltrain/gguf), or `builtin:tiny` (a ~100k-parameter
-    Qwen2 model and byte-level tokenizer built locally, no download)."""
+    to a Hugging Face folder once, in ~/.cache/rltrain/gguf), `builtin:tiny` (a ~100k-parameter
+    Qwen2 model and byte-level tokenizer built locally, no download) or `builtin:tiny-moe` (a tiny
+    Qwen3-MoE on the same tokenizer: 8 experts, top-2)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False
@@ -252,6 +254,16 @@ class LossConfig(Section):
     policy, value and warm-up (SFT) losses alike."""
     aggregation_norm: float | None = Field(None, gt=0)
     """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
+    moe_aux_coef: float | None = Field(None, ge=0)
+    """Weight of a mixture of experts' load-balancing loss (Switch Transformer's, as transformers
+    computes it); null: the model config's `router_aux_loss_coef` (0 for a model without one);
+    0: off. A dense model refuses a positive value."""
+    moe_aux_scope: Literal["step", "micro_batch"] = "step"
+    """`step`: the loss of each optimizer step is transformers' `load_balancing_loss_func` over all
+    of the step's tokens (every micro-batch on every rank), whatever the layout (the assignment
+    counts come from a no-grad forward before the step, summed in the token totals' collective);
+    `micro_batch`: transformers' own per-forward loss, averaged like a per-micro-batch mean (the
+    layout-dependent control)."""
 
     @field_validator("masked_mean_denominator", mode="before")
     @classmethod

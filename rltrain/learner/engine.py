@@ -77,6 +77,49 @@ def peak_memory_mib(use_cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
 
 
+class StepMetrics:
+    """One rank's metrics of a step, reduced over ranks in one all-reduce (and one for maxima):
+    token sums (logged as global token means), maxima, raw totals of given sizes, and the tokens
+    the model ran on (:data:`TOKEN_COUNTS`, set by the caller)."""
+
+    def __init__(self, sums: list[str], maxes: list[str], totals: dict[str, int]):
+        self.sum_names, self.max_names, self.total_sizes = sums, maxes, totals
+        n, t = len(sums), len(TOKEN_COUNTS)
+        self.values = torch.zeros(n + t + sum(totals.values()), dtype=torch.float64)
+        self.token_counts = self.values[n : n + t]  # a view: set in place
+        self.maxes = torch.zeros(len(maxes), dtype=torch.float64)
+        self.tokens = 0.0
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        n = len(self.sum_names)
+        self.values[:n] += torch.tensor([float(metrics.get(k, 0.0)) for k in self.sum_names])
+        offset = n + len(TOKEN_COUNTS)
+        for k, size in self.total_sizes.items():
+            if k in metrics:
+                self.values[offset : offset + size] += metrics[k].detach().reshape(-1).cpu().double()
+            offset += size
+        self.maxes = torch.maximum(
+            self.maxes, torch.tensor([float(metrics.get(k, 0.0)) for k in self.max_names])
+        )
+
+    def reduce(self) -> tuple[dict[str, float], dict[str, float], dict[str, torch.Tensor], list[float]]:
+        """Global (token means, maxima, totals, token counts); :attr:`tokens` the global loss tokens."""
+        import torch.distributed as dist
+
+        dist.all_reduce(self.values)  # one collective for every metric: global token sums
+        if self.max_names:
+            dist.all_reduce(self.maxes, op=dist.ReduceOp.MAX)
+        n, t = len(self.sum_names), len(TOKEN_COUNTS)
+        self.tokens = max(self.values[self.sum_names.index("tokens")].item(), 1.0)
+        means = {
+            k: self.values[i].item() / self.tokens for i, k in enumerate(self.sum_names) if k != "tokens"
+        }
+        maxes = {k: self.maxes[i].item() for i, k in enumerate(self.max_names)}
+        ends = torch.tensor([0, *self.total_sizes.values()]).cumsum(0) + n + t
+        totals = {k: self.values[ends[j] : ends[j + 1]] for j, k in enumerate(self.total_sizes)}
+        return means, maxes, totals, self.values[n : n + t].tolist()
+
+
 class EngineLearner(LearnerState):
     """One data-parallel rank owning a DeepSpeed engine: set-up, the accumulation loop (explicit
     boundaries, the one token-total collective, one metrics all-reduce), checkpoints and export.
@@ -91,6 +134,8 @@ class EngineLearner(LearnerState):
     PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
     METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
     METRIC_MAXES: list[str] = []  # maxima :meth:`_loss` reports; logged as the global maximum
+    # tensors of the given sizes :meth:`_loss` reports, summed globally for :meth:`_finish_totals`
+    METRIC_TOTALS: dict[str, int] = {}
 
     @staticmethod
     def section(config: Config) -> LearnerConfig:
@@ -110,6 +155,7 @@ class EngineLearner(LearnerState):
         self.sp = self.lc.sequence_parallel_size
         self.sp_rank = rank % self.sp
         self.attn_implementation = None
+        self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
 
     def node_address(self) -> tuple[str, int]:
         import socket
@@ -216,7 +262,6 @@ class EngineLearner(LearnerState):
 
     def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
         """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
-        import torch.distributed as dist
 
         _planted_hang(self.rank, self.optimizer_steps)
         start = time.perf_counter()
@@ -233,21 +278,20 @@ class EngineLearner(LearnerState):
         ]
         groups = self._before_training(groups)
         flat = [mb for group in groups for mb in group]
-        totals = None
-        if mode == "token":
+        totals, extra = None, self._step_counts(flat)
+        if mode == "token" or extra is not None:
             # one collective for every accumulation group of the step (the same over PPO epochs);
             # with packing, groups may hold different numbers of micro-batches
             counted = None if self.sp == 1 else [mb.counted for mb in flat]
             totals = step_totals([mb.response_mask for mb in flat], [len(g) for g in groups],
-                                 [mb.loss_tool_mask() for mb in flat], counted)  # fmt: skip
-        n = len(self.METRIC_SUMS)
-        sums = torch.zeros(n + len(TOKEN_COUNTS), dtype=torch.float64)
+                                 [mb.loss_tool_mask() for mb in flat], counted, extra=extra)  # fmt: skip
+        step = StepMetrics(self.METRIC_SUMS, self.METRIC_MAXES, self.METRIC_TOTALS)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
-        sums[n:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens])
-        maxes = torch.zeros(len(self.METRIC_MAXES), dtype=torch.float64)
+        step.token_counts[:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens])
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
+                self.group_counts = None if totals is None or totals.extra is None else totals.extra[g]
                 for i, mb in enumerate(group):
                     if mode == "token":
                         # the group's global count (tokens, or sequences for a per-sequence
@@ -259,28 +303,21 @@ class EngineLearner(LearnerState):
                     loss, metrics = self._loss(mb, denominator)
                     if mode != "token":
                         loss = loss / len(group)
+                    loss = loss + self._scaled_loss(len(group), metrics)
                     self.engine.set_gradient_accumulation_boundary(i == len(group) - 1)
                     self.engine.backward(loss)
-                    sums[:n] += torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_SUMS])
-                    maxes = torch.maximum(
-                        maxes, torch.tensor([float(metrics.get(k, 0.0)) for k in self.METRIC_MAXES])
-                    )
+                    step.add(metrics)
                 lrs.append(self.engine.get_lr()[0])
                 self.engine.step()
                 self.optimizer_steps += 1
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     grad_norms.append(float(norm))
-        dist.all_reduce(sums)  # one collective for every metric: global token sums
-        if self.METRIC_MAXES:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        tokens = max(sums[self.METRIC_SUMS.index("tokens")].item(), 1.0)
-        p = self.PREFIX
-        out = {f"{p}/{k}": sums[i].item() / tokens for i, k in enumerate(self.METRIC_SUMS) if k != "tokens"}
-        out |= {f"{p}/{k}": maxes[i].item() for i, k in enumerate(self.METRIC_MAXES)}
-        out = self._finish_metrics(out)
+        means, maxes, totals, (forward_tokens, sequence_tokens) = step.reduce()
+        p, tokens = self.PREFIX, step.tokens
+        out = self._finish_metrics({f"{p}/{k}": v for k, v in (means | maxes).items()})
+        out |= self._finish_totals(totals, optimizer_steps=lc.ppo_epochs * len(groups))
         out[f"{p}/tokens"] = tokens / lc.ppo_epochs
-        forward_tokens, sequence_tokens = sums[n:].tolist()
         out[f"perf/{self.PERF}forward_tokens"] = forward_tokens
         out[f"perf/{self.PERF}padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
         out[f"perf/{self.PERF}peak_memory_mib"] = peak_memory_mib(self.use_cuda)
@@ -298,8 +335,20 @@ class EngineLearner(LearnerState):
         """What every micro-batch needs from the pre-update model (nothing by default)."""
         return groups
 
+    def _step_counts(self, flat: list[TrainBatch]) -> list[torch.Tensor] | None:
+        """Int64 ``[K]`` counts per micro-batch, summed per accumulation group into ``group_counts``."""
+        return None
+
+    def _scaled_loss(self, accumulation_steps: int, metrics: dict[str, torch.Tensor]) -> torch.Tensor | float:
+        """A term of the last forward scaled for the layout already (never divided by accumulation)."""
+        return 0.0
+
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         return out
+
+    def _finish_totals(self, totals: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
+        """Logged metrics from the global :attr:`METRIC_TOTALS` (none by default)."""
+        return {}
 
     @torch.no_grad()
     def per_token(self, micro_batches: list[TrainBatch], own: bool = False) -> list[torch.Tensor]:

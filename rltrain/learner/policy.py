@@ -1,8 +1,12 @@
 """The policy's learner: per-token log-probs (padded, packed or sequence-parallel), the policy loss
-(:func:`rltrain.loss.losses.policy_loss`), the frozen reference for a KL term, and the rollout
-correction's rejections, decided on the pre-update policy before the step's token totals."""
+(:func:`rltrain.loss.losses.policy_loss`), the frozen reference for a KL term, the rollout
+correction's rejections, decided on the pre-update policy before the step's token totals, and a
+mixture of experts' load-balancing loss (:mod:`rltrain.loss.moe`), its assignment counts taken on
+the pre-update policy too and summed in the same collective."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -11,9 +15,11 @@ from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
+from rltrain.learner.routers import RouterTap, router_rows
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
 from rltrain.loss.logprobs import Truncation, sequence_logprobs
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
+from rltrain.loss.moe import expert_counts, expert_load_max, load_balancing_loss, router_entropy_sum
 
 
 def rollout_correction(config: Config) -> RolloutCorrection | None:
@@ -40,6 +46,10 @@ class PolicyLearner(EngineLearner):
             aggregation=loss.aggregation, aggregation_norm=config.aggregation_norm,
         )  # fmt: skip
         self.ref_model = None
+        self.tap: RouterTap | None = None  # a mixture of experts' routers
+        self.moe_coef, self.moe_step = 0.0, False
+        self._counts: list[torch.Tensor] = []  # each micro-batch's expert assignments before the step
+        self._routed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last forward's
 
     trains_adapters = True  # with model.lora.rank
 
@@ -54,13 +64,36 @@ class PolicyLearner(EngineLearner):
             model = self._load_model(AutoModelForCausalLM)
             with torch.random.fork_rng():  # the same adapters on every rank and in every layout
                 torch.manual_seed(self.config.run.seed)
-                return adapters.wrap(model, self.config.model.lora)
-        if self.has_reference:
-            # the frozen reference lives beside the policy on every learner: its forward runs on the
-            # rank's own shard only, so no extra actors and no transfer of log-probs are needed
-            device = "cuda" if self.use_cuda else "cpu"
-            self.ref_model = self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
-        return self._load_model(AutoModelForCausalLM)
+                model = adapters.wrap(model, self.config.model.lora)
+        else:
+            if self.has_reference:
+                # the frozen reference lives beside the policy on every learner: its forward runs on
+                # the rank's own shard only, so no extra actors and no transfer of log-probs are needed
+                device = "cuda" if self.use_cuda else "cpu"
+                self.ref_model = (
+                    self._load_model(AutoModelForCausalLM).to(device).eval().requires_grad_(False)
+                )
+            model = self._load_model(AutoModelForCausalLM)
+        self._watch_routers(model)
+        return model
+
+    def _watch_routers(self, model: torch.nn.Module) -> None:
+        """A mixture of experts: hooks on its routers, the load-balancing loss's weight and scope,
+        and the router metrics (assignments per layer and expert, entropy)."""
+        tap = RouterTap(model)
+        if not tap.routers:
+            return
+        self.tap = tap
+        coef = self.config.loss.moe_aux_coef
+        self.moe_coef = (
+            float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
+        )
+        self.moe_step = self.moe_coef > 0 and self.config.loss.moe_aux_scope == "step"
+        experts = len(tap.routers) * tap.num_experts
+        self.METRIC_TOTALS = {"moe_aux": 1, "router_entropy": 1, "router_rows": 1, "expert_load": experts}
+
+    def _rows(self, mb: TrainBatch) -> torch.Tensor:
+        return router_rows(mb, self.lc.packing, self.sp, self.sp_rank)
 
     def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs: the frozen copy's, or with LoRA the policy's own with
@@ -104,7 +137,8 @@ class PolicyLearner(EngineLearner):
         return sequence_parallel.group_sum(logprobs_BT) if self.sp > 1 else logprobs_BT
 
     def _loss(self, mb: TrainBatch, denominator):
-        logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
+        with self._capture() as routed:
+            logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
         loss, metrics = policy_loss(
             logprobs,
@@ -123,7 +157,47 @@ class PolicyLearner(EngineLearner):
         )
         keep = mb.response_mask.bool() & mb.loss_tool_mask().bool()
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
+        if self.tap is not None:
+            rows = self._rows(mb)
+            self._routed = routed, rows
+            counts = expert_counts(routed, rows, self.tap.top_k)
+            metrics |= {"expert_load": counts, "router_entropy": router_entropy_sum(routed, rows),
+                        "router_rows": rows.sum() * len(routed)}  # fmt: skip
         return loss, metrics
+
+    def _capture(self):
+        return contextlib.nullcontext([]) if self.tap is None else self.tap.capture()
+
+    def _scaled_loss(self, accumulation_steps: int, metrics: dict[str, torch.Tensor]) -> torch.Tensor | float:
+        """The load-balancing loss of the last forward: its share of the step's loss (the group's
+        counts, :mod:`rltrain.loss.moe`; times the ranks the engine averages over), or with
+        ``micro_batch`` scope its own loss over the accumulation steps."""
+        routed, self._routed = self._routed, None
+        if not self.moe_coef or routed is None:
+            return 0.0
+        (logits, rows), k = routed, self.tap.top_k
+        if self.moe_step:
+            aux = load_balancing_loss(logits, rows, self.group_counts.view(len(logits), -1), k)
+            metrics["moe_aux"] = aux.detach()  # summed over micro-batches and ranks: the step's loss
+            return self.moe_coef * self.world_size * aux
+        aux = load_balancing_loss(logits, rows, expert_counts(logits, rows, k), k) / accumulation_steps
+        metrics["moe_aux"] = aux.detach() / self.world_size  # summed: the mean over ranks
+        return self.moe_coef * aux
+
+    def _step_counts(self, flat: list[TrainBatch]) -> list[torch.Tensor] | None:
+        return self._counts if self.moe_step else None
+
+    def _finish_totals(self, totals: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
+        if self.tap is None:
+            return {}
+        layers = len(self.tap.routers)
+        load_L = expert_load_max(totals["expert_load"].view(layers, -1))
+        out = {"moe/router_entropy": totals["router_entropy"].item() / max(totals["router_rows"].item(), 1.0),
+               "moe/expert_load_max": load_L.max().item()}  # fmt: skip
+        out |= {f"moe/expert_load_max/layer_{i}": v for i, v in enumerate(load_L.tolist())}
+        if self.moe_coef:
+            out["moe/aux_loss"] = totals["moe_aux"].item() / optimizer_steps
+        return out
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         out["train/clip_fraction"] = out.pop("train/clipped")
@@ -145,15 +219,21 @@ class PolicyLearner(EngineLearner):
         rejects = correction is not None and correction.rejects
         # a rejecting correction decides before the step's token totals, on the pre-update policy
         needs_old = lc.num_mini_batches > 1 or lc.ppo_epochs > 1 or rejects
-        out = []
+        out, self._counts = [], []
         for group in groups:
             new_group = []
             for mb in group:
                 changes = {}
                 if self.has_reference:
                     changes["ref_logprobs"] = self._reference_logprobs(mb)
-                if needs_old:
-                    changes["old_logprobs"], _ = self._logprobs(self.engine, mb)
+                if needs_old or self.moe_step:
+                    # the load-balancing loss's assignment counts: the pre-update routes
+                    with self._capture() as routed:
+                        old, _ = self._logprobs(self.engine, mb)
+                    if needs_old:
+                        changes["old_logprobs"] = old
+                    if self.moe_step:
+                        self._counts.append(expert_counts(routed, self._rows(mb), self.tap.top_k).reshape(-1))
                 mb = mb.replace(**changes)
                 if rejects and mb.generator_logprobs is not None:
                     mb = self._reject(mb, correction)

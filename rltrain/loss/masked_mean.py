@@ -202,6 +202,7 @@ class StepTotals:
 
     tokens: torch.Tensor  # [G] float32
     sequences: torch.Tensor  # [G] float32
+    extra: torch.Tensor | None = None  # [G, K] float64: the per-micro-batch counts given as ``extra``
 
     def denominator(self, group: int, aggregation: Aggregation, world_size: int) -> torch.Tensor:
         """The ``token``-mode denominator of one micro-batch of ``group``: the group's global count
@@ -216,28 +217,34 @@ def step_totals(
     tool_masks: Sequence[torch.Tensor] | None = None,
     counted: Sequence[torch.Tensor] | None = None,
     group: dist.ProcessGroup | None = None,
+    extra: Sequence[torch.Tensor] | None = None,
 ) -> StepTotals:
     """Loss tokens and sequences of every accumulation group, summed over all ranks of ``group``
     with exactly **one** ``all_reduce`` (see :func:`group_token_totals` for the arguments).
 
     A sequence counts when it holds at least one loss token; ``counted`` (a bool ``[B]`` per
     micro-batch) overrides which sequences this rank counts (under sequence parallelism, those whose
-    first loss token it owns, so a sequence split over ranks counts once).
+    first loss token it owns, so a sequence split over ranks counts once). ``extra``: other integer
+    counts of each micro-batch (an int64 ``[K]`` each: a mixture of experts' assignments,
+    :mod:`rltrain.loss.moe`), summed per group in the same collective.
     """
     group_of = _group_index(len(masks), accumulation_steps)
     if tool_masks is not None and len(tool_masks) != len(masks):
         raise ValueError(f"got {len(masks)} masks but {len(tool_masks)} tool_masks")
     num_groups = (group_of[-1] + 1) if group_of else 0
     device = masks[0].device if masks else torch.device("cpu")
-    totals = torch.zeros(2, num_groups, dtype=torch.int64, device=device)  # [tokens, sequences]
+    width = 0 if extra is None else extra[0].numel()
+    totals = torch.zeros(num_groups, 2 + width, dtype=torch.int64, device=device)  # tokens, sequences, extra
     for i, mask in enumerate(masks):
         keep = loss_token_mask(mask, None if tool_masks is None else tool_masks[i])
-        totals[0, group_of[i]] += keep.sum()
-        totals[1, group_of[i]] += (keep.any(-1) if counted is None else counted[i].bool()).sum()
+        totals[group_of[i], 0] += keep.sum()
+        totals[group_of[i], 1] += (keep.any(-1) if counted is None else counted[i].bool()).sum()
+        if width:
+            totals[group_of[i], 2:] += extra[i].reshape(-1).to(device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-    totals = totals.to(torch.float32)
-    return StepTotals(tokens=totals[0], sequences=totals[1])
+    counts = totals[:, :2].T.to(torch.float32)
+    return StepTotals(counts[0], counts[1], totals[:, 2:].to(torch.float64) if width else None)
 
 
 def group_token_totals(

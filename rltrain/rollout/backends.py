@@ -55,6 +55,21 @@ def decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
+def _relayout_cpu_experts(model) -> int:
+    """vLLM's CPU experts re-lay their weights into the kernel's blocked layout once, after the
+    first load; a reload (``reload_weights``) writes the checkpoint layout back and skips that
+    step, so a mixture of experts would run on scrambled weights (log-probs off by ~0.03 with the
+    weights unchanged). Redo it on every layer whose experts run that kernel; returns how many."""
+    layers = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU"):
+            experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
+
+
 def _sampled_logprobs(c) -> list[float]:
     """The log-prob of each token a vLLM completion output sampled."""
     return [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
@@ -193,6 +208,8 @@ class VLLMBackend:
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
+        if not torch.cuda.is_available():
+            self.llm.apply_model(_relayout_cpu_experts)
         self.stale_prefixes = not self.llm.reset_prefix_cache()
 
     def parameter_names(self) -> list[str]:

@@ -14,7 +14,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, TINY_MODEL, Config, ConfigError, first_line
+from rltrain.config import (
+    BUILTIN_TASK,
+    SFT_FROM_ENV,
+    TINY_MODEL,
+    TINY_MOE_MODEL,
+    Config,
+    ConfigError,
+    first_line,
+)
 from rltrain.data import (
     Prompt,
     episode_prompts,
@@ -446,6 +454,14 @@ def _check_model(config: Config, model_path: str) -> None:
             f"learner.sequence_parallel_size={sp} does not divide the model's "
             f"{model_config.num_attention_heads} attention heads"
         )
+    experts = any(
+        getattr(model_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+    if config.loss.moe_aux_coef and not experts:
+        raise ConfigError(
+            f"loss.moe_aux_coef={config.loss.moe_aux_coef}: {config.model.name_or_path} is not a mixture "
+            "of experts (no load-balancing loss to weigh; leave it unset)"
+        )
 
 
 def _check_tracking(config: Config) -> None:
@@ -470,10 +486,14 @@ def _check_backend(config: Config) -> None:
 
 
 def resolve_model(config: Config, out: Path) -> str:
-    if config.model.name_or_path == TINY_MODEL:
+    if config.model.name_or_path in (TINY_MODEL, TINY_MOE_MODEL):
         from rltrain.tiny_model import build_tiny_model
 
-        return str(build_tiny_model(out / "tiny_model", seed=config.run.seed).resolve())
+        if config.model.name_or_path == TINY_MOE_MODEL:
+            folder = build_tiny_model(out / "tiny_moe_model", seed=config.run.seed, family="qwen3_moe")
+        else:
+            folder = build_tiny_model(out / "tiny_model", seed=config.run.seed)
+        return str(folder.resolve())
     try:
         return model_folder(config.model.name_or_path)
     except (ImportError, OSError, ValueError) as e:  # a .gguf that does not convert

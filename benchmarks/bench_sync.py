@@ -3,8 +3,9 @@
     python benchmarks/bench_sync.py [--steps 3] [--models tiny tiny-256 tiny-512 smollm2] [--zero 2 3]
     python benchmarks/bench_sync.py --transport [--shape 1.5b] [--buckets 64 256 1024]
 
-Trainer mode (the default): one ``python -m rltrain.train`` run per model, ZeRO stage and method,
-the demo's layout (2 DeepSpeed learners, 1 vLLM engine) doing plain GRPO with full fine-tuning.
+Trainer mode (the default): one ``python -m rltrain.train`` run per model, ZeRO stage and method
+(the collective through shared memory, as it runs on one node; the collective with every bucket
+through gloo's TCP, as between nodes; the object store), the demo's layout (2 DeepSpeed learners, 1 vLLM engine) doing plain GRPO with full fine-tuning.
 It reports the sync's seconds and bytes (the mean over the steps after the first), the step time
 around it, the largest engine-learner log-prob gap (``rollout/mismatch_max``), and the peak resident
 memory of learner rank 0 and of the engine, sampled from outside every 20 ms over the whole run
@@ -175,6 +176,15 @@ def transport_main(args) -> None:
 # ---------------------------------------------------------------- trainer mode (Ray, DeepSpeed, vLLM)
 
 
+# what each compared method sets: the collective through shared memory (the default on one node),
+# the collective with every bucket through gloo's TCP, and the object store
+METHODS = {
+    "collective": ["rollout.weight_sync=collective"],
+    "collective tcp": ["rollout.weight_sync=collective", "rollout.weight_sync_shared_memory=false"],
+    "object_store": ["rollout.weight_sync=object_store"],
+}
+
+
 def trainer_run(model: str, method: str, zero: int, steps: int, out: Path) -> list[object]:
     import json
     import subprocess
@@ -185,7 +195,7 @@ def trainer_run(model: str, method: str, zero: int, steps: int, out: Path) -> li
              "learner.micro_batch_size=8", f"learner.zero_stage={zero}"]  # fmt: skip
     cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *PLAIN_GRPO,
            f"run.output_dir={out}", f"model.name_or_path={model}", f"run.steps={steps}",
-           f"rollout.weight_sync={method}", *small]  # fmt: skip
+           *METHODS[method], *small]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     placement = out / "placement.json"
     while not placement.exists() and proc.poll() is None:
@@ -226,8 +236,8 @@ def trainer_main(args) -> None:
                 hidden, layers = BUILTIN_SIZES[name]
                 model = str(build_tiny_model(Path(scratch) / name, hidden_size=hidden, num_layers=layers))
             for zero in args.zero:
-                for method in ("collective", "object_store"):
-                    out = Path(scratch) / f"{name}-{zero}-{method}"
+                for method in METHODS:
+                    out = Path(scratch) / f"{name}-{zero}-{method.replace(' ', '-')}"
                     os.makedirs(out, exist_ok=True)
                     results.append([name, zero, *trainer_run(model, method, zero, args.steps, out)])
                     print(results[-1], flush=True)

@@ -11,12 +11,21 @@ A bucket is a flat byte buffer that the tensors of a stretch of the model fill o
 (any dtype); a tensor larger than a bucket goes alone. The sender gathers and copies one bucket
 while the one before it is on its way, so the memory the sync takes on the sender is two buckets at
 most, not the model.
+
+Where every member runs on one node (``shm``, gloo's group), the buckets do not travel through the
+group at all: the sender writes them into two bucket-sized slots of shared memory (``/dev/shm``)
+in turn, and the group carries only the signals, "bucket k is written" (a broadcast of one number)
+and "every receiver has read bucket k" (an all-reduce of one), so a slot is written again only
+once every receiver has copied it out. (Out, not read in place: a consumer may keep what it is
+given, as vLLM's in-place reload keeps a layer's tensors until the layer is whole.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,14 +80,49 @@ def plan_buckets(
     return Layout(buckets, dict(aliases or {}))
 
 
+class SharedSlots:
+    """The two bucket slots of a same-node weight group: files in ``/dev/shm`` that rank 0 creates
+    (and removes when the group goes) and every member maps, each mapping made once per size."""
+
+    def __init__(self, name: str, create: bool, slots: int = 2, folder: str = "/dev/shm"):
+        self.paths = [os.path.join(folder, f"{name}-{i}") for i in range(slots)]
+        self.owner = create
+        if create:
+            for path in self.paths:
+                open(path, "wb").close()
+        self._maps: dict[tuple[int, int], torch.Tensor] = {}
+
+    def slot(self, index: int, size: int) -> torch.Tensor:
+        """Slot ``index % slots`` as ``size`` bytes (rank 0 grows its file first)."""
+        path = self.paths[index % len(self.paths)]
+        key = (index % len(self.paths), size)
+        if key not in self._maps:
+            if self.owner and os.path.getsize(path) < size:
+                os.truncate(path, size)
+            self._maps[key] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return self._maps[key]
+
+    def __del__(self) -> None:
+        if self.owner:
+            for path in self.paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
 @dataclass
 class WeightGroup:
     """One member of the weight group: the process group, the store it was made from (kept alive
-    with it), and where its buckets live (the GPU for NCCL, host memory for gloo)."""
+    with it), where its buckets live (the GPU for NCCL, host memory for gloo), and on one node the
+    shared slots the buckets go through instead."""
 
     group: Any
     store: Any
     device: torch.device
+    slots: SharedSlots | None = None
+
+    def all_reduce(self, value: torch.Tensor):
+        """Start summing ``value`` over the group (a receiver's "done"); ``.wait()`` the result."""
+        return self.group.allreduce([value])
 
     def broadcast(self, buffer: torch.Tensor):
         """Start broadcasting ``buffer`` from rank 0 (into it, elsewhere); ``.wait()`` the result.
@@ -92,8 +136,11 @@ def open_group(
     address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
 ) -> WeightGroup:
     """This process's member of the weight group (rank 0 hosts the store); returns when all
-    ``world_size`` members have joined, or raises after ``timeout_s``."""
+    ``world_size`` members have joined, or raises after ``timeout_s``. ``backend``: ``nccl``,
+    ``gloo``, or ``shm`` (gloo for the signals, the buckets through shared memory: one node)."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    # (rank 0 creates the slots before the group forms: a member that has joined finds them)
+    slots = SharedSlots(f"rltrain-weights-{port}", create=rank == 0) if backend == "shm" else None
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore("rltrain-weights", store)
     if backend == "nccl":
@@ -101,7 +148,8 @@ def open_group(
         options._timeout = timeout
         device = torch.device("cuda", torch.cuda.current_device())
         return WeightGroup(dist.ProcessGroupNCCL(store, rank, world_size, options), store, device)
-    return WeightGroup(dist.ProcessGroupGloo(store, rank, world_size, timeout), store, torch.device("cpu"))
+    group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return WeightGroup(group, store, torch.device("cpu"), slots)
 
 
 def device_key() -> str | None:
@@ -116,22 +164,49 @@ def send(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str, torch.
     just before it is copied, so a gathered parameter can be let go at once) bucket by bucket, each
     bucket filled while the one before it is on its way (two at most at once). Returns the bytes
     sent."""
+    if group.slots is not None:
+        return _send_shared(group, layout, tensors)
     sent, in_flight = 0, None
     for bucket in layout.buckets:
         offsets, size = _places(bucket)
         buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        for meta, view in zip(bucket, _views(buffer, bucket, offsets)):
-            name, tensor = next(tensors)
-            if name != meta.name or tuple(tensor.shape) != tuple(meta.shape):
-                raise RuntimeError(f"weight sync: sent {name} {tuple(tensor.shape)}, the layout has "
-                                   f"{meta.name} {tuple(meta.shape)}")  # fmt: skip
-            view.copy_(tensor.detach())
+        _fill(buffer, bucket, offsets, tensors)
         if in_flight is not None:
             in_flight.wait()  # (its buffer goes with it)
         in_flight = group.broadcast(buffer)
         sent += size
     if in_flight is not None:
         in_flight.wait()
+    return sent
+
+
+def _fill(buffer: torch.Tensor, bucket: list[TensorMeta], offsets: list[int], tensors: Iterator) -> None:
+    """Copy the next tensors of ``tensors`` into the bucket's places, checking names and shapes."""
+    for meta, view in zip(bucket, _views(buffer, bucket, offsets)):
+        name, tensor = next(tensors)
+        if name != meta.name or tuple(tensor.shape) != tuple(meta.shape):
+            raise RuntimeError(f"weight sync: sent {name} {tuple(tensor.shape)}, the layout has "
+                               f"{meta.name} {tuple(meta.shape)}")  # fmt: skip
+        view.copy_(tensor.detach())
+
+
+def _send_shared(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """:func:`send` through the shared slots. The signals go in the order every receiver posts
+    them too (:func:`_receive_shared`): written 0, written 1, read 0, written 2, read 1, ..."""
+    slots, largest = group.slots, max(_places(bucket)[1] for bucket in layout.buckets)
+    sent, read, written = 0, [], []
+    for k, bucket in enumerate(layout.buckets):
+        if k >= len(slots.paths):
+            read[k - len(slots.paths)].wait()  # every receiver is done with the slot
+        offsets, size = _places(bucket)
+        _fill(slots.slot(k, largest)[:size], bucket, offsets, tensors)
+        written.append(group.broadcast(torch.tensor([k])))
+        if k >= 1:
+            read.append(group.all_reduce(torch.zeros(1)))  # bucket k - 1
+        sent += size
+    read.append(group.all_reduce(torch.zeros(1)))
+    for work in [*written, *read]:
+        work.wait()
     return sent
 
 
@@ -143,6 +218,8 @@ def receive(group: WeightGroup, layout: Layout, ahead: int = 2) -> Iterator[tupl
     aliases: dict[str, list[str]] = {}
     for alias, name in layout.aliases.items():
         aliases.setdefault(name, []).append(alias)
+    if group.slots is not None:
+        return _receive_shared(group, layout, aliases)
     posted: list[tuple[list[TensorMeta], torch.Tensor, list[int], Any]] = []
 
     def post(index: int) -> None:
@@ -167,6 +244,27 @@ def receive(group: WeightGroup, layout: Layout, ahead: int = 2) -> Iterator[tupl
                     yield alias, view
 
     return arriving()
+
+
+def _receive_shared(
+    group: WeightGroup, layout: Layout, aliases: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`receive` through the shared slots: bucket k is copied out once "written k" has come,
+    and "read k" goes at once."""
+    slots, largest = group.slots, max(_places(bucket)[1] for bucket in layout.buckets)
+    written = [group.broadcast(torch.zeros(1, dtype=torch.int64)) for _ in layout.buckets[: len(slots.paths)]]
+    for k, bucket in enumerate(layout.buckets):
+        written[k].wait()
+        offsets, size = _places(bucket)
+        buffer = slots.slot(k, largest)[:size].clone()
+        read = group.all_reduce(torch.zeros(1))
+        if k + len(slots.paths) < len(layout.buckets):
+            written.append(group.broadcast(torch.zeros(1, dtype=torch.int64)))
+        for meta, view in zip(bucket, _views(buffer, bucket, offsets)):
+            yield meta.name, view
+            for alias in aliases.get(meta.name, ()):
+                yield alias, view
+        read.wait()
 
 
 def _places(bucket: list[TensorMeta]) -> tuple[list[int], int]:

@@ -171,17 +171,22 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
             SyncCheckFailed, match=r"the sync loads no weight into the engine's lm_head\.weight"
         ):
             check_sync(learners, engines["vllm"], batch, 0.0, 1)
-        gaps = {}
+        gaps, transports = {}, {}
         for backend, pool in engines.items():  # over the weight group: the head is sent once, loaded twice
-            CollectiveSync(learners, pool, False, pool_config(backend).rollout).push(learners, pool, 1)
-            gaps[backend] = check_sync(learners, pool, batch, 0.0, 1)
+            # vLLM's buckets through shared memory (one node), the transformers engine's through gloo
+            rc = pool_config(backend).rollout.model_copy(
+                update={"weight_sync_shared_memory": backend == "vllm"}
+            )
+            sync = CollectiveSync(learners, pool, False, rc)
+            sync.push(learners, pool, 1)
+            gaps[backend], transports[backend] = check_sync(learners, pool, batch, 0.0, 1), sync.backend
         learners.save_hf(tmp_path / "export")
     finally:
         learners.shutdown()
         for pool in engines.values():
             pool.shutdown()
     print(f"max |engine - learner| log-prob after the sync: {gaps}")
-    assert max(gaps.values()) < 1e-4
+    assert max(gaps.values()) < 1e-4 and transports == {"vllm": "shm", "hf": "gloo"}
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(exported.model.embed_tokens.weight, state["model.embed_tokens.weight"])
@@ -231,7 +236,7 @@ def test_vllm_logprobs_match_the_learner_after_a_collective_sync_and_a_stuck_gen
     finally:
         learners.shutdown()
         generators.shutdown()
-    assert len(layout_buckets := sync.layout.buckets) > 2 and sync.backend == "gloo", len(layout_buckets)
+    assert len(layout_buckets := sync.layout.buckets) > 2 and sync.backend == "shm", len(layout_buckets)
     assert synced[0] == synced[1]  # both engines took the same weights
     synced = synced[0]
 

@@ -1,6 +1,6 @@
 """The weight group's transport (rltrain.weight_transfer) between real processes over gloo: what is
-sent arrives bit for bit whatever the dtypes and bucket cuts, and a receiver that is gone or stuck
-fails the sender instead of hanging it."""
+sent arrives bit for bit whatever the dtypes and bucket cuts, through the group (gloo) or through
+shared memory (shm), and a receiver that is gone or stuck fails the sender instead of hanging it."""
 
 import multiprocessing
 import socket
@@ -36,10 +36,10 @@ def _layout(bucket_bytes: int = 256) -> Layout:
     return plan_buckets(metas, bucket_bytes, aliases={"lm_head": "embed"})
 
 
-def _member(rank: int, port: int, behaviour: str, results) -> None:
+def _member(rank: int, port: int, behaviour: str, results, backend: str) -> None:
     torch.set_num_threads(1)
     try:
-        group = open_group("127.0.0.1", port, rank, 3, "gloo", TIMEOUT_S)
+        group = open_group("127.0.0.1", port, rank, 3, backend, TIMEOUT_S)
         layout = _layout()
         if rank == 0:
             start = time.monotonic()
@@ -51,19 +51,24 @@ def _member(rank: int, port: int, behaviour: str, results) -> None:
             return  # leaves the group before the sync
         elif behaviour == "stuck" and rank == 2:
             time.sleep(3 * TIMEOUT_S)  # alive, never receives
-        else:
+        elif (
+            behaviour == "hold"
+        ):  # every tensor kept until the last has come (as vLLM's reload keeps a layer's)
+            kept = dict(receive(group, layout))
+            results.put((rank, {k: v.clone() for k, v in kept.items()}, 0.0))  # (copied to be sent back)
+        else:  # each copied as it comes
             results.put((rank, {k: v.clone() for k, v in receive(group, layout)}, 0.0))
     except Exception as e:  # noqa: BLE001  (reported, so the test fails at once, not at its queue's time-out)
         results.put((rank, f"error: {e}", 0.0))
 
 
-def _run(behaviour: str) -> dict[int, tuple]:
+def _run(behaviour: str, backend: str = "gloo") -> dict[int, tuple]:
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_member, args=(rank, port, behaviour, results)) for rank in range(3)]
+    procs = [ctx.Process(target=_member, args=(rank, port, behaviour, results, backend)) for rank in range(3)]
     for p in procs:
         p.start()
-    expected = 3 if behaviour == "ok" else 2
+    expected = 2 if behaviour in ("gone", "stuck") else 3
     out = {}
     for _ in range(expected):
         rank, value, seconds = results.get(timeout=60)
@@ -83,8 +88,9 @@ def test_buckets_cut_in_order_and_a_tensor_larger_than_a_bucket_goes_alone():
     assert layout.aliases == {"lm_head": "embed"}
 
 
-def test_every_receiver_gets_the_weights_bit_for_bit():
-    out = _run("ok")
+@pytest.mark.parametrize("backend, behaviour", [("gloo", "ok"), ("shm", "ok"), ("shm", "hold")])
+def test_every_receiver_gets_the_weights_bit_for_bit(backend, behaviour):
+    out = _run(behaviour, backend)
     sent_bytes = out[0][0]
     # bucket 1: embed at 0 (140 bytes), norm at 144 (the next multiple of 16), steps at 160: 200 bytes
     assert sent_bytes == 200 + 1600 + 32
@@ -96,9 +102,9 @@ def test_every_receiver_gets_the_weights_bit_for_bit():
         assert torch.equal(got["lm_head"], _weights()["embed"])  # the alias, sent once
 
 
-@pytest.mark.parametrize("behaviour", ["gone", "stuck"])
-def test_a_receiver_gone_or_stuck_fails_the_sender_instead_of_hanging_it(behaviour):
-    out = _run(behaviour)
+@pytest.mark.parametrize("behaviour, backend", [("gone", "gloo"), ("stuck", "gloo"), ("stuck", "shm")])
+def test_a_receiver_gone_or_stuck_fails_the_sender_instead_of_hanging_it(behaviour, backend):
+    out = _run(behaviour, backend)
     message, seconds = out[0]
     assert isinstance(message, str) and message.startswith("error:"), message
     # gone: the connection closes at once; stuck: the group's time limit (5 s) ends the wait

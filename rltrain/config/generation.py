@@ -132,6 +132,10 @@ class RolloutConfig(Section):
     weight_sync_bucket_mb: float = Field(64.0, gt=0)
     """collective: the bytes gathered, copied and broadcast at once (a tensor larger than this goes
     alone); bounds the memory the sync takes on the learner."""
+    weight_sync_shared_memory: bool = True
+    """collective over gloo, where learner rank 0 and every engine run on one node: the buckets go
+    through two bucket-sized slots of shared memory (/dev/shm) and the group carries only the
+    signals that a bucket is written and read; false: every bucket through the group (TCP)."""
     weight_sync_timeout_s: float = Field(300.0, gt=0)
     """collective: forming the group, and one sync's broadcast, fail after this long; a generator
     that is gone or stuck is named and the run restarts from its newest checkpoint."""

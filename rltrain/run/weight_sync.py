@@ -2,8 +2,8 @@
 
 ``CollectiveSync`` (``rollout.weight_sync: collective``, the default): learner rank 0 and every
 engine form one process group at start-up (:mod:`rltrain.weight_transfer`: NCCL where each holds a
-GPU of its own, gloo through host memory otherwise) and rank 0 broadcasts the weights in buckets of
-``rollout.weight_sync_bucket_mb``, gathered bucket by bucket under ZeRO-3 (every rank takes part
+GPU of its own, gloo through host memory otherwise, its buckets through shared memory where all run
+on one node) and rank 0 broadcasts the weights in buckets of ``rollout.weight_sync_bucket_mb``, gathered bucket by bucket under ZeRO-3 (every rank takes part
 in the gathers). An engine with no rollout in flight loads each bucket as it arrives, overlapping
 the transfer; one with rollouts in flight receives beside them and takes the weights where the
 object store's would have been taken. A generator that dies or sticks in a sync is named and
@@ -75,6 +75,9 @@ class CollectiveSync:
         self.adapters_only, self.timeout_s = adapters_only, rc.weight_sync_timeout_s
         keys = [learners.device_key(), *generators.device_keys()]
         self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
+        nodes = {place["node_id"] for place in [*learners.where()[:1], *generators.where()]}
+        if self.backend == "gloo" and rc.weight_sync_shared_memory and len(nodes) == 1:
+            self.backend = "shm"  # gloo for the signals, the buckets through shared memory
         address, sender = learners.open_weight_group(generators.size + 1, self.backend, self.timeout_s)
         receivers = generators.open_weight_group(*address, self.backend, self.timeout_s)
         self._await(learners.names[:1], [sender], generators, receivers, "joining the weight group")

@@ -17,7 +17,8 @@ group at all: the sender writes them into two bucket-sized slots of shared memor
 in turn, and the group carries only the signals, "bucket k is written" (a broadcast of one number)
 and "every receiver has read bucket k" (an all-reduce of one), so a slot is written again only
 once every receiver has copied it out. (Out, not read in place: a consumer may keep what it is
-given, as vLLM's in-place reload keeps a layer's tensors until the layer is whole.)
+given, as vLLM's in-place reload keeps a layer's tensors until the layer is whole. A receiver's
+thread copies the next bucket while the engine loads this one.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import contextlib
 import datetime
 import math
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +85,8 @@ def plan_buckets(
 
 class SharedSlots:
     """The two bucket slots of a same-node weight group: files in ``/dev/shm`` that rank 0 creates
-    (and removes when the group goes) and every member maps, each mapping made once per size."""
+    and every member maps, each mapping made once. Rank 0 removes the files once every member has
+    mapped them (after the first sync), so nothing is left behind by a process that is killed."""
 
     def __init__(self, name: str, create: bool, slots: int = 2, folder: str = "/dev/shm"):
         self.paths = [os.path.join(folder, f"{name}-{i}") for i in range(slots)]
@@ -102,11 +106,14 @@ class SharedSlots:
             self._maps[key] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return self._maps[key]
 
-    def __del__(self) -> None:
+    def unlink(self) -> None:
+        """Remove the files (the mappings stay); rank 0, once every member has mapped them."""
         if self.owner:
             for path in self.paths:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+    __del__ = unlink
 
 
 @dataclass
@@ -207,6 +214,7 @@ def _send_shared(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str
     read.append(group.all_reduce(torch.zeros(1)))
     for work in [*written, *read]:
         work.wait()
+    slots.unlink()  # every receiver has mapped the slots it reads
     return sent
 
 
@@ -249,22 +257,37 @@ def receive(group: WeightGroup, layout: Layout, ahead: int = 2) -> Iterator[tupl
 def _receive_shared(
     group: WeightGroup, layout: Layout, aliases: dict[str, list[str]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`receive` through the shared slots: bucket k is copied out once "written k" has come,
-    and "read k" goes at once."""
+    """:func:`receive` through the shared slots. A thread copies bucket k out of its slot once
+    "written k" has come, says "read k" and hands the copy over, one bucket ahead of the consumer:
+    the copy of the next bucket overlaps the loading of this one."""
     slots, largest = group.slots, max(_places(bucket)[1] for bucket in layout.buckets)
-    written = [group.broadcast(torch.zeros(1, dtype=torch.int64)) for _ in layout.buckets[: len(slots.paths)]]
-    for k, bucket in enumerate(layout.buckets):
-        written[k].wait()
-        offsets, size = _places(bucket)
-        buffer = slots.slot(k, largest)[:size].clone()
-        read = group.all_reduce(torch.zeros(1))
-        if k + len(slots.paths) < len(layout.buckets):
-            written.append(group.broadcast(torch.zeros(1, dtype=torch.int64)))
-        for meta, view in zip(bucket, _views(buffer, bucket, offsets)):
+    copies: queue.Queue = queue.Queue(maxsize=1)
+
+    def copy_out() -> None:
+        try:
+            written = [
+                group.broadcast(torch.zeros(1, dtype=torch.int64)) for _ in layout.buckets[: len(slots.paths)]
+            ]
+            for k, bucket in enumerate(layout.buckets):
+                written[k].wait()
+                copy = slots.slot(k, largest)[: _places(bucket)[1]].clone()
+                read = group.all_reduce(torch.zeros(1))
+                if k + len(slots.paths) < len(layout.buckets):
+                    written.append(group.broadcast(torch.zeros(1, dtype=torch.int64)))
+                read.wait()
+                copies.put(copy)
+        except BaseException as e:  # noqa: BLE001  (raised where the weights are read)
+            copies.put(e)
+
+    threading.Thread(target=copy_out, name="weight-copy", daemon=True).start()
+    for bucket in layout.buckets:
+        copy = copies.get()
+        if isinstance(copy, BaseException):
+            raise copy
+        for meta, view in zip(bucket, _views(copy, bucket, _places(bucket)[0])):
             yield meta.name, view
             for alias in aliases.get(meta.name, ()):
                 yield alias, view
-        read.wait()
 
 
 def _places(bucket: list[TensorMeta]) -> tuple[list[int], int]:

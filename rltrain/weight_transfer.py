@@ -63,6 +63,11 @@ class Layout:
         return sum(meta.nbytes for bucket in self.buckets for meta in bucket)
 
     @property
+    def largest_bucket(self) -> int:
+        """Bytes of the largest bucket (a tensor larger than the bucket size makes its own)."""
+        return max((_places(bucket)[1] for bucket in self.buckets), default=0)
+
+    @property
     def names(self) -> list[str]:
         """Every name a sync loads: each tensor's, and the aliases."""
         return [meta.name for bucket in self.buckets for meta in bucket] + list(self.aliases)
@@ -159,6 +164,15 @@ def open_group(
     return WeightGroup(group, store, torch.device("cpu"), slots)
 
 
+def shared_memory_free(folder: str = "/dev/shm") -> int:
+    """Bytes free in ``folder`` on this node (0 where there is none)."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
 def device_key() -> str | None:
     """The GPU this process computes on (its UUID), or None on CPU: NCCL needs one GPU per member."""
     if not torch.cuda.is_available():
@@ -200,7 +214,7 @@ def _fill(buffer: torch.Tensor, bucket: list[TensorMeta], offsets: list[int], te
 def _send_shared(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
     """:func:`send` through the shared slots. The signals go in the order every receiver posts
     them too (:func:`_receive_shared`): written 0, written 1, read 0, written 2, read 1, ..."""
-    slots, largest = group.slots, max(_places(bucket)[1] for bucket in layout.buckets)
+    slots, largest = group.slots, layout.largest_bucket
     sent, read, written = 0, [], []
     for k, bucket in enumerate(layout.buckets):
         if k >= len(slots.paths):
@@ -260,7 +274,7 @@ def _receive_shared(
     """:func:`receive` through the shared slots. A thread copies bucket k out of its slot once
     "written k" has come, says "read k" and hands the copy over, one bucket ahead of the consumer:
     the copy of the next bucket overlaps the loading of this one."""
-    slots, largest = group.slots, max(_places(bucket)[1] for bucket in layout.buckets)
+    slots, largest = group.slots, layout.largest_bucket
     copies: queue.Queue = queue.Queue(maxsize=1)
 
     def copy_out() -> None:

@@ -85,6 +85,7 @@ def test_buckets_cut_in_order_and_a_tensor_larger_than_a_bucket_goes_alone():
     # 140 + 6 + 40 = 186 <= 256, + 1600 would pass: cut; big alone; head after it in a new bucket
     assert [[m.name for m in b] for b in layout.buckets] == [["embed", "norm", "steps"], ["big"], ["head"]]
     assert layout.nbytes == 140 + 6 + 40 + 1600 + 32
+    assert layout.largest_bucket == 1600  # the shared slots' size: "big", alone, over the 256 asked
     assert layout.aliases == {"lm_head": "embed"}
 
 

@@ -120,6 +120,10 @@ class LearnerGroup:
         """Rank 0's GPU (:func:`rltrain.weight_transfer.device_key`)."""
         return gather([self.actors[0].device_key.remote()], self.names[:1], self.timeout_s)[0]
 
+    def shared_memory_free(self) -> int:
+        """Bytes free in /dev/shm on rank 0's node."""
+        return gather([self.actors[0].shared_memory_free.remote()], self.names[:1], self.timeout_s)[0]
+
     def weight_layout(self, adapters_only: bool, bucket_bytes: int) -> Any:
         """What a collective sync sends (:meth:`LearnerState.weight_layout`)."""
         return gather([self.actors[0].weight_layout.remote(adapters_only, bucket_bytes)], self.names[:1],

@@ -58,6 +58,9 @@ class WeightSender:
     def device_key(self) -> str | None:
         return weight_transfer.device_key()
 
+    def shared_memory_free(self) -> int:
+        return weight_transfer.shared_memory_free()
+
     def open_weight_group(
         self, address: str, port: int, world_size: int, backend: str, timeout_s: float
     ) -> None:

@@ -73,15 +73,17 @@ class CollectiveSync:
 
     def __init__(self, learners: LearnerGroup, generators: GeneratorPool, adapters_only: bool, rc) -> None:
         self.adapters_only, self.timeout_s = adapters_only, rc.weight_sync_timeout_s
+        self.layout = learners.weight_layout(adapters_only, int(rc.weight_sync_bucket_mb * 2**20))
         keys = [learners.device_key(), *generators.device_keys()]
         self.backend = "nccl" if all(keys) and len(set(keys)) == len(keys) else "gloo"
         nodes = {place["node_id"] for place in [*learners.where()[:1], *generators.where()]}
-        if self.backend == "gloo" and rc.weight_sync_shared_memory and len(nodes) == 1:
+        # two slots of the largest bucket, where /dev/shm holds them (a container's is often 64 MiB)
+        room = 2 * self.layout.largest_bucket <= learners.shared_memory_free()
+        if self.backend == "gloo" and rc.weight_sync_shared_memory and len(nodes) == 1 and room:
             self.backend = "shm"  # gloo for the signals, the buckets through shared memory
         address, sender = learners.open_weight_group(generators.size + 1, self.backend, self.timeout_s)
         receivers = generators.open_weight_group(*address, self.backend, self.timeout_s)
         self._await(learners.names[:1], [sender], generators, receivers, "joining the weight group")
-        self.layout = learners.weight_layout(adapters_only, int(rc.weight_sync_bucket_mb * 2**20))
 
     def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()

@@ -34,6 +34,10 @@ CASES = {
         "loss.moe_aux_coef=0.01: builtin:tiny is not a mixture of experts",
     ),
     "unknown load-balancing scope": (["loss.moe_aux_scope=forward"], "loss.moe_aux_scope: got 'forward';"),
+    "LoRA on a mixture of experts in vLLM on CPU": (
+        ["model.name_or_path=builtin:tiny-moe", "model.lora.rank=8"],
+        "model.lora.rank with a mixture of experts: vLLM's CPU engine cannot serve LoRA adapters",
+    ),
     "too many learners": (
         ["learner.num_learners=8", "learner.cpus_per_learner=1", "run.ray_num_cpus=2"],
         "learner.num_learners: 8 learners x 1.0 CPU + 1 engines x 0.5 CPU need 8.5 CPUs, the cluster has 2",

@@ -457,6 +457,15 @@ def _check_model(config: Config, model_path: str) -> None:
     experts = any(
         getattr(model_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")
     )
+    if experts and config.model.lora.rank and config.rollout.backend == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "model.lora.rank with a mixture of experts: vLLM's CPU engine cannot serve LoRA adapters "
+                "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
+                "(model.lora.rank=0) or generate with rollout.backend=hf"
+            )
     if config.loss.moe_aux_coef and not experts:
         raise ConfigError(
             f"loss.moe_aux_coef={config.loss.moe_aux_coef}: {config.model.name_or_path} is not a mixture "

@@ -1,0 +1,96 @@
+"""The mixture-of-experts demo (configs/cpu_moe.yaml) with the load-balancing loss over the whole
+step, per micro-batch, and off, one run each on the same seed, one after another.
+
+    python benchmarks/bench_moe.py [--seed 0] [--plot docs/moe_curves.png] [overrides ...]
+
+It reports held-out accuracy after the warm start and at the end, the largest engine-learner
+log-prob gap of the run (``rollout/mismatch_max``: the weight sync into vLLM's experts), the busiest
+expert's share over an even share (``moe/expert_load_max``, the worst layer) at the first and last
+steps, the router's entropy at the last step, the load-balancing loss, and the learners' seconds a
+step (the step scope's count forward included). ``--plot`` draws held-out accuracy and
+``moe/expert_load_max`` over the steps of every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import table
+
+from rltrain.run.tracking import held_out_score
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "step": ["loss.moe_aux_scope=step"],
+    "micro_batch": ["loss.moe_aux_scope=micro_batch"],
+    "off": ["loss.moe_aux_coef=0"],
+}
+
+
+def run(variant: str, seed: int, overrides: list[str], out: Path) -> list[dict]:
+    subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_moe.yaml", f"run.seed={seed}",
+         f"run.output_dir={out}", *VARIANTS[variant], *overrides],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(variant: str, rows: list[dict]) -> list[object]:
+    evals = [r for r in rows if held_out_score(r) is not None]
+    steps = [r for r in rows if "moe/expert_load_max" in r]
+    mean_train = sum(r["time/train_s"] for r in steps) / len(steps)
+    return [variant, f"{held_out_score(evals[0]):.1%}", f"{held_out_score(evals[-1]):.1%}",
+            f"{max(r['rollout/mismatch_max'] for r in steps):.1e}", f"{steps[0]['moe/expert_load_max']:.2f}",
+            f"{steps[-1]['moe/expert_load_max']:.2f}", f"{steps[-1]['moe/router_entropy']:.3f}",
+            f"{steps[-1].get('moe/aux_loss', float('nan')):.4f}", f"{mean_train:.2f}"]  # fmt: skip
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, load) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for variant, rows in runs.items():
+        evals = [r for r in rows if held_out_score(r) is not None]
+        acc.plot([r["step"] for r in evals], [held_out_score(r) for r in evals], marker="o", label=variant)
+        steps = [r for r in rows if "moe/expert_load_max" in r]
+        load.plot([r["step"] for r in steps], [r["moe/expert_load_max"] for r in steps], label=variant)
+    acc.set(title="held-out accuracy", xlabel="step")
+    load.set(title="busiest expert's share / even share (worst layer)", xlabel="step")
+    for ax in (acc, load):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--plot", type=Path)
+    args, overrides = parser.parse_known_args()
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for variant in args.variants:
+            runs[variant] = run(variant, args.seed, overrides, Path(scratch) / variant)
+            print(summary(variant, runs[variant]), flush=True)
+    print(table(["aux loss", "held-out after warm start", "held-out at end", "mismatch max",
+                 "expert load max, first", "expert load max, last", "router entropy, last", "aux loss, last",
+                 "train s / step"], [summary(v, rows) for v, rows in runs.items()]))  # fmt: skip
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()

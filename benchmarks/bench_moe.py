@@ -41,11 +41,15 @@ def run(variant: str, seed: int, overrides: list[str], out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def score(row: dict) -> float:
+    return row[held_out_score(row)]
+
+
 def summary(variant: str, rows: list[dict]) -> list[object]:
     evals = [r for r in rows if held_out_score(r) is not None]
     steps = [r for r in rows if "moe/expert_load_max" in r]
     mean_train = sum(r["time/train_s"] for r in steps) / len(steps)
-    return [variant, f"{held_out_score(evals[0]):.1%}", f"{held_out_score(evals[-1]):.1%}",
+    return [variant, f"{score(evals[0]):.1%}", f"{score(evals[-1]):.1%}",
             f"{max(r['rollout/mismatch_max'] for r in steps):.1e}", f"{steps[0]['moe/expert_load_max']:.2f}",
             f"{steps[-1]['moe/expert_load_max']:.2f}", f"{steps[-1]['moe/router_entropy']:.3f}",
             f"{steps[-1].get('moe/aux_loss', float('nan')):.4f}", f"{mean_train:.2f}"]  # fmt: skip
@@ -60,7 +64,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     fig, (acc, load) = plt.subplots(1, 2, figsize=(10, 3.5))
     for variant, rows in runs.items():
         evals = [r for r in rows if held_out_score(r) is not None]
-        acc.plot([r["step"] for r in evals], [held_out_score(r) for r in evals], marker="o", label=variant)
+        acc.plot([r["step"] for r in evals], [score(r) for r in evals], marker="o", label=variant)
         steps = [r for r in rows if "moe/expert_load_max" in r]
         load.plot([r["step"] for r in steps], [r["moe/expert_load_max"] for r in steps], label=variant)
     acc.set(title="held-out accuracy", xlabel="step")

@@ -25,17 +25,6 @@ class WeightSender:
                 yield name, param, first_name.get(id(param))
                 first_name.setdefault(id(param), name)
 
-    def _full(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Each parameter ``keep`` names that is not shared under an earlier name, whole: gathered
-        one at a time under ZeRO-3 (every rank must iterate together), on rank 0 a view valid until
-        the next item (None elsewhere)."""
-        import deepspeed
-
-        for name, param, shared in self._sent(keep):
-            if shared is None:
-                with deepspeed.zero.GatheredParameters([param], enabled=self.lc.zero_stage == 3):
-                    yield name, param.detach() if self.rank == 0 else None
-
     def _sent_names(self, adapters_only: bool) -> tuple[Callable[[str], bool], Callable[[str], str]]:
         """Which parameters a sync sends and the name each goes by: every one by its own name, or
         the LoRA adapters by peft's file names."""
@@ -80,6 +69,9 @@ class WeightSender:
     def _bucketed(
         self, adapters_only: bool, layout: weight_transfer.Layout
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each tensor of ``layout``: every rank gathers a bucket's parameters at once under ZeRO-3
+        (every rank must iterate together); on rank 0 a view valid until the bucket's last item
+        (None elsewhere)."""
         import deepspeed
 
         keep, rename = self._sent_names(adapters_only)

@@ -27,6 +27,7 @@ import torch
 from rltrain import adapters
 from rltrain.learner.sender import WeightSender
 
+GATHER_BUCKET_BYTES = 64 * 2**20  # the parameters gathered at once for a whole state dict (ZeRO-3)
 LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
 LAYOUT_FREE = (
     "layout_free.pt"  # beside it too: the same state without the layout (run.layout_free_checkpoints)
@@ -128,16 +129,18 @@ class LearnerState(WeightSender):
     trains_adapters = False  # the policy's learners with model.lora.rank (PolicyLearner)
     sent_bytes = 0  # of the last weights or adapters gathered
 
-    def _gathered(self, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor] | None:
-        """The module's parameters that ``keep`` names, whole, on rank 0 (None elsewhere), by every
-        name the model's own state dict has (:meth:`_sent`). Under ZeRO-3 every rank must call
-        this together."""
-        state = {name: tensor.to("cpu", copy=True) for name, tensor in self._full(keep) if self.rank == 0}
-        for name, _, shared in self._sent(keep):
-            if shared is not None and self.rank == 0:
-                state[name] = state[shared]
+    def _gathered(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """What a sync sends (:meth:`_sent_names`), whole, on rank 0 (None elsewhere), by every name
+        the model's own state dict has, gathered a bucket at a time as the collective sync does.
+        Under ZeRO-3 every rank must call this together."""
+        layout = self.weight_layout(adapters_only, GATHER_BUCKET_BYTES)
+        tensors = self._bucketed(adapters_only, layout)
+        state = {name: tensor.to("cpu", copy=True) for name, tensor in tensors if self.rank == 0}
+        if self.rank != 0:
+            return None
+        state |= {alias: state[name] for alias, name in layout.aliases.items()}  # a tied head
         self.sent_bytes = sum(t.numel() * t.element_size() for t in state.values())
-        return state if self.rank == 0 else None
+        return state
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (None elsewhere) by the base model's names; with LoRA, each
@@ -149,8 +152,7 @@ class LearnerState(WeightSender):
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The LoRA adapters alone on rank 0, by peft's file names: what an adapter sync sends."""
-        state = self._gathered(adapters.is_adapter)
-        return None if state is None else {adapters.file_name(k): v for k, v in state.items()}
+        return self._gathered(adapters_only=True)
 
     def get_sent_bytes(self) -> int:
         return self.sent_bytes

@@ -13,6 +13,7 @@ from rltrain.loss.logprobs import sequence_logprobs, token_entropy
 from rltrain.run.diagnostics import (
     critic_layout_config,
     layout_config,
+    metrics_of_one_step,
     relative_difference,
     synthetic_rollouts,
     update_after_one_step,
@@ -145,11 +146,7 @@ def test_a_save_one_rank_cannot_write_fails_on_every_rank_and_the_group_trains_o
 
 def test_logged_metrics_are_global_token_means(ray_local, tiny_model_path):
     batch = synthetic_rollouts(n=9, seed=4)
-    group = LearnerGroup(layout_config(2, 2, 2), tiny_model_path, total_optimizer_steps=1)
-    try:
-        metrics = group.train_step(batch)
-    finally:
-        group.shutdown()
+    metrics = metrics_of_one_step(layout_config(2, 2, 2), tiny_model_path, batch)
 
     # recompute in this process, on the whole batch, with the initial weights
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)

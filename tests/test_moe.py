@@ -13,10 +13,10 @@ from test_e2e import REPO, SMALL, final_weights
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from rltrain.learner.group import LearnerGroup
 from rltrain.loss.logprobs import padded_forward
 from rltrain.run.diagnostics import (
     layout_config,
+    metrics_of_one_step,
     relative_difference,
     synthetic_rollouts,
     updates_after_one_step,
@@ -73,11 +73,7 @@ def test_logged_load_balancing_loss_and_expert_load_are_transformers_on_the_whol
     # transformers' load_balancing_loss_func on all 8 sequences at once (padding excluded), and
     # moe/expert_load_max is the busiest expert's share of each layer's top-2 assignments over 1/8
     batch = synthetic_rollouts()
-    group = LearnerGroup(moe_config(2, 3, 2), moe_path, total_optimizer_steps=1)
-    try:
-        metrics = group.train_step(batch)
-    finally:
-        group.shutdown()
+    metrics = metrics_of_one_step(moe_config(2, 3, 2), moe_path, batch)
     model = AutoModelForCausalLM.from_pretrained(moe_path)
     logits = []  # each layer's router logits [8 * 14, experts], in order
     hooks = [

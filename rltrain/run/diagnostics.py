@@ -136,6 +136,17 @@ def update_after_one_step(
     return {k: after[k] - before[k] for k in before}
 
 
+def metrics_of_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, float]:
+    """The logged metrics of one training step on fresh policy learners."""
+    from rltrain.learner.group import LearnerGroup
+
+    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
+    try:
+        return group.train_step(batch)
+    finally:
+        group.shutdown()
+
+
 def updates_after_one_step(
     configs: list[Config],
     model_path: str,

@@ -383,11 +383,19 @@ FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 
 def unsent(engine_names: list[str], sent_names: list[str]) -> list[str]:
     """The engine's parameters that no sent name loads: each sent name loads the engine parameter
-    of that name, or the fused one it is part of."""
+    of that name, or the fused one it is part of (a mixture's experts, fused as transformers holds
+    them or one by one as checkpoints store them, load vLLM's ``w13``/``w2``; its router, vLLM's
+    ``experts.gate``)."""
     covered = set(sent_names)
     for name in sent_names:
         module, _, leaf = name.rpartition(".")
         parent, _, part = module.rpartition(".")
         if part in FUSED:
             covered.add(f"{parent}.{FUSED[part]}.{leaf}")
+        layer, experts, rest = name.partition(".mlp.experts.")
+        if experts:
+            fused = "w2_weight" if "down_proj" in rest else "w13_weight"
+            covered.add(f"{layer}.mlp.experts.routed_experts.{fused}")
+        elif name.endswith(".mlp.gate.weight"):
+            covered.add(name.replace(".mlp.gate.", ".mlp.experts.gate."))
     return [name for name in engine_names if name not in covered]

@@ -455,16 +455,24 @@ def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, 
     fails_with_one_line(argv, expected, capsys)
 
 
-def test_wandb_not_installed_stops_before_any_actor_with_how_to_install_it(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_a_tracker_not_installed_stops_before_any_actor_with_how_to_install_it(
+    tracker, capsys, tmp_path, monkeypatch
+):
     import sys
 
     import rltrain.train
 
     monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
-    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where it is not installed
-    argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", "run.wandb_project=p"]
+    monkeypatch.setitem(sys.modules, tracker, None)  # what `import` meets where it is not installed
+    argv = [
+        "--config",
+        "configs/cpu_demo.yaml",
+        f"run.output_dir={tmp_path / 'run'}",
+        f"run.{tracker}_project=p",
+    ]
     fails_with_one_line(
-        argv, "run.wandb_project: wandb is not installed (pip install 'rltrain[wandb]'", capsys
+        argv, f"run.{tracker}_project: {tracker} is not installed (pip install 'rltrain[{tracker}]'", capsys
     )
 
 

@@ -190,3 +190,21 @@ def test_wandb_offline_writes_the_runs_file_with_every_metric_tensorboard_gets(t
     # the records hold each key and its value as JSON text (wandb's own reader is in its Go core)
     data = runs[0].read_bytes()
     assert b"reward/mean" in data and b"0.625" in data and b"loss/policy" in data and b"0.125" in data
+
+
+def test_trackio_writes_the_runs_database_with_every_metric_tensorboard_gets(tmp_path, monkeypatch):
+    import sqlite3
+
+    from rltrain.config import load_config
+
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)  # the run's folder, then
+    config = load_config(None, ["run.trackio_project=rltrain-tests", "run.steps=2"])
+    with Tracker(tmp_path, config, start_step=0) as tracker:
+        tracker.log(1, {"reward/mean": 0.625, "loss/policy": 0.125})
+        tracker.log(2, {"reward/mean": 0.75})
+    db = sqlite3.connect(tmp_path / "trackio" / "rltrain-tests.db")
+    rows = db.execute("select step, metrics from metrics order by step").fetchall()
+    assert [(step, json.loads(values)) for step, values in rows] == [
+        (1, {"reward/mean": 0.625, "loss/policy": 0.125}),
+        (2, {"reward/mean": 0.75}),
+    ]

@@ -397,5 +397,9 @@ class RunConfig(Section):
     """Also log every metric to Weights & Biases under this project, as TensorBoard gets them
     (`pip install 'rltrain[wandb]'`; WANDB_MODE=offline writes the run's files under
     output_dir/wandb without an account, for `wandb sync` later)."""
+    trackio_project: str | None = None
+    """Also log every metric to trackio under this project, as TensorBoard gets them
+    (`pip install 'rltrain[trackio]'`; local-first: a SQLite file in $TRACKIO_DIR, by default
+    output_dir/trackio; `TRACKIO_DIR=<output_dir>/trackio trackio show` opens its dashboard)."""
     ray_num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local Ray instance started when no cluster is given (default: all)."""

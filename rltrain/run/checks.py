@@ -474,14 +474,18 @@ def _check_model(config: Config, model_path: str) -> None:
 
 
 def _check_tracking(config: Config) -> None:
-    if config.run.wandb_project:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "run.wandb_project: wandb is not installed (pip install 'rltrain[wandb]'; "
-                "WANDB_MODE=offline logs without an account)"
-            ) from None
+    import importlib.util
+
+    if config.run.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "run.wandb_project: wandb is not installed (pip install 'rltrain[wandb]'; "
+            "WANDB_MODE=offline logs without an account)"
+        )
+    if config.run.trackio_project and importlib.util.find_spec("trackio") is None:
+        raise ConfigError(
+            "run.trackio_project: trackio is not installed (pip install 'rltrain[trackio]'; it logs "
+            "to a local file, no account needed)"
+        )
 
 
 def _check_backend(config: Config) -> None:

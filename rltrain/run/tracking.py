@@ -1,10 +1,11 @@
 """Metrics a user can watch: a progress bar with a one-line summary per step, JSONL, TensorBoard,
-optional Weights & Biases, and a PNG of the reward and loss curves at the end."""
+optional Weights & Biases and trackio, and a PNG of the reward and loss curves at the end."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -51,6 +52,14 @@ class Tracker:
                 dir=str(out_dir),
                 resume="allow",
             )
+        self.trackio = None
+        if config.run.trackio_project:
+            os.environ.setdefault("TRACKIO_DIR", str(out_dir / "trackio"))  # (read when trackio is imported)
+            import trackio
+
+            trackio.init(project=config.run.trackio_project, config=config.model_dump(mode="json"),
+                         resume="allow", auto_log_cpu=False, auto_log_gpu=False)  # fmt: skip
+            self.trackio = trackio
         self.flat_steps = 0  # steps in a row in which every group scored the same
         # (a run without tools shows no tool-call rate: an environment's or an agent's may have some)
         self.tools = bool(config.rollout.tools.enabled) or config.episodic
@@ -67,6 +76,8 @@ class Tracker:
             self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        if self.trackio is not None:
+            self.trackio.log(metrics, step=step)
         parts = [f"{name} {fmt.format(metrics[key])}" for name, key, fmt in SUMMARY if key in metrics]
         shown = [
             f"{name} {metrics[f'reward/{name}']:.3f}"
@@ -115,6 +126,9 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.trackio is not None:
+            self.trackio.finish()
+            self.trackio = None
         plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
         table = eval_table(read_metrics(self.out_dir / "metrics.jsonl"), self.tools)
         if table:

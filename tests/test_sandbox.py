@@ -19,11 +19,12 @@ LIMITS = Limits(memory_mb=256, cpu_s=3, processes=8, file_size_mb=1)
 SECRET = "RLTRAIN_TEST_SECRET"
 
 
-def hostile(tmp: Path) -> dict[str, tuple[str, str]]:
-    """program -> (code, what the tool's error line must say)"""
+def hostile(tmp: Path) -> dict[str, tuple[str, str | tuple[str, ...]]]:
+    """program -> (code, what the tool's error line must say: one of them, where a tuple)"""
     return {
         "memory hog": ("x = []\nwhile True: x.append(' ' * 10**6)", "MemoryError"),
-        "fork loop": ("import os\nwhile True: os.fork()", "timed out after 2s"),
+        # (on a loaded machine the process limit can end it before the time limit does)
+        "fork loop": ("import os\nwhile True: os.fork()", ("timed out after 2s", "BlockingIOError")),
         "infinite loop": ("while True: pass", "timed out after 2s"),
         "write outside": (f"open({str(tmp / 'escaped')!r}, 'w').write('x')", "PermissionError"),
         "trainer environment": (f"import os; print(os.environ[{SECRET!r}])", f"KeyError: '{SECRET}'"),
@@ -56,13 +57,18 @@ def test_hostile_programs_end_as_tool_errors_and_the_rollout_goes_on(tmp_path, m
     )
     for (name, (code, expected)), c in zip(programs.items(), completions):
         result = c.text[c.text.index("<result>") : c.text.index("</result>") + len("</result>")]
-        assert result.startswith("<result>error: ") and expected in result, (name, result)
+        said = (expected,) if isinstance(expected, str) else expected
+        assert result.startswith("<result>error: ") and any(s in result for s in said), (name, result)
         assert c.tool_errors == 1 and c.text.endswith(" done"), name  # generation went on after the error
         # the result's tokens carry tool mask 0: call tokens 1, result 0, " done" 1
         call = len(f"<tool:python>{code}</tool>")
         assert c.tool_mask == [1] * call + [0] * len(result) + [1] * len(" done"), name
     assert not (tmp_path / "escaped").exists()
-    time.sleep(0.5)
+    deadline = (
+        time.monotonic() + 10
+    )  # (killed processes are reaped a moment later, on a loaded machine later still)
+    while not descendants() <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert descendants() <= before  # nothing it started survives (fork loop included)
 
 

@@ -5,7 +5,6 @@ shared memory (shm), and a receiver that is gone or stuck fails the sender inste
 import multiprocessing
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -78,8 +77,6 @@ def _run(behaviour: str, backend: str = "gloo") -> dict[int, tuple]:
         p.join(timeout=1 if behaviour == "stuck" else 30)
         if p.is_alive():
             p.kill()
-    # the shared slots' files go as soon as the group has formed: none is left, even by a member killed
-    assert not list(Path("/dev/shm").glob(f"rltrain-weights-{port}-*"))
     return out
 
 

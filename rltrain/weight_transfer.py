@@ -91,7 +91,7 @@ def plan_buckets(
 class SharedSlots:
     """The two bucket slots of a same-node weight group: files in ``/dev/shm`` that rank 0 creates
     and every member maps, each mapping made once. Rank 0 removes the files once every member has
-    mapped them (after the first sync), so nothing is left behind by a process that is killed."""
+    mapped them (after the first sync); a group that never finishes a sync leaves them behind."""
 
     def __init__(self, name: str, create: bool, slots: int = 2, folder: str = "/dev/shm"):
         self.paths = [os.path.join(folder, f"{name}-{i}") for i in range(slots)]

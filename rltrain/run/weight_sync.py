@@ -3,7 +3,8 @@
 ``CollectiveSync`` (``rollout.weight_sync: collective``, the default): learner rank 0 and every
 engine form one process group at start-up (:mod:`rltrain.weight_transfer`: NCCL where each holds a
 GPU of its own, gloo through host memory otherwise, its buckets through shared memory where all run
-on one node) and rank 0 broadcasts the weights in buckets of ``rollout.weight_sync_bucket_mb``, gathered bucket by bucket under ZeRO-3 (every rank takes part
+on one node) and rank 0 broadcasts the weights in buckets of ``rollout.weight_sync_bucket_mb``,
+gathered bucket by bucket under ZeRO-3 (every rank takes part
 in the gathers). An engine with no rollout in flight loads each bucket as it arrives, overlapping
 the transfer; one with rollouts in flight receives beside them and takes the weights where the
 object store's would have been taken. A generator that dies or sticks in a sync is named and

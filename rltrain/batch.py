@@ -5,9 +5,12 @@ Pure torch: no ray, no deepspeed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import torch
+
+ROUTE_UNKNOWN = 255  # a position whose experts were not recorded (routes are uint8)
 
 
 @dataclass
@@ -19,6 +22,17 @@ class Segment:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
+    # routing replay: the engine's experts for every position it ran (prompt, then sampled tokens
+    # but the last), uint8 [positions, MoE layers, k]
+    routes: np.ndarray | None = None
+
+
+def extend_routes(routes: np.ndarray | None, more: np.ndarray | None) -> np.ndarray | None:
+    """A sequence's routes from a later call on its continuation: each position keeps the first
+    routes recorded for it (what sampled the tokens after it); ``more`` adds the positions beyond."""
+    if routes is None or more is None:
+        return more if routes is None else routes
+    return np.concatenate([routes, more[len(routes) :]])
 
 
 @dataclass
@@ -51,6 +65,20 @@ class Completion:
     agent_reward: float | None = None
     calls: list[dict] = field(default_factory=list)
     earlier: list[Completion] = field(default_factory=list)
+    routes: np.ndarray | None = None  # routing replay: Segment.routes of prompt and completion
+
+    def state(self) -> dict:
+        """JSON-ready fields (a checkpoint's completions generated ahead); :meth:`from_state` reads them."""
+        out = asdict(self)
+        out["routes"] = None if self.routes is None else self.routes.tolist()
+        out["earlier"] = [c.state() for c in self.earlier]
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> Completion:
+        routes = state.get("routes")
+        return cls(**{**state, "routes": None if routes is None else np.asarray(routes, dtype=np.uint8),
+                      "earlier": [cls.from_state(c) for c in state.get("earlier", [])]})  # fmt: skip
 
     @property
     def truncated(self) -> bool:
@@ -62,6 +90,7 @@ class Completion:
         self.logprobs += seg.logprobs
         self.tool_mask += [1] * len(seg.token_ids)
         self.versions += seg.versions or [0] * len(seg.token_ids)
+        self.routes = extend_routes(self.routes, seg.routes)
 
     def insert(self, ids: list[int]) -> None:
         """Append tokens a tool, the chat template or an environment added (out of the loss)."""
@@ -100,6 +129,9 @@ class TrainBatch:
     fresh_mask: torch.Tensor | None = None  # [N, T]
     # set by nonempty on an empty micro-batch's stand-in row: a forward that counts nothing
     blank: torch.Tensor | None = None  # [N] bool
+    # routing replay: the experts the engine sent each token to, per MoE layer, ROUTE_UNKNOWN where
+    # not recorded (padding, each sequence's last token)
+    routes: torch.Tensor | None = None  # [N, T, L, k] uint8
 
     def loss_tool_mask(self) -> torch.Tensor:
         """The tool mask less what a rollout correction rejected: with ``response_mask``, the loss
@@ -138,7 +170,8 @@ class TrainBatch:
             want = {"advantages": [(n,), (n, t)], "sequence_tokens": [(n,)], "counted": [(n,)]}.get(
                 f.name, [(n, t)]
             )
-            if tuple(value.shape) not in want:
+            shape = tuple(value.shape[:2]) if f.name == "routes" else tuple(value.shape)
+            if shape not in want:
                 raise ValueError(
                     f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {' or '.join(map(str, want))}"
                 )
@@ -281,6 +314,7 @@ def collate(
     tool = torch.ones_like(attention)
     gen_logprobs = torch.zeros(n, p_len + c_len)
     fresh = torch.zeros_like(attention)
+    routes = _route_table(completions, n, p_len + c_len)
     for i, (prompt, c) in enumerate(zip(prompts, completions)):
         k = len(c.token_ids)
         input_ids[i, p_len - len(prompt) : p_len] = torch.tensor(prompt)
@@ -292,10 +326,24 @@ def collate(
         gen_logprobs[i, p_len : p_len + k] = torch.tensor(c.logprobs)
         if version is not None and c.versions:
             fresh[i, p_len : p_len + k] = torch.tensor(c.versions) == version
+        if routes is not None and c.routes is not None:
+            start = p_len - len(prompt)
+            recorded = torch.as_tensor(c.routes[: p_len + k - start])
+            routes[i, start : start + len(recorded)] = recorded
     sampled = (response * tool).bool()
     mixed = bool((sampled & fresh.bool()).any()) and not bool(fresh.bool()[sampled].all())
     return TrainBatch(input_ids, attention, response, tool, advantages.float(), gen_logprobs,
-                      fresh_mask=fresh if mixed else None)  # fmt: skip
+                      fresh_mask=fresh if mixed else None, routes=routes)  # fmt: skip
+
+
+def _route_table(completions: list[Completion], n: int, t: int) -> torch.Tensor | None:
+    """``[n, t, L, k]`` of ROUTE_UNKNOWN where any completion carries routes, else None."""
+    shapes = {c.routes.shape[1:] for c in completions if c.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"completions carry routes of different shapes (layers, k): {sorted(shapes)}")
+    return torch.full((n, t, *shapes.pop()), ROUTE_UNKNOWN, dtype=torch.uint8)
 
 
 def nonempty(mb: TrainBatch) -> TrainBatch:
@@ -308,6 +356,8 @@ def nonempty(mb: TrainBatch) -> TrainBatch:
     def blank(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
         if value is None:
             return None
+        if name == "routes":
+            return torch.full((1, 2, *value.shape[2:]), ROUTE_UNKNOWN, dtype=value.dtype)
         shape = (1,) if value.dim() == 1 else (1, 2)
         maker = torch.ones if name == "attention_mask" else torch.zeros
         return maker(shape, dtype=value.dtype)

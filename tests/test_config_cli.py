@@ -33,6 +33,20 @@ CASES = {
         ["loss.moe_aux_coef=0.01"],
         "loss.moe_aux_coef=0.01: builtin:tiny is not a mixture of experts",
     ),
+    "routing replay on a dense model": (
+        ["rollout.routing_replay=true"],
+        "rollout.routing_replay: builtin:tiny is not a mixture of experts (no routes to replay)",
+    ),
+    "routing replay of an environment's episodes": (
+        [
+            "model.name_or_path=builtin:tiny-moe",
+            "rollout.routing_replay=true",
+            "env.name=builtin:guess",
+            "data.source=builtin:guess",
+            "reward.functions={env: 1.0}",
+        ],
+        "rollout.routing_replay with env.name: the routes of an episode's turns are not recorded yet",
+    ),
     "unknown load-balancing scope": (["loss.moe_aux_scope=forward"], "loss.moe_aux_scope: got 'forward';"),
     "LoRA on a mixture of experts in vLLM on CPU": (
         ["model.name_or_path=builtin:tiny-moe", "model.lora.rank=8"],

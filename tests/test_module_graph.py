@@ -77,6 +77,7 @@ def test_the_layers_point_down():
             "rltrain.adapters",
             "rltrain.weight_transfer",
             "rltrain.tasks",
+            "rltrain.routing",
         },
         "learner": {
             "learner",
@@ -86,6 +87,7 @@ def test_the_layers_point_down():
             "rltrain.remote",
             "rltrain.adapters",
             "rltrain.weight_transfer",
+            "rltrain.routing",
         },  # fmt: skip
         "rltrain.loading": set(),  # the user's code, loaded for rewards, environments and agents
         "config": {"config"},

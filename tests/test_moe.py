@@ -122,9 +122,17 @@ def test_a_moe_run_through_the_cli_syncs_exactly_and_its_update_is_the_layout_s_
     for row in rows:  # step 2 samples from the synced weights
         assert row["rollout/mismatch_max"] < 1e-3, row
         assert row["moe/aux_loss"] > 0 and row["moe/expert_load_max"] >= 1.0 and row["moe/router_entropy"] > 0
+    # the reference run replays vLLM's routes (recorded by its routers' hooks, through the tool
+    # loop, in the learner's forward): the engine and the learner route alike here (fp32, the same
+    # weights), so replay changes nothing, while a route landing on another token would show as a
+    # mismatch and a different update
     one = tmp_path / "one"
-    run_moe(one, *sgd, "run.steps=1", "learner.num_learners=1", "learner.zero_stage=0",
-            "learner.micro_batch_size=16", env=ray_cluster)  # fmt: skip
+    (replayed,) = run_moe(one, *sgd, "run.steps=1", "learner.num_learners=1", "learner.zero_stage=0",
+                          "learner.micro_batch_size=16", "rollout.routing_replay=true", env=ray_cluster)  # fmt: skip
+    assert replayed["moe/routing_mismatch"] == 0.0 and replayed["rollout/mismatch_max"] < 1e-3
+    assert 0.9 < replayed["moe/routes_replayed"] < 1.0  # all but each sequence's last token
+    # 16 sequences x (prompt + completion) positions x 2 layers x top-2, one byte each
+    assert replayed["perf/routes_bytes"] >= 16 * 2 * 2 * 10
     control = tmp_path / "control"
     run_moe(control, *sgd, "run.steps=1", "loss.moe_aux_scope=micro_batch", env=ray_cluster)
     step_1 = AutoModelForCausalLM.from_pretrained(

@@ -2,6 +2,7 @@
 sent arrives bit for bit whatever the dtypes and bucket cuts, through the group (gloo) or through
 shared memory (shm), and a receiver that is gone or stuck fails the sender instead of hanging it."""
 
+import io
 import multiprocessing
 import socket
 import time
@@ -36,6 +37,14 @@ def _layout(bucket_bytes: int = 256) -> Layout:
     return plan_buckets(metas, bucket_bytes, aliases={"lm_head": "embed"})
 
 
+def _bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Tensors as bytes for the queue: a tensor put there as itself is shared through a file
+    descriptor its process must still hold when the test reads it, and the member has exited."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
 def _member(rank: int, port: int, behaviour: str, results, backend: str) -> None:
     torch.set_num_threads(1)
     try:
@@ -55,9 +64,9 @@ def _member(rank: int, port: int, behaviour: str, results, backend: str) -> None
             behaviour == "hold"
         ):  # every tensor kept until the last has come (as vLLM's reload keeps a layer's)
             kept = dict(receive(group, layout))
-            results.put((rank, {k: v.clone() for k, v in kept.items()}, 0.0))  # (copied to be sent back)
+            results.put((rank, _bytes({k: v.clone() for k, v in kept.items()}), 0.0))
         else:  # each copied as it comes
-            results.put((rank, {k: v.clone() for k, v in receive(group, layout)}, 0.0))
+            results.put((rank, _bytes({k: v.clone() for k, v in receive(group, layout)}), 0.0))
     except Exception as e:  # noqa: BLE001  (reported, so the test fails at once, not at its queue's time-out)
         results.put((rank, f"error: {e}", 0.0))
 
@@ -72,7 +81,7 @@ def _run(behaviour: str, backend: str = "gloo") -> dict[int, tuple]:
     out = {}
     for _ in range(expected):
         rank, value, seconds = results.get(timeout=60)
-        out[rank] = (value, seconds)
+        out[rank] = (torch.load(io.BytesIO(value)) if isinstance(value, bytes) else value, seconds)
     for p in procs:
         p.join(timeout=1 if behaviour == "stuck" else 30)
         if p.is_alive():

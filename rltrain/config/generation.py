@@ -119,6 +119,14 @@ class RolloutConfig(Section):
     backend (and vLLM serving LoRA adapters, which it binds to a request when it starts) between
     chunks of `inflight_chunk_tokens`, each request going on from its sampled prefix. Each token keeps the log-prob and version it was sampled with (useful with
     max_staleness >= 1; where updates land then depends on timing, so runs are not bit-reproducible)."""
+    routing_replay: bool = False
+    """A mixture of experts: each engine records the experts its routers chose for every prompt and
+    sampled token (per MoE layer, uint8), they travel with the rollout, and every learner forward
+    (log-probs, reference, update) sends each token to those experts: the router's logits and
+    softmax are still computed and trained, only its top-k selection is replaced. Logged:
+    `moe/routing_mismatch`, the share of (token, layer) pairs whose experts the learner's own router
+    would have chosen otherwise. vLLM's prefix cache is off (every position's routes are recorded
+    where it is computed). Single-turn generation and the tool loop; not with env or agent."""
     inflight_chunk_tokens: int = Field(16, ge=1)
     """With inflight_updates, the transformers backend or LoRA adapters: tokens a request generates between two
     chances to take new weights."""

@@ -2,7 +2,8 @@
 (:func:`rltrain.loss.losses.policy_loss`), the frozen reference for a KL term, the rollout
 correction's rejections, decided on the pre-update policy before the step's token totals, and a
 mixture of experts' load-balancing loss (:mod:`rltrain.loss.moe`), its assignment counts taken on
-the pre-update policy too and summed in the same collective."""
+the pre-update policy too and summed in the same collective, and its routing replay (every forward
+sends each token to the experts the engine chose, :mod:`rltrain.routing`)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
-from rltrain.learner.routers import RouterTap, router_rows
+from rltrain.learner.routers import moe_metrics, replayed_routes, router_rows
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
 from rltrain.loss.logprobs import Truncation, sequence_logprobs
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
-from rltrain.loss.moe import expert_counts, expert_load_max, load_balancing_loss, router_entropy_sum
+from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
+from rltrain.routing import RouterTap, replay_problem
 
 
 def rollout_correction(config: Config) -> RolloutCorrection | None:
@@ -47,9 +49,13 @@ class PolicyLearner(EngineLearner):
         )  # fmt: skip
         self.ref_model = None
         self.tap: RouterTap | None = None  # a mixture of experts' routers
+        self.ref_tap: RouterTap | None = None  # the frozen reference's, under routing replay
+        self.replay = config.rollout.routing_replay
         self.moe_coef, self.moe_step = 0.0, False
         self._counts: list[torch.Tensor] = []  # each micro-batch's expert assignments before the step
-        self._routed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last forward's
+        self._routed: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor] | None = (
+            None  # the last forward's
+        )
 
     trains_adapters = True  # with model.lora.rank
 
@@ -80,10 +86,14 @@ class PolicyLearner(EngineLearner):
     def _watch_routers(self, model: torch.nn.Module) -> None:
         """A mixture of experts: hooks on its routers, the load-balancing loss's weight and scope,
         and the router metrics (assignments per layer and expert, entropy)."""
+        if self.replay and (problem := replay_problem(model)):
+            raise ValueError(f"rollout.routing_replay: {self.config.model.name_or_path}: {problem}")
         tap = RouterTap(model)
         if not tap.routers:
             return
         self.tap = tap
+        if self.replay and self.ref_model is not None:
+            self.ref_tap = RouterTap(self.ref_model)
         coef = self.config.loss.moe_aux_coef
         self.moe_coef = (
             float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
@@ -91,6 +101,8 @@ class PolicyLearner(EngineLearner):
         self.moe_step = self.moe_coef > 0 and self.config.loss.moe_aux_scope == "step"
         experts = len(tap.routers) * tap.num_experts
         self.METRIC_TOTALS = {"moe_aux": 1, "router_entropy": 1, "router_rows": 1, "expert_load": experts}
+        if self.replay:
+            self.METRIC_TOTALS["routing_mismatch"] = 2  # (rows the router would send elsewhere, rows)
 
     def _rows(self, mb: TrainBatch) -> torch.Tensor:
         return router_rows(mb, self.lc.packing, self.sp, self.sp_rank)
@@ -112,6 +124,9 @@ class PolicyLearner(EngineLearner):
         rc = self.config.rollout
         truncation = Truncation(rc.top_k, rc.top_p, rc.min_p) if sampling else None
         packed = self.lc.packing
+        if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
+            tap = self.ref_tap if model is self.ref_model else self.tap
+            tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank)
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
@@ -137,7 +152,7 @@ class PolicyLearner(EngineLearner):
         return sequence_parallel.group_sum(logprobs_BT) if self.sp > 1 else logprobs_BT
 
     def _loss(self, mb: TrainBatch, denominator):
-        with self._capture() as routed:
+        with self._capture(measure=True) as (routed, chosen):
             logprobs, entropy = self._logprobs(self.engine, mb, with_entropy=True)
         old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
         loss, metrics = policy_loss(
@@ -159,14 +174,16 @@ class PolicyLearner(EngineLearner):
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
         if self.tap is not None:
             rows = self._rows(mb)
-            self._routed = routed, rows
-            counts = expert_counts(routed, rows, self.tap.top_k)
+            self._routed = routed, chosen, rows
+            counts = expert_counts(routed, rows, self.tap.top_k, chosen)
             metrics |= {"expert_load": counts, "router_entropy": router_entropy_sum(routed, rows),
                         "router_rows": rows.sum() * len(routed)}  # fmt: skip
+            if self.replay:
+                metrics["routing_mismatch"] = self.tap.take_mismatch()
         return loss, metrics
 
-    def _capture(self):
-        return contextlib.nullcontext([]) if self.tap is None else self.tap.capture()
+    def _capture(self, measure: bool = False):
+        return contextlib.nullcontext(([], [])) if self.tap is None else self.tap.capture(measure)
 
     def _scaled_loss(self, accumulation_steps: int, metrics: dict[str, torch.Tensor]) -> torch.Tensor | float:
         """The load-balancing loss of the last forward: its share of the step's loss (the group's
@@ -175,12 +192,14 @@ class PolicyLearner(EngineLearner):
         routed, self._routed = self._routed, None
         if not self.moe_coef or routed is None:
             return 0.0
-        (logits, rows), k = routed, self.tap.top_k
+        (logits, chosen, rows), k = routed, self.tap.top_k
         if self.moe_step:
             aux = load_balancing_loss(logits, rows, self.group_counts.view(len(logits), -1), k)
             metrics["moe_aux"] = aux.detach()  # summed over micro-batches and ranks: the step's loss
             return self.moe_coef * self.world_size * aux
-        aux = load_balancing_loss(logits, rows, expert_counts(logits, rows, k), k) / accumulation_steps
+        aux = (
+            load_balancing_loss(logits, rows, expert_counts(logits, rows, k, chosen), k) / accumulation_steps
+        )
         metrics["moe_aux"] = aux.detach() / self.world_size  # summed: the mean over ranks
         return self.moe_coef * aux
 
@@ -190,14 +209,8 @@ class PolicyLearner(EngineLearner):
     def _finish_totals(self, totals: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
         if self.tap is None:
             return {}
-        layers = len(self.tap.routers)
-        load_L = expert_load_max(totals["expert_load"].view(layers, -1))
-        out = {"moe/router_entropy": totals["router_entropy"].item() / max(totals["router_rows"].item(), 1.0),
-               "moe/expert_load_max": load_L.max().item()}  # fmt: skip
-        out |= {f"moe/expert_load_max/layer_{i}": v for i, v in enumerate(load_L.tolist())}
-        if self.moe_coef:
-            out["moe/aux_loss"] = totals["moe_aux"].item() / optimizer_steps
-        return out
+        aux_steps = optimizer_steps if self.moe_coef else None
+        return moe_metrics(totals, len(self.tap.routers), aux_steps, self.replay)
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         out["train/clip_fraction"] = out.pop("train/clipped")
@@ -228,12 +241,13 @@ class PolicyLearner(EngineLearner):
                     changes["ref_logprobs"] = self._reference_logprobs(mb)
                 if needs_old or self.moe_step:
                     # the load-balancing loss's assignment counts: the pre-update routes
-                    with self._capture() as routed:
+                    with self._capture() as (routed, chosen):
                         old, _ = self._logprobs(self.engine, mb)
                     if needs_old:
                         changes["old_logprobs"] = old
-                    if self.moe_step:
-                        self._counts.append(expert_counts(routed, self._rows(mb), self.tap.top_k).reshape(-1))
+                    if self.moe_step:  # (the replayed routes where replay is on)
+                        counts = expert_counts(routed, self._rows(mb), self.tap.top_k, chosen)
+                        self._counts.append(counts.reshape(-1))
                 mb = mb.replace(**changes)
                 if rejects and mb.generator_logprobs is not None:
                     mb = self._reject(mb, correction)

@@ -35,14 +35,22 @@ from collections.abc import Sequence
 import torch
 
 
-def expert_counts(router_logits: Sequence[torch.Tensor], rows_N: torch.Tensor, top_k: int) -> torch.Tensor:
+def expert_counts(
+    router_logits: Sequence[torch.Tensor],
+    rows_N: torch.Tensor,
+    top_k: int,
+    chosen: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """Top-``top_k`` assignments of every expert in every layer over the counted rows: int64
-    ``[L, E]`` (no gradient). ``router_logits``: one ``[N, E]`` tensor per layer."""
+    ``[L, E]`` (no gradient). ``router_logits``: one ``[N, E]`` tensor per layer; ``chosen``: the
+    ``[N, k]`` experts each row went to where they are not the logits' top-k (routing replay)."""
     keep = rows_N.bool()
     counts = []
-    for logits_NE in router_logits:
-        chosen = torch.topk(logits_NE.detach()[keep], top_k, dim=-1).indices  # softmax keeps the order
-        counts.append(torch.bincount(chosen.reshape(-1), minlength=logits_NE.shape[-1]))
+    for layer, logits_NE in enumerate(router_logits):
+        picked = None if chosen is None else chosen[layer]
+        if picked is None:
+            picked = torch.topk(logits_NE.detach(), top_k, dim=-1).indices  # softmax keeps the order
+        counts.append(torch.bincount(picked[keep].reshape(-1), minlength=logits_NE.shape[-1]))
     return torch.stack(counts).long()
 
 

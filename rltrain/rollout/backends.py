@@ -6,6 +6,7 @@ that own one are :mod:`rltrain.rollout.engines`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -98,6 +99,8 @@ class VLLMBackend:
             # log-probs after temperature, min_p, top_k and top_p: the distribution the tokens were
             # sampled from, which the learner's log-probs reproduce (rltrain.loss.logprobs.Truncation)
             logprobs_mode="processed_logprobs",
+            # routing replay: every position's routes are recorded where it runs (rltrain.rollout.routes)
+            **({"enable_prefix_caching": False} if rc.routing_replay else {}),
             **_lora_options(lora, rc),
             **(
                 {"gpu_memory_utilization": rc.gpu_memory_utilization}
@@ -113,6 +116,22 @@ class VLLMBackend:
         self._detokenize = bool(stop)
         self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
         self.adapters = AdapterFolders(lora, _lora_slots(rc)) if lora is not None else None
+        self.recorder = None
+        if rc.routing_replay:
+            from rltrain.rollout.routes import RouteRecorder
+
+            self.recorder = RouteRecorder()
+            self._hook_routers()
+
+    def _hook_routers(self) -> None:
+        if not self.llm.collective_rpc(self.recorder.install)[0]:
+            raise RuntimeError("rollout.routing_replay: the engine's model has no MoE router to record")
+
+    def _routes(self, request_id: str, prompt: list[int], sampled) -> Any:
+        """The recorded routes of a request's positions that ran (all but its last token)."""
+        if self.recorder is None:
+            return None
+        return self.recorder.pop(request_id, len(prompt) + len(sampled) - 1)
 
     def _params(self, greedy: bool = False, **kwargs):
         from vllm import SamplingParams
@@ -132,10 +151,13 @@ class VLLMBackend:
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
         )
         segments = []
-        for out in outputs:
+        for prompt, out in zip(prompts, outputs):
             c = out.outputs[0]
             text = c.text if self._detokenize else decode(self.tokenizer, c.token_ids)
-            segments.append(Segment(list(c.token_ids), _sampled_logprobs(c), text, _finish(c)))
+            routes = self._routes(out.request_id, prompt, c.token_ids)
+            segments.append(Segment(list(c.token_ids), _sampled_logprobs(c), text, _finish(c), routes=routes))
+        if self.recorder is not None:
+            self.recorder.clear()
         return segments
 
     def _request_params(self, greedy: bool, max_tokens: int, seed: int):
@@ -160,6 +182,7 @@ class VLLMBackend:
 
         engine = self.llm.llm_engine
         segments: dict[str, Segment] = {}
+        prompt_of: dict[str, list[int]] = {}
         for prompt, m, seed in zip(prompts, max_tokens, seeds):
             params = self._request_params(greedy, m, seed)
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
@@ -168,6 +191,7 @@ class VLLMBackend:
                 request_id, {"prompt_token_ids": prompt}, params, lora_request=self.lora_request
             )
             segments[request_id] = Segment([], [], "", "length")
+            prompt_of[request_id] = prompt
         try:
             while engine.has_unfinished_requests():
                 version = between_steps()
@@ -179,9 +203,13 @@ class VLLMBackend:
                     seg.text += c.text
                     if out.finished:
                         seg.finish_reason = _finish(c)
+                        seg.routes = self._routes(out.request_id, prompt_of[out.request_id], seg.token_ids)
         except BaseException:
             engine.abort_request(list(segments))
             raise
+        finally:
+            if self.recorder is not None:
+                self.recorder.clear()
         for seg in segments.values():
             seg.text = seg.text if self._detokenize else decode(self.tokenizer, seg.token_ids)
         return list(segments.values())
@@ -210,6 +238,8 @@ class VLLMBackend:
         )
         if not torch.cuda.is_available():
             self.llm.apply_model(_relayout_cpu_experts)
+        if self.recorder is not None:  # (a reload may rebuild a layer's router)
+            self._hook_routers()
         self.stale_prefixes = not self.llm.reset_prefix_cache()
 
     def parameter_names(self) -> list[str]:
@@ -247,6 +277,11 @@ class HFBackend:
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.truncation = Truncation(rc.top_k, rc.top_p, rc.min_p)
+        self.tap = None
+        if rc.routing_replay:  # the routes of the forward that scores the sampled tokens
+            from rltrain.routing import RouterTap
+
+            self.tap = RouterTap(self.model)
         if torch.cuda.is_available():
             self.model.cuda()
 
@@ -279,10 +314,13 @@ class HFBackend:
             )[0, len(prompt) :].tolist()
             if eos in out:
                 out = out[: out.index(eos) + 1]
-            logprobs = self._logprobs(prompt + out, self.rc.temperature, self.truncation)[len(prompt) :]
+            with contextlib.nullcontext(([], [])) if self.tap is None else self.tap.capture() as (_, chosen):
+                logprobs = self._logprobs(prompt + out, self.rc.temperature, self.truncation)[len(prompt) :]
+            routes = torch.stack(chosen, 1)[:-1].to(torch.uint8).cpu().numpy() if chosen else None
             text = decode(self.tokenizer, out)
             stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
-            segments.append(Segment(out, logprobs, text, "stop" if stopped or len(out) < m else "length"))
+            finish = "stop" if stopped or len(out) < m else "length"
+            segments.append(Segment(out, logprobs, text, finish, routes=routes))
         return segments
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rltrain.batch import Segment
+from rltrain.batch import Segment, extend_routes
 
 # generate(prompts, max_tokens, seeds) -> one Segment per prompt, each token's version filled in
 ChunkFn = Callable[[list[list[int]], list[int], list[int]], list[Segment]]
@@ -56,6 +56,7 @@ def generate_in_chunks(
             seg.token_ids += part.token_ids
             seg.logprobs += part.logprobs
             seg.versions += part.versions
+            seg.routes = extend_routes(seg.routes, part.routes)
             if part.finish_reason == "stop" or _cut_at_stop(seg, before, stop, decode):
                 seg.finish_reason = "stop"
             elif len(seg.token_ids) < max_tokens[i] and part.token_ids:

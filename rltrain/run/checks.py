@@ -466,11 +466,38 @@ def _check_model(config: Config, model_path: str) -> None:
                 "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
                 "(model.lora.rank=0) or generate with rollout.backend=hf"
             )
+    if config.rollout.routing_replay:
+        _check_replay(config, model_config, experts)
     if config.loss.moe_aux_coef and not experts:
         raise ConfigError(
             f"loss.moe_aux_coef={config.loss.moe_aux_coef}: {config.model.name_or_path} is not a mixture "
             "of experts (no load-balancing loss to weigh; leave it unset)"
         )
+
+
+def _check_replay(config: Config, model_config, experts: bool) -> None:
+    """Routing replay needs a mixture of experts whose router it can drive, and one generation per
+    turn that it records (not an environment's episodes or an agent's calls)."""
+    name = config.model.name_or_path
+    if not experts:
+        raise ConfigError(f"rollout.routing_replay: {name} is not a mixture of experts (no routes to replay)")
+    for key, value in (("env.name", config.env.name), ("agent.entrypoint", config.agent.entrypoint)):
+        if value is not None:
+            raise ConfigError(
+                f"rollout.routing_replay with {key}: the routes of an episode's turns are not recorded yet "
+                "(single-turn generation and the tool loop are); set rollout.routing_replay=false"
+            )
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.routing import replay_problem
+
+    with torch.device("meta"):  # the architecture alone: no weights, no compute
+        model = AutoModelForCausalLM.from_config(
+            model_config, trust_remote_code=config.model.trust_remote_code
+        )
+    if problem := replay_problem(model):
+        raise ConfigError(f"rollout.routing_replay: {name}: {problem}")
 
 
 def _check_tracking(config: Config) -> None:

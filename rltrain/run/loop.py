@@ -115,7 +115,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 skip(run, tracker, step, scored.metrics, user_code.note)
                 continue
             batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
-            metrics = {}
+            metrics = {} if batch.routes is None else {"perf/routes_bytes": float(batch.routes.numel())}
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 teacher_logprobs = run.teacher.per_token(batch)
                 if teacher_logprobs is None:  # its actors failed and start afresh: no update this step

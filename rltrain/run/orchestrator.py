@@ -26,7 +26,6 @@ step, round), so what it generates from there is the same too.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -198,7 +197,7 @@ class Orchestrator:
                 {
                     "step": a.step,
                     "prompts": [p.index for p in a.prompts],
-                    "completions": [dataclasses.asdict(c) for c in a.fetch(self.generators)],
+                    "completions": [c.state() for c in a.fetch(self.generators)],
                 }  # fmt: skip
                 for a in ahead
             ],
@@ -212,7 +211,7 @@ class Orchestrator:
             _Ahead(
                 a["step"],
                 [by_index[i] for i in a["prompts"]],
-                completions=[Completion(**c) for c in a["completions"]],
+                completions=[Completion.from_state(c) for c in a["completions"]],
             )  # fmt: skip
             for a in state.get("ahead", [])
         )

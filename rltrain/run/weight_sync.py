@@ -137,6 +137,8 @@ def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBat
     """The largest ``|engine - learner|`` log-prob over every engine and every predicted token of
     the probe's first sequences (the model's own distribution, temperature 1)."""
     probe = probe.select(torch.arange(min(len(probe), PROBE_SEQUENCES)))
+    # both sides route with the weights they hold (a rollout's routes came from the older ones)
+    probe = probe.replace(routes=None)
     learner_BT = learners.per_token(probe, own=True)
     positions = [row.nonzero().squeeze(-1) for row in probe.attention_mask]
     sequences = [ids[at].tolist() for ids, at in zip(probe.input_ids, positions)]

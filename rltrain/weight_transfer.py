@@ -90,35 +90,45 @@ def plan_buckets(
 
 class SharedSlots:
     """The two bucket slots of a same-node weight group: files in ``/dev/shm`` that rank 0 creates
-    and every member maps, each mapping made once. Rank 0 removes the files once every member has
-    mapped them (after the first sync); a group that never finishes a sync leaves them behind."""
+    before the group forms and every member opens once it has formed; rank 0 then removes them
+    (:meth:`unlink`), so nothing is left behind, whenever and however a member ends. Each member
+    maps the open files (``/proc/self/fd/N``), each mapping made once."""
 
     def __init__(self, name: str, create: bool, slots: int = 2, folder: str = "/dev/shm"):
         self.paths = [os.path.join(folder, f"{name}-{i}") for i in range(slots)]
         self.owner = create
-        if create:
-            for path in self.paths:
-                open(path, "wb").close()
+        self.fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in self.paths] if create else []
         self._maps: dict[tuple[int, int], torch.Tensor] = {}
+
+    def open(self) -> None:
+        """A member other than rank 0: hold the files open (rank 0 removes them next)."""
+        self.fds = self.fds or [os.open(path, os.O_RDWR) for path in self.paths]
 
     def slot(self, index: int, size: int) -> torch.Tensor:
         """Slot ``index % slots`` as ``size`` bytes (rank 0 grows its file first)."""
-        path = self.paths[index % len(self.paths)]
-        key = (index % len(self.paths), size)
+        fd = self.fds[index % len(self.fds)]
+        key = (index % len(self.fds), size)
         if key not in self._maps:
-            if self.owner and os.path.getsize(path) < size:
-                os.truncate(path, size)
-            self._maps[key] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            if self.owner and os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._maps[key] = torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8
+            )
         return self._maps[key]
 
     def unlink(self) -> None:
-        """Remove the files (the mappings stay); rank 0, once every member has mapped them."""
+        """Remove the files (the open ones and their mappings stay); rank 0, once every member holds
+        them open."""
         if self.owner:
             for path in self.paths:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
-    __del__ = unlink
+    def __del__(self) -> None:
+        self.unlink()
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass
@@ -161,6 +171,10 @@ def open_group(
         device = torch.device("cuda", torch.cuda.current_device())
         return WeightGroup(dist.ProcessGroupNCCL(store, rank, world_size, options), store, device)
     group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if slots is not None:
+        slots.open()
+        group.allreduce([torch.zeros(1)]).wait()  # every member holds the files open
+        slots.unlink()
     return WeightGroup(group, store, torch.device("cpu"), slots)
 
 
@@ -228,7 +242,6 @@ def _send_shared(group: WeightGroup, layout: Layout, tensors: Iterator[tuple[str
     read.append(group.all_reduce(torch.zeros(1)))
     for work in [*written, *read]:
         work.wait()
-    slots.unlink()  # every receiver has mapped the slots it reads
     return sent
 
 

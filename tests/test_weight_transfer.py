@@ -6,6 +6,7 @@ import io
 import multiprocessing
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,8 @@ def _run(behaviour: str, backend: str = "gloo") -> dict[int, tuple]:
         p.join(timeout=1 if behaviour == "stuck" else 30)
         if p.is_alive():
             p.kill()
+    # the shared slots' files go as soon as the group has formed: none is left, even by a member killed
+    assert not list(Path("/dev/shm").glob(f"rltrain-weights-{port}-*"))
     return out
 
 

@@ -33,9 +33,10 @@ def _recorder(model: torch.nn.Module):
     return None
 
 
-def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's routers in layer order; empty for a dense model."""
-    recorder = _recorder(model)
+def find_routers(model: torch.nn.Module, recorder=None) -> list[torch.nn.Module]:
+    """The model's routers in layer order; empty for a dense model (``recorder``: its
+    ``router_logits`` declaration, looked up where not given)."""
+    recorder = recorder or _recorder(model)
     if recorder is None or recorder.target_class is None:
         return []
     return [m for m in model.modules() if isinstance(m, recorder.target_class)]
@@ -49,8 +50,8 @@ class RouterTap:
     forward's rows), every forward replays them, recomputations included, until it is set again."""
 
     def __init__(self, model: torch.nn.Module):
-        self.routers = find_routers(model)
         recorder = _recorder(model)
+        self.routers = find_routers(model, recorder)
         self.index = 0 if recorder is None else recorder.index
         config = getattr(model, "config", None)
         first = self.routers[0] if self.routers else None

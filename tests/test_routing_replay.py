@@ -174,3 +174,49 @@ def test_learners_replay_the_engine_s_routes_in_every_layout(ray_local, models, 
     scored = batch.response_mask.bool()
     assert (replayed - expected)[scored].abs().max() < 1e-4, layout
     assert (own - expected)[scored].abs().max() > 1e-3, layout
+
+
+@pytest.mark.slow
+def test_vllm_records_every_position_s_experts_through_an_update_in_flight(ray_local, tmp_path):
+    # a vLLM engine with routing replay takes new weights between two decode steps of a rollout:
+    # every position that ran has its routes (all but each sequence's last token), and those of the
+    # prompt and the tokens sampled before the update are the old weights' own top-2, position by
+    # position (what the learner will replay is what the engine ran, aligned with its tokens)
+    import time
+
+    import ray
+
+    from rltrain.rollout import GeneratorPool
+
+    path = build_tiny_model(tmp_path / "moe", family="qwen3_moe")
+    config = Config.model_validate(
+        {"model": {"name_or_path": str(path)},
+         "rollout": {"max_new_tokens": 200, "inflight_updates": True, "routing_replay": True}}
+    )  # fmt: skip
+    old = AutoModelForCausalLM.from_pretrained(path).eval()
+    new = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41, 42], [9, 9, 9, 9]] * 2
+    generators = GeneratorPool(config, str(path))
+    try:
+        generators.collect(generators.submit(prompts[:1], seeds=[0]))  # the engine is up
+        refs = generators.submit(prompts, seeds=list(range(1, 9)))
+        time.sleep(0.2)  # the rollout is generating: the weights arrive between two of its steps
+        generators.load_weights(ray.put(new.state_dict()), 1)
+        completions = generators.collect(refs)
+    finally:
+        generators.shutdown()
+    assert any(set(c.versions) == {0, 1} for c in completions), [c.versions for c in completions]
+    tap = RouterTap(old)
+    for prompt, c in zip(prompts, completions):
+        assert c.routes.shape == (len(prompt) + len(c.token_ids) - 1, 2, 2)
+        assert (c.routes < ROUTE_UNKNOWN).all()  # every position that ran
+        before = len(prompt) + c.versions.count(0)  # positions whose forward ran on the old weights
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad(), tap.capture() as (_, chosen):
+            old(ids)
+        own = torch.stack(chosen, 1)[: before - 1].sort(-1).values  # [positions, layers, 2]
+        assert torch.equal(torch.tensor(c.routes[: before - 1]).long().sort(-1).values, own)

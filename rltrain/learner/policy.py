@@ -53,9 +53,8 @@ class PolicyLearner(EngineLearner):
         self.replay = config.rollout.routing_replay
         self.moe_coef, self.moe_step = 0.0, False
         self._counts: list[torch.Tensor] = []  # each micro-batch's expert assignments before the step
-        self._routed: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor] | None = (
-            None  # the last forward's
-        )
+        # the last forward's router logits, the rows that count and their expert assignments
+        self._routed: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
     trains_adapters = True  # with model.lora.rank
 
@@ -174,8 +173,8 @@ class PolicyLearner(EngineLearner):
         metrics["entropy"] = torch.where(keep, entropy, 0.0).sum()
         if self.tap is not None:
             rows = self._rows(mb)
-            self._routed = routed, chosen, rows
             counts = expert_counts(routed, rows, self.tap.top_k, chosen)
+            self._routed = routed, rows, counts
             metrics |= {"expert_load": counts, "router_entropy": router_entropy_sum(routed, rows),
                         "router_rows": rows.sum() * len(routed)}  # fmt: skip
             if self.replay:
@@ -192,14 +191,12 @@ class PolicyLearner(EngineLearner):
         routed, self._routed = self._routed, None
         if not self.moe_coef or routed is None:
             return 0.0
-        (logits, chosen, rows), k = routed, self.tap.top_k
+        (logits, rows, counts), k = routed, self.tap.top_k
         if self.moe_step:
             aux = load_balancing_loss(logits, rows, self.group_counts.view(len(logits), -1), k)
             metrics["moe_aux"] = aux.detach()  # summed over micro-batches and ranks: the step's loss
             return self.moe_coef * self.world_size * aux
-        aux = (
-            load_balancing_loss(logits, rows, expert_counts(logits, rows, k, chosen), k) / accumulation_steps
-        )
+        aux = load_balancing_loss(logits, rows, counts, k) / accumulation_steps  # its own counts
         metrics["moe_aux"] = aux.detach() / self.world_size  # summed: the mean over ranks
         return self.moe_coef * aux
 

@@ -102,6 +102,7 @@ def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_kee
     ray_local, tiny_model_path
 ):
     import ray
+    from model_utils import nudged
     from transformers import AutoModelForCausalLM
 
     from rltrain.config import Config
@@ -112,11 +113,7 @@ def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_kee
         {"rollout": {"max_new_tokens": 360, "inflight_updates": True, "inflight_chunk_tokens": 4}}
     )
     old = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    new = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = nudged(tiny_model_path, 0.05)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41, 42], [9, 9, 9, 9]] * 2
     generators = GeneratorPool(config, tiny_model_path)
     try:

@@ -7,6 +7,7 @@ the engine's, in padded, packed and sequence-parallel layouts on real Ray + Deep
 import numpy as np
 import pytest
 import torch
+from model_utils import nudged
 from transformers import AutoModelForCausalLM
 
 from rltrain.batch import ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
@@ -26,13 +27,7 @@ def models(tmp_path_factory) -> tuple[str, str]:
     """(the engine's model, the learner's: the same with its routers nudged)."""
     root = tmp_path_factory.mktemp("replay")
     engine = build_tiny_model(root / "engine", family="qwen3_moe", router_std=NEAR_TIES)
-    model = AutoModelForCausalLM.from_pretrained(engine)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.add_(NUDGE * torch.randn(param.shape, generator=g))
-    model.save_pretrained(root / "learner")
+    nudged(engine, NUDGE, seed=1, suffix="mlp.gate.weight").save_pretrained(root / "learner")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (root / "learner" / f).write_bytes((engine / f).read_bytes())
     return str(engine), str(root / "learner")
@@ -194,11 +189,7 @@ def test_vllm_records_every_position_s_experts_through_an_update_in_flight(ray_l
          "rollout": {"max_new_tokens": 200, "inflight_updates": True, "routing_replay": True}}
     )  # fmt: skip
     old = AutoModelForCausalLM.from_pretrained(path).eval()
-    new = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = nudged(path, 0.05)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41, 42], [9, 9, 9, 9]] * 2
     generators = GeneratorPool(config, str(path))
     try:

@@ -98,30 +98,35 @@ def test_a_stop_string_split_over_two_chunks_ends_the_segment_where_it_completes
 
 
 @pytest.mark.slow
-def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_keeps_its_version(
-    ray_local, tiny_model_path
+def test_inflight_weights_reach_a_vllm_engine_between_steps_and_every_token_keeps_its_version_and_routes(
+    ray_local, tmp_path
 ):
+    # a mixture of experts with routing replay: the engine also records the experts of every
+    # position it runs, and they stay aligned with the tokens through the update in flight
     import ray
     from model_utils import nudged
     from transformers import AutoModelForCausalLM
 
+    from rltrain.batch import ROUTE_UNKNOWN
     from rltrain.config import Config
     from rltrain.loss.logprobs import sequence_logprobs
     from rltrain.rollout import GeneratorPool
+    from rltrain.routing import RouterTap
+    from rltrain.tiny_model import build_tiny_model
 
+    path = str(build_tiny_model(tmp_path / "moe", family="qwen3_moe"))
     config = Config.model_validate(
-        {"rollout": {"max_new_tokens": 360, "inflight_updates": True, "inflight_chunk_tokens": 4}}
-    )
-    old = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    new = nudged(tiny_model_path, 0.05)
+        {"model": {"name_or_path": path},
+         "rollout": {"max_new_tokens": 360, "inflight_updates": True, "routing_replay": True}}
+    )  # fmt: skip
+    old = AutoModelForCausalLM.from_pretrained(path).eval()
+    new = nudged(path, 0.05)
     prompts = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40, 41, 42], [9, 9, 9, 9]] * 2
-    generators = GeneratorPool(config, tiny_model_path)
+    generators = GeneratorPool(config, path)
     try:
         generators.collect(generators.submit(prompts[:1], seeds=[0]))  # the engine is up
         refs = generators.submit(prompts, seeds=list(range(1, 9)))
-        time.sleep(
-            0.2
-        )  # the rollout (a second or more of chunks) is generating: the weights arrive between two of its chunks
+        time.sleep(0.2)  # the rollout is generating: the weights arrive between two of its decode steps
         start = time.perf_counter()
         generators.load_weights(ray.put(new.state_dict()), 1)
         staged_s = time.perf_counter() - start
@@ -133,12 +138,24 @@ def test_inflight_weights_reach_a_vllm_engine_between_chunks_and_every_token_kee
     spanning = [c for c in completions if set(c.versions) == {0, 1}]
     assert spanning, [c.versions for c in completions]  # the weights arrived mid-request
     gaps = {0: [], 1: []}  # |engine - old model| per token, by version
+    tap = RouterTap(old)
     for prompt, c in zip(prompts, completions):
         assert c.versions == sorted(c.versions)  # versions only move forward within a request
         ids = torch.tensor([prompt + c.token_ids])
-        old_logprobs = sequence_logprobs(old, ids, torch.ones_like(ids), temperature=1.0)[0][0][len(prompt) :]
+        with torch.no_grad(), tap.capture() as (_, chosen):
+            old_logprobs = sequence_logprobs(old, ids, torch.ones_like(ids), temperature=1.0)[0][0][
+                len(prompt) :
+            ]
         for version, gap in zip(c.versions, (torch.tensor(c.logprobs) - old_logprobs).abs().tolist()):
             gaps[version].append(gap)
+        # routes: every position that ran (all but the last token), 2 layers x top-2; those whose
+        # forward ran on the old weights (the prompt and the tokens sampled before the update,
+        # but the last of them) are the old model's own top-2, position by position
+        assert c.routes.shape == (len(prompt) + len(c.token_ids) - 1, 2, 2)
+        assert (c.routes < ROUTE_UNKNOWN).all()
+        before = len(prompt) + c.versions.count(0) - 1
+        own = torch.stack(chosen, 1)[:before].sort(-1).values
+        assert torch.equal(torch.tensor(c.routes[:before]).long().sort(-1).values, own)
     # version 0 tokens carry the first weights' log-probs exactly; version 1 tokens were sampled by
     # the new weights (over a cache partly computed by the old ones) and their log-probs say so
     assert max(gaps[0]) < 1e-4, max(gaps[0])

@@ -128,7 +128,8 @@ def test_routes_in_packed_and_sequence_parallel_order():
 
 
 def replay_config(*args, **kwargs) -> Config:
-    raw = layout_config(*args, **kwargs).model_dump()
+    """A layout with routing replay and a KL term (so the learners hold a frozen reference too)."""
+    raw = layout_config(*args, loss={"kl_beta": 0.01}, **kwargs).model_dump()
     raw["rollout"]["routing_replay"] = True
     return Config.model_validate(raw)
 
@@ -163,9 +164,11 @@ def test_learners_replay_the_engine_s_routes_in_every_layout(ray_local, models, 
     group = LearnerGroup(replay_config(**layout), learner, total_optimizer_steps=1)
     try:
         replayed = group.per_token(batch.replace(routes=routes), own=True)
+        reference = group.per_token(batch.replace(routes=routes))  # the frozen reference's forward
         own = group.per_token(batch, own=True)  # no routes: the learner's own routers
     finally:
         group.shutdown()
     scored = batch.response_mask.bool()
     assert (replayed - expected)[scored].abs().max() < 1e-4, layout
+    assert (reference - expected)[scored].abs().max() < 1e-4, layout
     assert (own - expected)[scored].abs().max() > 1e-3, layout

@@ -83,8 +83,9 @@ class PolicyLearner(EngineLearner):
         return model
 
     def _watch_routers(self, model: torch.nn.Module) -> None:
-        """A mixture of experts: hooks on its routers, the load-balancing loss's weight and scope,
-        and the router metrics (assignments per layer and expert, entropy)."""
+        """A mixture of experts: hooks on its routers (and the frozen reference's, which replay
+        the routes too), the load-balancing loss's weight and scope, and the router metrics
+        (assignments per layer and expert, entropy, under replay the routes it changed)."""
         if self.replay and (problem := replay_problem(model)):
             raise ValueError(f"rollout.routing_replay: {self.config.model.name_or_path}: {problem}")
         tap = RouterTap(model)

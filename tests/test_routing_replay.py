@@ -172,3 +172,28 @@ def test_learners_replay_the_engine_s_routes_in_every_layout(ray_local, models, 
     assert (replayed - expected)[scored].abs().max() < 1e-4, layout
     assert (reference - expected)[scored].abs().max() < 1e-4, layout
     assert (own - expected)[scored].abs().max() > 1e-3, layout
+
+
+def test_the_transformers_backend_records_the_routes_of_the_forward_that_scores_its_samples(tmp_path):
+    # rollout.backend=hf with replay: each segment carries the experts of prompt + sampled tokens
+    # but the last, which are the model's own top-2 on that sequence, position by position
+    from rltrain.config import RolloutConfig
+    from rltrain.rollout.backends import HFBackend
+
+    path = build_tiny_model(tmp_path / "moe", family="qwen3_moe")
+    backend = HFBackend(str(path), RolloutConfig(routing_replay=True, max_new_tokens=6), [], False)
+    prompt = [5, 17, 99, 3]
+    (seg,) = backend.generate([prompt], [6], [0])
+    sequence = prompt + seg.token_ids
+    assert seg.routes.dtype == np.uint8 and seg.routes.shape == (len(sequence) - 1, 2, 2)
+    tap = RouterTap(backend.model)
+    with torch.no_grad(), tap.capture() as (_, chosen):
+        backend.model(torch.tensor([sequence]))
+    own = torch.stack(chosen, 1)[:-1].sort(-1).values
+    assert torch.equal(torch.tensor(seg.routes).long().sort(-1).values, own)
+    assert (
+        HFBackend(str(path), RolloutConfig(max_new_tokens=6), [], False)
+        .generate([prompt], [6], [0])[0]
+        .routes
+        is None
+    )

@@ -1,7 +1,8 @@
 """The demo over several seeds: held-out accuracy (with an environment: success) and tool-call rate
 before RL (after the warm start) and at the end, the best held-out figure of the run, the rollouts'
 seconds a step, the warm-up's and the whole run's wall time, per seed and on average; with a critic
-(PPO with GAE) also its explained variance over the last ten steps.
+(PPO with GAE) also its explained variances over the last ten steps (over the tokens, and at the
+question: what it makes of each question before a token is sampled).
 
     python benchmarks/bench_demo.py [overrides ...] [--seeds 0 1 2] [--config configs/cpu_demo.yaml ...]
 
@@ -30,6 +31,7 @@ from common import table
 from rltrain.run.tracking import held_out_score
 
 REPO = Path(__file__).resolve().parents[1]
+QUESTION = "critic/question_explained_variance"
 
 
 def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[str, float]:
@@ -48,6 +50,7 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     done = out / "sft_model" / "rltrain_sft.json"  # (none when the run starts from a warm model)
     warm_up = json.loads(done.read_text())["seconds"] if done.exists() else 0.0
     explained = [r["critic/explained_variance"] for r in steps if "critic/explained_variance" in r]
+    question = [r[QUESTION] for r in steps if QUESTION in r]
     return {
         "accuracy before": first[score],
         "accuracy after": last[score],
@@ -59,10 +62,14 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
         "generate s a step": sum(r["time/generate_s"] for r in steps) / len(steps),
         "warm-up s": warm_up,
         "run s": wall,
-        "critic EV, last 10 steps": sum(explained[-10:]) / len(explained[-10:])
-        if explained
-        else float("nan"),
+        "critic EV, last 10 steps": mean_of(explained[-10:]),
+        "critic EV at the question, last 10 steps": mean_of(question[-10:]),
     }
+
+
+def mean_of(values: list[float]) -> float:
+    values = [v for v in values if v == v]  # NaN: a step whose samples all had one return
+    return sum(values) / len(values) if values else float("nan")  # (no critic: NaN, shown as -)
 
 
 def shown(key: str, value: float) -> str:

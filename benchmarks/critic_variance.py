@@ -2,6 +2,8 @@
 
     python benchmarks/critic_variance.py RUN_FOLDER [RUN_FOLDER ...] [--last 10] [--first]
 
+(``configs/cpu_ppo.yaml`` saves its rollouts every step.)
+
 A run saved with ``run.save_rollouts_every=1`` (``rollouts/step_<N>.jsonl``) and GAE with
 ``gamma = lam = 1``: every sampled token's return is its completion's reward. Over the last steps
 it prints, token-weighted like ``critic/explained_variance``:
@@ -12,7 +14,10 @@ it prints, token-weighted like ``critic/explained_variance``:
   from the group's own samples: sum (R - group mean)^2 / (k - 1));
 - the share that lies between the samples that call the calculator and those that do not: what a
   critic that knew from the first token whether the completion will call it would explain;
-- the critic's own explained variance (``metrics.jsonl``);
+- the critic's own explained variances (``metrics.jsonl``): at the question, per sample
+  (``critic/question_explained_variance``: the value of the state before the first sampled token,
+  the one to hold against the prompt oracle, which is per sample too), and over the loss tokens
+  (``critic/explained_variance``, which also counts the tokens after the one that decides);
 - how the completions that called the calculator and those that did not fared.
 
 Whatever the prompt does not explain is decided by the sampled tokens themselves: a critic can only
@@ -65,11 +70,16 @@ def step_figures(path: Path) -> dict[str, float]:
     return sums
 
 
-def run_figures(run: Path, last: int, first: bool = False) -> dict[str, float]:
-    """Pooled over the last steps: a ratio of sums, not a mean of per-step ratios (a step where
-    nearly every sample succeeds has almost no variance to divide by)."""
+QUESTION = "critic/question_explained_variance"
+
+
+def run_figures(run: Path, last: int, first: bool = False, only: int | None = None) -> dict[str, float]:
+    """Pooled over the last steps (``only``: that step alone): a ratio of sums, not a mean of
+    per-step ratios (a step where nearly every sample succeeds has almost no variance to divide by)."""
     paths = sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
     paths = paths[:last] if first else paths[-last:]
+    if only is not None:
+        paths = [run / "rollouts" / f"step_{only}.jsonl"]
     if not paths:
         raise SystemExit(f"{run}: no rollouts/step_*.jsonl (run with run.save_rollouts_every=1)")
     steps = [int(p.stem.split("_")[1]) for p in paths]
@@ -83,12 +93,17 @@ def run_figures(run: Path, last: int, first: bool = False) -> dict[str, float]:
         for r in rows
         if r["step"] in steps and "critic/explained_variance" in r
     ]
+    question = [r[QUESTION] for r in rows if r["step"] in steps and QUESTION in r]
+    per_step = [step_figures(path) for path in paths]
+    oracles = [1.0 - f["within prompt"] / f["sample squares"] for f in per_step if f["sample squares"] > 0]
     alone = s["samples"] - s["called"]
     return {
         "variance": s["squares"] / s["tokens"],
         "prompt oracle EV": 1.0 - s["within prompt"] / s["sample squares"],
         "call oracle EV": 1.0 - s["within call"] / s["squares"],
+        "prompt oracle EV, mean of steps": mean_of(oracles),
         "critic EV": mean_of(explained),
+        "critic EV at the question": mean_of(question),
         "tool-call share": s["called"] / s["samples"],
         "reward with a call": s["reward called"] / s["called"] if s["called"] else float("nan"),
         "reward without": s["reward alone"] / alone if alone else float("nan"),
@@ -106,16 +121,21 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=10, help="steps to pool (the newest)")
     parser.add_argument("--first", action="store_true", help="pool the oldest --last steps instead")
     args = parser.parse_args()
-    header = ["run", "return variance", "prompt oracle EV", "call oracle EV", "critic EV (mean of steps)",
-              "tool-call share", "reward with a call", "reward without"]  # fmt: skip
-    rows = []
-    for run in args.runs:
-        f = run_figures(run, args.last, args.first)
-        rows.append([run.name, f"{f['variance']:.3f}", f"{f['prompt oracle EV']:.2f}", f"{f['call oracle EV']:.2f}",
-                     f"{f['critic EV']:.3f}",
+    header = ["run", "return variance", "prompt oracle EV", "prompt oracle EV (mean of steps)",
+              "critic EV at the question (mean of steps)", "critic EV over tokens (mean of steps)",
+              "call oracle EV", "tool-call share", "reward with a call", "reward without"]  # fmt: skip
+    rows, figures = [], [run_figures(run, args.last, args.first) for run in args.runs]
+    for run, f in zip(args.runs, figures):
+        rows.append([run.name, f"{f['variance']:.3f}", f"{f['prompt oracle EV']:.2f}",
+                     f"{f['prompt oracle EV, mean of steps']:.2f}", f"{f['critic EV at the question']:.3f}",
+                     f"{f['critic EV']:.3f}", f"{f['call oracle EV']:.2f}",
                      f"{f['tool-call share']:.1%}", f"{f['reward with a call']:.2f}", f"{f['reward without']:.2f}"])  # fmt: skip
     print(f"{'first' if args.first else 'last'} {args.last} steps with rollouts, pooled, token-weighted")
     print(table(header, rows))
+    oracle = mean_of([f["prompt oracle EV"] for f in figures])
+    question = mean_of([f["critic EV at the question"] for f in figures])
+    print(f"mean over {len(figures)} run(s): prompt oracle EV {oracle:.3f}, critic EV at the question "
+          f"{question:.3f} ({question / oracle:.0%} of the oracle)")  # fmt: skip
 
 
 if __name__ == "__main__":

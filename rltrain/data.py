@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +29,19 @@ class Prompt:
     row: dict | None = None  # the data row (an environment's reset takes it)
 
 
-def arithmetic_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
-    """Small addition/subtraction questions with integer answers."""
+def arithmetic_rows(n: int = 2048, seed: int = 1234, digits: Sequence[int] = ()) -> list[dict[str, str]]:
+    """Small addition/subtraction questions with integer answers: operands 0-50, or, with
+    ``digits``, two operands of one of these many digits, drawn per question (1: 0-9; 3: 100-999),
+    so questions of visibly different difficulty mix."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        if digits:
+            d = rng.choice(digits)
+            low, high = (0 if d == 1 else 10 ** (d - 1)), 10**d - 1
+        else:
+            low, high = 0, 50
+        a, b = rng.randint(low, high), rng.randint(low, high)
         op = rng.choice("+-")
         rows.append(
             {
@@ -56,6 +64,23 @@ BUILTIN_SOURCES = {
     "builtin:guess": episode_rows,
     "builtin:chain": episode_rows,
 }
+
+
+def arithmetic_settings(config: DataConfig, key: str) -> dict:
+    """``builtin:arithmetic``'s one setting, ``task_config: {digits: [1, 3]}``, checked."""
+    settings = dict(config.task_config)
+    if config.source != BUILTIN_TASK:
+        return {}
+    unknown = set(settings) - {"digits"}
+    digits = settings.get("digits", [])
+    if unknown or not all(isinstance(d, int) and 1 <= d <= 6 for d in digits):
+        raise ValueError(
+            f"{key}: builtin:arithmetic takes one setting, digits (a list of operand lengths, 1-6), "
+            f"got {settings}"
+        )
+    return {"digits": tuple(digits)} if digits else {}
+
+
 HELD_OUT_SEED = 1_000_003  # a generated task's held-out questions: its seed plus this
 ARITHMETIC = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 RESULT = re.compile(r"(<result>.*?</result>)", re.DOTALL)
@@ -78,7 +103,7 @@ def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[
             data.source, 8 * n, data.seed + HELD_OUT_SEED, data.task_config, "data.source"
         )
     else:  # the built-in task: more questions, drawn apart from the training ones
-        candidates = arithmetic_rows(n=8 * n, seed=4321)
+        candidates = arithmetic_rows(n=8 * n, seed=4321, **arithmetic_settings(data, "data.task_config"))
     seen, held = {r["prompt"] for r in rows}, []
     for row in candidates:
         if row["prompt"] not in seen and len(held) < n:
@@ -175,6 +200,8 @@ def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
             raise ValueError(
                 f"{key}: unknown built-in {config.source!r} (built-ins: {', '.join(BUILTIN_SOURCES)})"
             )
+        if config.source == BUILTIN_TASK:
+            return arithmetic_rows(**arithmetic_settings(config, "data.task_config"))
         return BUILTIN_SOURCES[config.source]()
     path = Path(config.source).expanduser()
     if path.exists():

@@ -56,7 +56,7 @@ class RouterTap:
         config = getattr(model, "config", None)
         first = self.routers[0] if self.routers else None
         self.top_k = int(getattr(first, "top_k", None) or getattr(config, "num_experts_per_tok", 0) or 0)
-        self.num_experts = int(getattr(first, "num_experts", None) or _config_experts(config))
+        self.num_experts = int(getattr(first, "num_experts", None) or config_experts(config))
         self._logits: list[torch.Tensor] | None = None
         self._chosen: list[torch.Tensor] = []
         self._measure = False
@@ -140,7 +140,8 @@ def replay_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _config_experts(config) -> int:
+def config_experts(config) -> int:
+    """How many routed experts a transformers config says its MoE layers have (0: dense)."""
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(config, key, None):
             return int(getattr(config, key))

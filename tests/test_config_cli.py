@@ -160,6 +160,11 @@ INPUTS = {
         ],
         "data.source: reasoning-gym's 'chain_sum' does not take data.task_config {'bogus': 3}",
     ),
+    "a built-in arithmetic setting it does not take": (
+        lambda t: ["data.task_config={digits: [1, 7]}"],
+        "data.task_config: builtin:arithmetic takes one setting, digits (a list of operand lengths, 1-6), "
+        "got {'digits': [1, 7]}",
+    ),
     "output folder is a file": (
         lambda t: [f"run.output_dir={(t / 'taken').write_text('') or t / 'taken'}"],
         "taken' is a file, expected a folder",

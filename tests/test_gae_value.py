@@ -130,3 +130,18 @@ def test_with_gae_puts_the_reward_on_the_last_policy_token_and_whitens_globally(
     )  # fmt: skip
     # rewards -0.5, -0.5, (tool), 2 - 0.5: returns to go 0.5, 1.0, 1.5
     assert shaped.returns[0, [1, 2, 4]].tolist() == pytest.approx([0.5, 1.0, 1.5])
+
+
+def test_question_sums_take_each_samples_first_sampled_token_once():
+    from rltrain.loss.losses import question_sums
+
+    keep = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])  # row 1: nothing sampled
+    returns = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    residual = torch.tensor([[9.0, 0.25, 7.0, 0.0], [3.0, 3.0, 3.0, 3.0], [-0.5, 8.0, 0.0, 0.0]])
+    # rows 0 and 2 at their first sampled token (columns 1 and 0): R = 1.0, 0.5; R - V = 0.25, -0.5
+    # -> [2, 1.5, 1 + 0.25, 0.25 - 0.5, 0.0625 + 0.25]
+    sums = question_sums(keep, returns, residual, None)
+    assert sums.tolist() == pytest.approx([2, 1.5, 1.25, -0.25, 0.3125])
+    # a sequence-parallel rank that does not hold row 0's first token counts row 2 alone
+    sums = question_sums(keep, returns, residual, torch.tensor([0, 1, 1]))
+    assert sums.tolist() == pytest.approx([1, 0.5, 0.25, -0.5, 0.25])

@@ -1,4 +1,5 @@
 import json
+import re
 import threading
 import time
 
@@ -232,6 +233,24 @@ def test_a_reward_function_from_a_file_path_and_the_hint_for_a_module_not_on_the
         ValueError, match=r"No module named 'nowhere_reward'.*PYTHONPATH.*path/to/nowhere_reward\.py:f"
     ):
         load_reward_fn("nowhere_reward:f")
+
+
+def test_builtin_arithmetic_mixes_questions_of_the_operand_lengths_asked_for():
+    from rltrain.config import EvalConfig
+    from rltrain.data import split_held_out
+
+    data = DataConfig(task_config={"digits": [1, 3]})
+    rows = load_rows(data)
+    lengths = [{len(x) for x in re.match(r"What is (\d+) [+-] (\d+)", r["prompt"]).groups()} for r in rows]
+    assert {frozenset(n) for n in lengths} == {frozenset({1}), frozenset({3})}  # both operands alike
+    assert 0.4 < sum(n == {1} for n in lengths) / len(rows) < 0.6  # drawn per question, half each
+    assert all(int(r["answer"]) == eval(r["prompt"][8:].split("?")[0]) for r in rows[:50])
+    _, held = split_held_out(rows, data, EvalConfig(num_prompts=50))
+    # there are 10 x 10 x 2 = 200 one-digit questions and ~1024 draws of them among the training
+    # rows: every one is a training question, so the held-out questions are the three-digit ones
+    assert {len(re.match(r"What is (\d+)", r["prompt"])[1]) for r in held} == {3}
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in rows}
+    assert load_rows(DataConfig()) == load_rows(DataConfig(task_config={}))  # the default task: 0-50
 
 
 def test_reasoning_gym_rows_their_held_out_questions_and_the_datasets_own_scorer():

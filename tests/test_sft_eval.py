@@ -23,7 +23,7 @@ from rltrain.run.diagnostics import (
     update_after_one_step,
 )
 from rltrain.run.eval import evaluate
-from rltrain.run.tracking import PANELS, Tracker, eval_table, plot_curves
+from rltrain.run.tracking import PANELS, Tracker, eval_table, panels_for, plot_curves
 
 
 def test_held_out_questions_are_never_training_questions(tmp_path):
@@ -184,6 +184,25 @@ def test_curves_draw_every_panel(tmp_path):
     for wanted in ["held-out (greedy)", "reward", "response length (tokens)", "entropy", "KL to the reference",
                    "clip fraction", "step time (s)"]:  # fmt: skip
         assert wanted in titles
+
+
+def test_a_ppo_runs_curves_add_the_critics_values_returns_and_explained_variance(tmp_path):
+    from PIL import Image
+
+    base = {"reward/mean": 0.5, "train/pg_loss": 0.0, "time/train_s": 0.1}
+    critic = {"critic/value_mean": 0.4, "critic/return_mean": 0.5, "critic/explained_variance": 0.2}
+    widths = {}
+    for name, extra in [("grpo", {}), ("ppo", critic)]:
+        rows = [{"step": s, **base, **extra} for s in range(1, 4)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        plot_curves(tmp_path / f"{name}.jsonl", tmp_path / f"{name}.png")
+        widths[name] = Image.open(tmp_path / f"{name}.png").size[0]
+        titles = [title for title, _ in panels_for(rows)]
+        assert ("critic explained variance" in titles) == bool(extra)
+    series = dict(panels_for([{"step": 1, **critic}]))["critic: value and return (token means)"]
+    assert [key for key, _ in series] == ["critic/value_mean", "critic/return_mean"]
+    # 8 panels in 4 columns of 4 inches, 10 in 5: 16 and 20 inches at 90 dpi
+    assert widths == {"grpo": 16 * 90, "ppo": 20 * 90}, widths
 
 
 def test_an_environments_held_out_success_is_what_the_table_and_the_curves_show():

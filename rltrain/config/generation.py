@@ -173,7 +173,10 @@ class DataConfig(Section):
     """`reasoning_gym:<name>`: the dataset's seed (held-out rows come from another, and none of
     them is a training question)."""
     task_config: dict[str, Any] = {}
-    """`reasoning_gym:<name>`: the dataset's own settings (its config's keys, e.g. `{min_terms: 2,
+    """`builtin:arithmetic`: `{digits: [1, 3]}` draws each question's two operands with one of these
+    many digits (questions of plainly different difficulty; held-out questions are never training
+    questions, so a length whose every question is drawn for training, such as 1, is not held out);
+    `reasoning_gym:<name>`: the dataset's own settings (its config's keys, e.g. `{min_terms: 2,
     max_terms: 3}` for chain_sum); `reasoning_gym:composite` lists its datasets here as
     `{datasets: [{name: chain_sum, weight: 2, config: {...}}, {name: gcd}]}`."""
     subset: str | None = None

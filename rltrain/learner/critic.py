@@ -17,7 +17,7 @@ from rltrain.batch import TrainBatch
 from rltrain.config import Config, LearnerConfig
 from rltrain.learner.engine import EngineLearner
 from rltrain.loss.logprobs import token_outputs
-from rltrain.loss.losses import value_loss
+from rltrain.loss.losses import question_sums, value_loss
 
 
 class CriticLearner(EngineLearner):
@@ -35,6 +35,9 @@ class CriticLearner(EngineLearner):
         "residual_sq",
         "tokens",
     ]
+    # per sample at its question (the state before its first sampled token): (samples, sum of
+    # returns, of their squares, of the residuals return - value, of their squares)
+    METRIC_TOTALS = {"question": 5}
 
     @staticmethod
     def section(config: Config) -> LearnerConfig:
@@ -72,6 +75,7 @@ class CriticLearner(EngineLearner):
         residual = mb.returns - mb.old_values
         for name, x in {"return_sq": mb.returns**2, "residual": residual, "residual_sq": residual**2}.items():
             metrics[name] = torch.where(keep, x.float(), 0.0).sum()
+        metrics["question"] = question_sums(keep, mb.returns, residual, mb.counted)
         return loss, metrics
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
@@ -88,3 +92,13 @@ class CriticLearner(EngineLearner):
         out[f"{p}/value_mean"] = out.pop(f"{p}/value")
         out[f"{p}/return_mean"] = out.pop(f"{p}/return")
         return out
+
+    def _finish_totals(self, totals: dict[str, torch.Tensor], optimizer_steps: int) -> dict[str, float]:
+        """``question_explained_variance``: what the critic makes of each question before a token is
+        sampled, over the samples (comparable with what knowing each question's success rate would
+        explain: ``benchmarks/critic_variance.py``'s prompt oracle)."""
+        n, ret, ret_sq, res, res_sq = (float(x) for x in totals["question"])
+        var_return = ret_sq / n - (ret / n) ** 2 if n else 0.0
+        var_residual = res_sq / n - (res / n) ** 2 if n else 0.0
+        explained = 1.0 - var_residual / var_return if var_return > 1e-12 else float("nan")
+        return {f"{self.PREFIX}/question_explained_variance": explained}

@@ -360,3 +360,15 @@ def sft_cross_entropy(
     """
     nll_BT = -token_logprobs(logits_BTV, labels_BT)
     return aggregate(nll_BT, mask_BT, aggregation, denominator, sequence_tokens_B, aggregation_norm)
+
+
+def question_sums(
+    keep_BT: torch.Tensor, returns_BT: torch.Tensor, residual_BT: torch.Tensor, counted_B: torch.Tensor | None
+) -> torch.Tensor:
+    """``[samples, sum R, sum R^2, sum (R - V), sum (R - V)^2]`` at each row's first loss token (a
+    sequence-parallel rank counts the rows whose first loss token it holds: ``counted``)."""
+    first_B1 = keep_BT.float().argmax(-1, keepdim=True)
+    rows_B = keep_BT.any(-1) if counted_B is None else keep_BT.any(-1) & counted_B.bool()
+    r_B = returns_BT.gather(-1, first_B1)[:, 0].double()[rows_B]
+    d_B = residual_BT.gather(-1, first_B1)[:, 0].double()[rows_B]
+    return torch.stack([rows_B.sum().double(), r_B.sum(), (r_B**2).sum(), d_B.sum(), (d_B**2).sum()])

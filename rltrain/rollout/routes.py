@@ -32,6 +32,7 @@ class RouteRecorder:
 
     def __init__(self):
         self._routes: dict[str, np.ndarray] = {}
+        self._placed = None  # the current forward's rows, from its first MoE layer
         self.layers = 0
         self.top_k = 0
 
@@ -49,15 +50,28 @@ class RouteRecorder:
         return len(layers)
 
     def _capture(self, runner, layer: int, topk_ids) -> None:
+        if layer == 0 or self._placed is None:  # the forward's first MoE layer: whose rows are where
+            self._placed = self._placement(runner)
+        total, placed = self._placed
+        ids = topk_ids[:total].cpu().numpy().astype(np.uint8)
+        for table, rows, at in placed:
+            table[at, layer] = ids[rows]
+
+    def _placement(self, runner) -> tuple[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """The forward's scheduled rows (no padding) and, per request, its table, its rows and their
+        positions: the same for every MoE layer of one forward, so the first layer works it out."""
         batch = runner.input_batch
-        total = int(runner.query_start_loc.np[batch.num_reqs])  # the scheduled rows (no padding)
+        total = int(runner.query_start_loc.np[batch.num_reqs])
         requests = runner.req_indices.np[:total]
         positions = runner.positions[:total].cpu().numpy()
-        ids = topk_ids[:total].cpu().numpy().astype(np.uint8)
+        placed = []
         for j in np.unique(requests):
             rows = requests == j
             at = positions[rows]
-            self._table(_INTERNAL_SUFFIX.sub("", batch.req_ids[j]), int(at.max()) + 1)[at, layer] = ids[rows]
+            placed.append(
+                (self._table(_INTERNAL_SUFFIX.sub("", batch.req_ids[j]), int(at.max()) + 1), rows, at)
+            )
+        return total, placed
 
     def _table(self, request_id: str, length: int) -> np.ndarray:
         table = self._routes.get(request_id)
@@ -80,3 +94,4 @@ class RouteRecorder:
     def clear(self) -> None:
         """Drop what no caller took (a scoring call's requests)."""
         self._routes.clear()
+        self._placed = None

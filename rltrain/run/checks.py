@@ -454,9 +454,9 @@ def _check_model(config: Config, model_path: str) -> None:
             f"learner.sequence_parallel_size={sp} does not divide the model's "
             f"{model_config.num_attention_heads} attention heads"
         )
-    experts = any(
-        getattr(model_config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-    )
+    from rltrain.routing import config_experts
+
+    experts = config_experts(model_config) > 0
     if experts and config.model.lora.rank and config.rollout.backend == "vllm":
         import torch
 

@@ -258,12 +258,31 @@ PANELS = [  # (title, [(metric key or key prefix, label)])
     ("step time (s)", [("time/generate_s", "generate"), ("time/train_s", "train"), ("time/sync_s", "sync")]),
     ("policy loss", [("train/pg_loss", "loss")]),
 ]
+CRITIC_PANELS = [  # drawn when the run trains a critic (algorithm.advantage: gae)
+    (
+        "critic: value and return (token means)",
+        [("critic/value_mean", "value"), ("critic/return_mean", "return")],
+    ),
+    (
+        "critic explained variance",
+        [
+            ("critic/explained_variance", "over the tokens"),
+            ("critic/question_explained_variance", "at the question"),
+        ],
+    ),
+]
 NOT_FUNCTIONS = {"reward/mean", "reward/std", "reward/failures"}
+
+
+def panels_for(rows: list[dict]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The panels of ``curves.png``: the critic's when the run logged them."""
+    return PANELS + (CRITIC_PANELS if any("critic/explained_variance" in r for r in rows) else [])
 
 
 def plot_curves(metrics_path: Path, png_path: Path) -> None:
     """What people look at: held-out accuracy, reward per function, length, entropy, KL, clipping,
-    where the time goes, the loss."""
+    where the time goes, the loss; with a critic, its values beside the returns and its explained
+    variance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,8 +292,10 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
     if not rows:
         return
     functions = sorted({k for r in rows for k in r if k.startswith("reward/") and k not in NOT_FUNCTIONS})
-    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
-    for ax, (title, series) in zip(axes.flat, PANELS):
+    panels = panels_for(rows)
+    columns = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 6.5))
+    for ax, (title, series) in zip(axes.flat, panels):
         if title == "reward":
             series = series + [(key, key.removeprefix("reward/")) for key in functions]
         drawn = 0

@@ -84,6 +84,16 @@ def _value_task(g: torch.Generator, shift: int):
     return TrainBatch(ids, ones, response, ones, advantages=torch.zeros(16, 16), returns=returns)
 
 
+def _train_critic(config, model_path: str, batches: list, metric: str) -> list[float]:
+    """A fresh critic learner trained on each batch in turn, its values scored before each update
+    (as a run does): ``metric`` at every step."""
+    critic = LearnerGroup(config, model_path, total_optimizer_steps=len(batches), learner_cls=CriticLearner)
+    try:
+        return [critic.train_step(b.replace(old_values=critic.per_token(b)))[metric] for b in batches]
+    finally:
+        critic.shutdown()
+
+
 @pytest.mark.parametrize("shift", [0, 1])
 def test_the_critic_learns_values_that_explain_the_returns(shift, ray_local, tiny_model_path):
     # the real critic learner (DeepSpeed, ZeRO-2, AdamW) on fresh batches: the explained variance of
@@ -98,15 +108,8 @@ def test_the_critic_learns_values_that_explain_the_returns(shift, ray_local, tin
         "data": {"max_prompt_tokens": 4}, "rollout": {"max_new_tokens": 12},
     })  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    critic = LearnerGroup(config, tiny_model_path, total_optimizer_steps=40, learner_cls=CriticLearner)
-    try:
-        explained = []
-        for _ in range(40):
-            batch = _value_task(g, shift)
-            batch = batch.replace(old_values=critic.per_token(batch))
-            explained.append(critic.train_step(batch)["critic/explained_variance"])
-    finally:
-        critic.shutdown()
+    explained = _train_critic(config, tiny_model_path, [_value_task(g, shift) for _ in range(40)],
+                              "critic/explained_variance")  # fmt: skip
     last = sum(explained[-5:]) / 5
     print(
         f"shift {shift}: explained variance every 5 updates {[round(e, 3) for e in explained[::5]]}, last 5 {last:.3f}"
@@ -164,15 +167,8 @@ def test_the_critic_learns_what_a_question_is_worth(hidden, ray_local, tiny_mode
     oracle = 1 - 0.09 / 0.25
     config = load_config(Path(__file__).parents[1] / "configs/cpu_ppo.yaml")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    critic = LearnerGroup(config, tiny_model_path, total_optimizer_steps=40, learner_cls=CriticLearner)
-    try:
-        explained = []
-        for step in range(40):
-            batch = _mixed_questions(step, tokenizer, hidden)
-            batch = batch.replace(old_values=critic.per_token(batch))
-            explained.append(critic.train_step(batch)["critic/question_explained_variance"])
-    finally:
-        critic.shutdown()
+    batches = [_mixed_questions(step, tokenizer, hidden) for step in range(40)]
+    explained = _train_critic(config, tiny_model_path, batches, "critic/question_explained_variance")
     last = sum(explained[-10:]) / 10
     print(
         f"hidden {hidden}: question EV every 5 steps {[round(e, 2) for e in explained[::5]]}, last 10 {last:.3f}"

@@ -536,5 +536,8 @@ def test_the_ppo_config_runs_with_its_critic_warm_up_and_exports_both_models(tmp
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "train/pg_loss" not in rows[2] and "train/pg_loss" in rows[3]  # the policy waits 3 steps
     assert all(math.isfinite(r["critic/value_loss"]) and r["critic/tokens"] > 0 for r in rows)
+    # what benchmarks/critic_variance.py reads: the critic at the question, and every step's rollouts
+    assert all("critic/question_explained_variance" in r for r in rows)
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == [f"step_{s}.jsonl" for s in range(1, 7)]
     AutoModelForCausalLM.from_pretrained(out / "final_model")
     assert (out / "final_critic" / "config.json").exists()

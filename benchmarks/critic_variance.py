@@ -1,6 +1,6 @@
 """How much of a PPO run's return variance a critic could explain, from its saved rollouts.
 
-    python benchmarks/critic_variance.py RUN_FOLDER [RUN_FOLDER ...] [--last 10] [--first]
+    python benchmarks/critic_variance.py RUN_FOLDER [RUN_FOLDER ...] [--last 10] [--first] [--arithmetic]
 
 (``configs/cpu_ppo.yaml`` saves its rollouts every step.)
 
@@ -110,6 +110,35 @@ def run_figures(run: Path, last: int, first: bool = False, only: int | None = No
     }
 
 
+GROUPINGS = {  # what a built-in arithmetic question shows: (a, operation, b) -> the group's key
+    "the operation": lambda a, op, b: op,
+    "the operation and the operands' lengths": lambda a, op, b: (op, len(a), len(b)),
+    "the question itself": lambda a, op, b: (a, op, b),
+}
+
+
+def grouping_figures(run: Path, last: int) -> dict[str, float]:
+    """``builtin:arithmetic``: the share of the last steps' return variance (per sample) that lies
+    between groups of questions alike in what they show, in-sample (each group's own mean; a group
+    of one explains its sample entirely, so finer groupings overstate)."""
+    import re
+
+    paths = sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))[-last:]
+    records = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    rewards = [r["reward"] for r in records]
+    mean = sum(rewards) / len(rewards)
+    total = sum((x - mean) ** 2 for x in rewards)
+    shown = [re.match(r"What is (\d+) ([+-]) (\d+)\?", r["messages"][0]["content"]).groups() for r in records]
+    out = {}
+    for name, key in GROUPINGS.items():
+        groups = defaultdict(list)
+        for parts, x in zip(shown, rewards):
+            groups[key(*parts)].append(x)
+        within = sum(sum((x - sum(xs) / len(xs)) ** 2 for x in xs) for xs in groups.values())
+        out[name] = 1.0 - within / total if total else float("nan")
+    return out
+
+
 def mean_of(values: list[float]) -> float:
     values = [v for v in values if v == v]  # NaN: a step without such completions
     return sum(values) / len(values) if values else float("nan")
@@ -120,6 +149,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--last", type=int, default=10, help="steps to pool (the newest)")
     parser.add_argument("--first", action="store_true", help="pool the oldest --last steps instead")
+    parser.add_argument("--arithmetic", action="store_true",
+                        help="builtin:arithmetic runs: what groups of questions alike explain, in-sample")  # fmt: skip
     args = parser.parse_args()
     header = ["run", "return variance", "prompt oracle EV", "prompt oracle EV (mean of steps)",
               "critic EV at the question (mean of steps)", "critic EV over tokens (mean of steps)",
@@ -136,6 +167,13 @@ def main() -> None:
     question = mean_of([f["critic EV at the question"] for f in figures])
     print(f"mean over {len(figures)} run(s): prompt oracle EV {oracle:.3f}, critic EV at the question "
           f"{question:.3f} ({question / oracle:.0%} of the oracle)")  # fmt: skip
+    if args.arithmetic:
+        groupings = [grouping_figures(run, args.last) for run in args.runs]
+        print(
+            f"\nthe last {args.last} steps' return variance (per sample) between questions alike, in-sample"
+        )
+        print(table(["run", *GROUPINGS], [[run.name, *(f"{g[k]:.2f}" for k in GROUPINGS)]
+                                          for run, g in zip(args.runs, groupings)]))  # fmt: skip
 
 
 if __name__ == "__main__":

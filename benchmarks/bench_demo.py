@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import table
+from common import mean_of, table
+from critic_variance import QUESTION
 
 from rltrain.run.tracking import held_out_score
 
 REPO = Path(__file__).resolve().parents[1]
-QUESTION = "critic/question_explained_variance"
 
 
 def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[str, float]:
@@ -65,11 +65,6 @@ def run_demo(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
         "critic EV, last 10 steps": mean_of(explained[-10:]),
         "critic EV at the question, last 10 steps": mean_of(question[-10:]),
     }
-
-
-def mean_of(values: list[float]) -> float:
-    values = [v for v in values if v == v]  # NaN: a step whose samples all had one return
-    return sum(values) / len(values) if values else float("nan")  # (no critic: NaN, shown as -)
 
 
 def shown(key: str, value: float) -> str:

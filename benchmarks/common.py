@@ -23,6 +23,18 @@ PLAIN_GRPO = [
 ]
 
 
+def mean_of(values: list[float]) -> float:
+    """The mean of the values that are not NaN (a step whose samples all had one return, or a run
+    without a critic); NaN when none is."""
+    values = [v for v in values if v == v]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def rollout_paths(run: Path) -> list[Path]:
+    """A run's ``rollouts/step_<N>.jsonl`` files, in step order."""
+    return sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+
+
 def run_trainer(out: Path, overrides: list[str]) -> list[dict]:
     """``python -m rltrain.train`` on the demo's config with :data:`PLAIN_GRPO` and ``overrides``
     into ``out``; its metric rows, one per step."""

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from common import table
+from common import mean_of, rollout_paths, table
 from critic_variance import run_figures
 from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -131,11 +131,14 @@ class Replay:
             return 0.0, 1.0
         return self.mean, max((self.m2 / (self.count - 1)) ** 0.5, 1e-3)
 
+    def outputs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """``[B, T]``: the head's output for the state before each token (normalized units)."""
+        return F.pad(self.model(input_ids=ids, attention_mask=attention).logits[..., 0][:, :-1], (1, 0))
+
     def values(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """``[B, T]``: the value of the state before each token, in return units."""
-        out = self.model(input_ids=ids, attention_mask=attention).logits[..., 0]
         shift, spread = self.scale()
-        return F.pad(out[:, :-1], (1, 0)) * spread + shift
+        return self.outputs(ids, attention) * spread + shift
 
     def targets(self, values: torch.Tensor, keep: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
         """gamma 1: lam 1 gives the reward at every loss token; lam < 1 bootstraps from the next loss
@@ -190,9 +193,7 @@ class Replay:
                 tokens = sum(float(b[2].sum()) for b in chosen)
                 self.opt.zero_grad()
                 for ids, attention, keep, target in chosen:
-                    out = F.pad(
-                        self.model(input_ids=ids, attention_mask=attention).logits[..., 0][:, :-1], (1, 0)
-                    )
+                    out = self.outputs(ids, attention)
                     loss = (0.5 * (out - (target - shift) / spread) ** 2 * keep).sum() / tokens
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -215,11 +216,6 @@ def pooled(run: Path, steps: list[int]) -> tuple[float, float]:
     return mean_of([t for t, _ in scores]), mean_of([q for _, q in scores])
 
 
-def mean_of(values: list[float]) -> float:
-    values = [v for v in values if v == v]  # NaN: a step whose samples all had one return
-    return sum(values) / len(values) if values else float("nan")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", type=Path)
@@ -230,7 +226,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()  # each fresh critic's load report: the new head
-    steps = sorted(int(p.stem.split("_")[1]) for p in args.run.glob("rollouts/step_*.jsonl"))
+    steps = [int(p.stem.split("_")[1]) for p in rollout_paths(args.run)]
     rows, curves = [], {}
     for name in args.variants:
         if name == "pooled":

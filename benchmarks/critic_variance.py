@@ -31,7 +31,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from common import table
+from common import mean_of, rollout_paths, table
 
 
 def step_figures(path: Path) -> dict[str, float]:
@@ -76,16 +76,17 @@ QUESTION = "critic/question_explained_variance"
 def run_figures(run: Path, last: int, first: bool = False, only: int | None = None) -> dict[str, float]:
     """Pooled over the last steps (``only``: that step alone): a ratio of sums, not a mean of
     per-step ratios (a step where nearly every sample succeeds has almost no variance to divide by)."""
-    paths = sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    paths = rollout_paths(run)
     paths = paths[:last] if first else paths[-last:]
     if only is not None:
         paths = [run / "rollouts" / f"step_{only}.jsonl"]
     if not paths:
         raise SystemExit(f"{run}: no rollouts/step_*.jsonl (run with run.save_rollouts_every=1)")
     steps = [int(p.stem.split("_")[1]) for p in paths]
+    per_step = [step_figures(path) for path in paths]
     s = defaultdict(float)
-    for path in paths:
-        for k, v in step_figures(path).items():
+    for figures in per_step:
+        for k, v in figures.items():
             s[k] += v
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     explained = [
@@ -94,7 +95,6 @@ def run_figures(run: Path, last: int, first: bool = False, only: int | None = No
         if r["step"] in steps and "critic/explained_variance" in r
     ]
     question = [r[QUESTION] for r in rows if r["step"] in steps and QUESTION in r]
-    per_step = [step_figures(path) for path in paths]
     oracles = [1.0 - f["within prompt"] / f["sample squares"] for f in per_step if f["sample squares"] > 0]
     alone = s["samples"] - s["called"]
     return {
@@ -121,14 +121,15 @@ def grouping_figures(run: Path, last: int) -> dict[str, float]:
     """``builtin:arithmetic``: the share of the last steps' return variance (per sample) that lies
     between groups of questions alike in what they show, in-sample (each group's own mean; a group
     of one explains its sample entirely, so finer groupings overstate)."""
-    import re
+    from rltrain.data import ARITHMETIC
 
-    paths = sorted(run.glob("rollouts/step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))[-last:]
-    records = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    records = [
+        json.loads(line) for path in rollout_paths(run)[-last:] for line in path.read_text().splitlines()
+    ]
     rewards = [r["reward"] for r in records]
     mean = sum(rewards) / len(rewards)
     total = sum((x - mean) ** 2 for x in rewards)
-    shown = [re.match(r"What is (\d+) ([+-]) (\d+)\?", r["messages"][0]["content"]).groups() for r in records]
+    shown = [ARITHMETIC.match(r["messages"][0]["content"]).groups() for r in records]
     out = {}
     for name, key in GROUPINGS.items():
         groups = defaultdict(list)
@@ -137,11 +138,6 @@ def grouping_figures(run: Path, last: int) -> dict[str, float]:
         within = sum(sum((x - sum(xs) / len(xs)) ** 2 for x in xs) for xs in groups.values())
         out[name] = 1.0 - within / total if total else float("nan")
     return out
-
-
-def mean_of(values: list[float]) -> float:
-    values = [v for v in values if v == v]  # NaN: a step without such completions
-    return sum(values) / len(values) if values else float("nan")
 
 
 def main() -> None:

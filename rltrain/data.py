@@ -69,8 +69,6 @@ BUILTIN_SOURCES = {
 def arithmetic_settings(config: DataConfig, key: str) -> dict:
     """``builtin:arithmetic``'s one setting, ``task_config: {digits: [1, 3]}``, checked."""
     settings = dict(config.task_config)
-    if config.source != BUILTIN_TASK:
-        return {}
     unknown = set(settings) - {"digits"}
     digits = settings.get("digits", [])
     if unknown or not all(isinstance(d, int) and 1 <= d <= 6 for d in digits):

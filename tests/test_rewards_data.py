@@ -1,5 +1,7 @@
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -103,6 +105,37 @@ def test_a_reward_call_past_its_deadline_is_killed_with_its_worker(hang):
         assert quiet(alive, within_s=20)
         assert threading.active_count() == threads  # no hung call left running here either
     assert not workers()  # closed: nothing left running
+
+
+LATE_WORKERS = """
+import os, sys, time
+if __name__ == "__mp_main__":  # a reward worker starting: the first one is quick, the others slow
+    try:
+        os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        time.sleep(1.0)
+import pebble.pool.process
+from rltrain.rollout.rewards import RewardScorer
+stop = pebble.pool.process.stop_process
+def slow_stop(process):  # a loaded machine: each worker takes a while to stop
+    time.sleep(1.0)
+    stop(process)
+pebble.pool.process.stop_process = slow_stop
+if __name__ == "__main__":
+    with RewardScorer({"digits": 1.0}, timeout_s=5, workers=3) as scorer:
+        print(scorer(["3"], ["3"]).rewards)
+"""
+
+
+def test_a_scorer_closed_while_its_workers_start_waits_for_them_and_prints_nothing(tmp_path):
+    # the quick worker scores the call and the scorer closes at once, while the other two still
+    # start; stopped then, they would wake to their start-up state's semaphores gone (the stopping
+    # pool released them) and each print a FileNotFoundError traceback over the run's last line
+    script = tmp_path / "late_workers.py"
+    script.write_text(LATE_WORKERS)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "first")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[1.0]\n", "")
 
 
 @pytest.mark.parametrize("spec", ["nope", "no_such_module:f", "json:no_such_fn", "json:__doc__"])

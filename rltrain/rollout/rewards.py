@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import numbers
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,10 +130,12 @@ def _cached_fn(spec: str) -> RewardFn:
     return load_reward_fn(spec)
 
 
-def _preload(specs: list[str]) -> None:
-    """Worker start-up: import every function before taking calls (imports do not eat deadlines)."""
+def _preload(specs: list[str], started) -> None:
+    """Worker start-up: import every function before taking calls (imports do not eat deadlines),
+    then say so on ``started`` (a semaphore)."""
     for spec in specs:
         _cached_fn(spec)
+    started.release()
 
 
 def reward_name(spec: str) -> str:
@@ -191,17 +194,25 @@ class Scores:
 
 class RewardScorer:
     """Weighted reward functions, scored in ``workers`` processes (spawned, so a function never
-    inherits the trainer's threads or actors). Close it (or use ``with``) to stop the workers."""
+    inherits the trainer's threads or actors). Close it (or use ``with``) to stop the workers.
+
+    The workers start at the first call; one that is still starting when the scorer closes is
+    waited for (up to ``START_WAIT_S``): stopped then, it would fail to read its start-up state
+    (whose semaphores the stopping pool has released) and print a traceback over the run's last
+    line."""
+
+    START_WAIT_S = 60.0
 
     def __init__(self, functions: dict[str, float], timeout_s: float, workers: int = 2):
         called = [spec for spec in functions if spec not in GIVEN]
         self.batch = {spec for spec in called if takes_batches(load_reward_fn(spec))}  # a bad spec fails here
         self.functions, self.timeout_s = dict(functions), timeout_s
+        context = multiprocessing.get_context("spawn")
+        self.started = context.Semaphore(0)  # released once by each worker that finished starting
+        self.launched = 0  # workers started so far: the pool's, and one for each one it replaced
+        self.workers = workers
         self.pool = ProcessPool(
-            max_workers=workers,
-            initializer=_preload,
-            initargs=(called,),
-            context=multiprocessing.get_context("spawn"),
+            max_workers=workers, initializer=_preload, initargs=(called, self.started), context=context
         )
 
     def one(
@@ -217,20 +228,21 @@ class RewardScorer:
         self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None
     ) -> tuple[list[float | None], Calls]:
         """``spec``'s score of each completion (None: failed) and its calls' record."""
+        self.launched = self.launched or self.workers  # the pool starts them at its first call
         if spec in self.batch:
             columns = {"answer": answers, **(columns or {}), "completions": completions}
             columns.setdefault("prompts", [""] * len(completions))
             future = self.pool.schedule(
                 _call_batch, (spec, columns), timeout=self.timeout_s * len(completions)
             )
-            values, error = _outcome(future)
+            values, error = self._outcome(future)
             outcomes = (
                 [(v, error) for v in values] if values is not None else [(None, error)] * len(completions)
             )
         else:
             futures = [self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
                        for c, a in zip(completions, answers)]  # fmt: skip
-            outcomes = [_outcome(f) for f in futures]
+            outcomes = [self._outcome(f) for f in futures]
         values = [v for v, _ in outcomes]
         errors = [e or "returned None or NaN" for v, e in outcomes if v is None]
         return values, Calls(len(values), len(errors), errors[0] if errors else None)
@@ -267,7 +279,17 @@ class RewardScorer:
             per_sample[name] = scores
         return Scores(totals, per_function, failures, per_sample, calls, failed)
 
+    def _outcome(self, future) -> tuple[Any, str | None]:
+        value, error = _outcome(future)
+        if error is not None and error.startswith((TIMED_OUT, DIED)):
+            self.launched += 1  # the pool replaces the worker it stopped or lost
+        return value, error
+
     def close(self) -> None:
+        deadline = time.monotonic() + self.START_WAIT_S
+        for _ in range(self.launched):
+            if not self.started.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+                break
         self.pool.stop()
         self.pool.join()
 
@@ -276,6 +298,10 @@ class RewardScorer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+TIMED_OUT = "did not return in time (reward.timeout_s); its worker was stopped"
+DIED = "its worker process died"
 
 
 def _outcome(future) -> tuple[Any, str | None]:
@@ -288,9 +314,9 @@ def _outcome(future) -> tuple[Any, str | None]:
     try:
         return future.result(), None
     except CallTimeout:
-        return None, "did not return in time (reward.timeout_s); its worker was stopped"
+        return None, TIMED_OUT
     except ProcessExpired as e:
-        return None, f"its worker process died ({e})"
+        return None, f"{DIED} ({e})"
     except Exception as e:  # raised in the function: pebble carries the worker's traceback
         return None, getattr(e, "traceback", None) or f"{type(e).__name__}: {e}"
 

@@ -52,6 +52,7 @@ class Completion:
     messages: list[dict] = field(default_factory=list)  # the conversation, assistant turns as generated
     turns: int = 0  # assistant turns
     env_reward: float | None = None  # the last reward the environment gave
+    env_metrics: dict[str, float] = field(default_factory=dict)  # a verifiers episode's scores by name
     errors: dict[str, int] = field(default_factory=dict)  # failed tool calls and environment calls, by kind
     # the user's code that failed in this episode: "environment reset", "environment step" or
     # "tool <name>" -> its first traceback (or what went wrong: a timeout, a process that died)

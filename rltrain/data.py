@@ -91,7 +91,7 @@ def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[
     if ev.source is None and not generated:
         if len(rows) <= n:
             raise ValueError(
-                f"eval.num_prompts={n} would leave none of the {len(rows)} rows of data.source to train on"
+                f"eval.num_prompts={n} would leave none of the {len(rows)} rows of {data.source} to train on"
             )
         return rows[:-n], rows[-n:]
     if ev.source is not None:

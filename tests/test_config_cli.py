@@ -160,6 +160,17 @@ INPUTS = {
         ],
         "data.source: reasoning-gym's 'chain_sum' does not take data.task_config {'bogus': 3}",
     ),
+    "an unknown verifiers taskset": (
+        lambda t: ["env.name=verifiers:vf_sumz", "sft_warmup.steps=0", "eval.num_prompts=4"],
+        "env.name=verifiers:vf_sumz (env.kwargs {}) does not load: ModuleNotFoundError: taskset 'vf_sumz' not found",
+    ),
+    "a verifiers setting its taskset does not take": (
+        lambda t: ["env.name=verifiers:vf_sums", "env.kwargs={num_taskz: 3}", "sft_warmup.steps=0"],
+        (
+            "env.name=verifiers:vf_sums (env.kwargs {'num_taskz': 3}) does not load: ValidationError",
+            "taskset.num_taskz Extra inputs are not permitted",
+        ),
+    ),
     "a built-in arithmetic setting it does not take": (
         lambda t: ["data.task_config={digits: [1, 7]}"],
         "data.task_config: builtin:arithmetic takes one setting, digits (a list of operand lengths, 1-6), "
@@ -717,7 +728,7 @@ def test_settings_that_do_not_fit_an_environment_are_refused_or_noted(tmp_path, 
     notes = capsys.readouterr().err.splitlines()
     assert notes == [
         "rltrain: note: rollout.tools.enabled=['calculator'] is not used with env.name=builtin:calculator: an "
-        "environment's tools are its own (Environment.tools)",
+        "environment's tools are its own (Environment.tools, a verifiers task's toolsets)",
         "rltrain: note: algorithm.overlong=soft_penalty adds up to -0.5 to the reward of long episodes of "
         "builtin:calculator (shown as `overlong` in the step line and the rollouts); algorithm.overlong=none "
         "leaves the environment's reward alone",

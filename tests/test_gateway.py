@@ -376,6 +376,6 @@ def test_held_out_agents_that_all_failed_before_a_call_are_scored_as_agents():
             return completions
 
     prompts = [Prompt(i, [], "5", {"prompt": "What is 2 + 3?"}) for i in range(2)]
-    result = evaluate(Generators(), prompts, scorer=None, env=True)
+    result = evaluate(Generators(), prompts, scorer=None, own="agent")
     assert result["eval/success"] == 0.0 and result["eval/agent_reward"] == 0.0  # not an environment's
     assert "eval/env_reward" not in result

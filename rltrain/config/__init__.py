@@ -37,6 +37,7 @@ from rltrain.config.optimization import (
     SFT_FROM_ENV,
     TINY_MODEL,
     TINY_MOE_MODEL,
+    VERIFIERS,
     Aggregation,
     AlgorithmConfig,
     ConfigError,
@@ -152,6 +153,22 @@ class Config(Section):
             )
 
     @property
+    def verifiers(self) -> bool:
+        """``env.name: verifiers:<taskset id>``: a verifiers taskset's episodes, through the gateway."""
+        return (self.env.name or "").startswith(VERIFIERS)
+
+    @property
+    def gateway_episodes(self) -> bool:
+        """Episodes that run through the gateway: a black-box agent's or a verifiers environment's."""
+        return self.agent.entrypoint is not None or self.verifiers
+
+    @property
+    def episode_reward(self) -> str | None:
+        """The reward an episode gives itself: ``agent`` (the agent's returned one), ``env`` (an
+        environment's), or None (no episodes)."""
+        return "agent" if self.agent.entrypoint is not None else "env" if self.env.name is not None else None
+
+    @property
     def episodic(self) -> bool:
         """Each rollout is an episode opened from a data row: an environment's, or a black-box agent's."""
         return self.env.name is not None or self.agent.entrypoint is not None
@@ -167,24 +184,25 @@ class Config(Section):
             raise ValueError(
                 "reward.functions: `agent` is the agent's returned reward; it needs agent.entrypoint"
             )
-        if agent is None:
+        if not self.gateway_episodes:
             return
-        if self.env.name is not None:
+        if agent is not None and self.env.name is not None:
             raise ValueError(
                 f"agent.entrypoint={agent} and env.name={self.env.name}: an episode is one or the other"
             )
+        key = f"env.name={self.env.name}" if agent is None else "agent.entrypoint"
         if self.rollout.tool_parser == "tag":
             raise ValueError(
-                "rollout.tool_parser=tag with agent.entrypoint: the gateway returns tool calls as OpenAI "
+                f"rollout.tool_parser=tag with {key}: the gateway returns tool calls as OpenAI "
                 "tool_calls, whose results come back as tool messages; use hermes or one of vLLM's parsers"
             )
-        if self.rollout.tools.enabled:
+        if self.rollout.tools.enabled and agent is not None:  # (an environment's: a note, see checks)
             raise ValueError(
                 "rollout.tools.enabled with agent.entrypoint: the agent runs its own tools; remove rollout.tools"
             )
         if self.algorithm.advantage == "gae":
             raise ValueError(
-                "agent.entrypoint with algorithm.advantage=gae is not supported yet (an episode may split "
+                f"{key} with algorithm.advantage=gae is not supported yet (an episode may split "
                 "into several sequences); use grpo, rloo or dr_grpo"
             )
 

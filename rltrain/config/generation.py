@@ -42,10 +42,12 @@ class EnvConfig(Section):
     """The environment each rollout is an episode of: a built-in (`builtin:calculator`, the built-in
     task with the calculator as a native tool; `builtin:chain`, arithmetic over turns;
     `builtin:guess`, a number-guessing game), `module:Class` or `path/to/file.py:Class` (a subclass
-    of rltrain.envs.Environment); null: one completion per prompt, with rollout.tools in the tag
-    format."""
+    of rltrain.envs.Environment), `verifiers:<taskset id>` (a verifiers taskset: a module exporting
+    a vf.Taskset subclass, its tasks the run's rows, each episode run through the gateway with a
+    harness in the generator's process; pip install 'rltrain[verifiers]'); null: one completion
+    per prompt, with rollout.tools in the tag format."""
     kwargs: dict[str, Any] = {}
-    """Keyword arguments of the environment's constructor."""
+    """Keyword arguments of the environment's constructor (a verifiers taskset's settings)."""
     max_turns: int = Field(4, ge=1)
     """Assistant turns per episode (turns that call tools included)."""
     step_timeout_s: float = Field(10.0, gt=0)

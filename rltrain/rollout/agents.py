@@ -16,6 +16,7 @@ Three threads share a generator's process during an agent rollout:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import json
@@ -45,7 +46,7 @@ from rltrain.rollout.gateway import (
     episode_completions,
 )
 from rltrain.rollout.parsers import get_parser
-from rltrain.rollout.rewards import AGENT
+from rltrain.rollout.rewards import AGENT, VERIFIERS_ENV
 
 MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
 MAX_BODY_BYTES = 16 << 20
@@ -243,7 +244,16 @@ class AgentRunner:
 
     def __init__(self, config, tokenizer):
         rc, agent = config.rollout, config.agent
-        self.fn = load_agent(agent.entrypoint)
+        # the episode's function: the user's agent, or a verifiers environment's episode (whose
+        # reward is the environment's, and whose rollouts run inside its serving resources)
+        self.kind, self.serving = AGENT, contextlib.nullcontext
+        if config.verifiers:
+            from rltrain.rollout.verifiers_env import VerifiersEpisodes
+
+            episodes = VerifiersEpisodes(config.env.name, config.env.kwargs, config.env.max_turns)
+            self.fn, self.kind, self.serving = episodes.run, VERIFIERS_ENV, episodes.serving
+        else:
+            self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
         limits = EpisodeLimits.from_config(config)
         self.gateway = Gateway(
@@ -289,35 +299,45 @@ class AgentRunner:
         return f"{self.server.root}/e/{episode.id}/v1"
 
     async def _run_all(self, rows, seeds, results) -> None:
+        async with self.serving():
+            await self._episodes(rows, seeds, results)
+        # clients the agents left open close now, on this loop (not at garbage collection after it)
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    async def _episodes(self, rows, seeds, results) -> None:
         slots = asyncio.Semaphore(self.concurrency)
 
         async def one(i: int) -> None:
             async with slots:
                 self.running += 1
                 e = self.gateway.open(rows[i], seeds[i])
-                reward, error = None, None
+                reward, metrics, error = None, {}, None
                 try:
                     run = self.fn(dict(rows[i]), self.base_url(e), e.key, MODEL_NAME)
                     value = await asyncio.wait_for(run, self.timeout_s)
+                    if self.kind != AGENT:  # (a verifiers episode: its reward and its scores by name)
+                        value, metrics = value
                     try:
                         reward = float(value)
                     except (TypeError, ValueError):
                         raise TypeError(f"the agent returned {value!r}, not a number (its reward)") from None
                 except asyncio.TimeoutError:
                     e.count_request("timeout")
-                    error = (AGENT, f"the agent was still running after {self.timeout_s} s (agent.timeout_s)")
+                    error = (
+                        self.kind,
+                        f"the episode was still running after {self.timeout_s} s (agent.timeout_s)",
+                    )
                 except Exception:  # noqa: BLE001  (the user's code: shown, counted, never the run's end)
                     e.count_request("raised")
-                    error = (AGENT, traceback.format_exc())
+                    error = (self.kind, traceback.format_exc())
                 finally:
                     self.gateway.close(e)
                     self.running -= 1
-                results[i] = episode_completions(e, reward, error)
+                results[i] = episode_completions(e, reward, error, own_reward=self.kind == AGENT)
+                results[i].env_metrics = metrics
 
         await asyncio.gather(*(one(i) for i in range(len(rows))))
-        # clients the agents left open close now, on this loop (not at garbage collection after it)
-        gc.collect()
-        await asyncio.sleep(0.05)
 
     def take_unauthorized(self) -> int:
         n, self.gateway.unauthorized = self.gateway.unauthorized, 0

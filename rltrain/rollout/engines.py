@@ -49,13 +49,14 @@ class GeneratorActor:
         self.tools = ToolRunner.from_config(rc.tools) if rc.tools.enabled else None
         self.stop = [STOP] if self.tools else []
         self.episodes, self.agents = None, None
-        if config.env.name is not None:
-            self.episodes = Episodes(config, self.tokenizer, self.encode)
-            self.stop = self.episodes.parser.stop
-        elif config.agent.entrypoint is not None:
+        if config.gateway_episodes:
             from rltrain.rollout.agents import AgentRunner
 
             self.agents = AgentRunner(config, self.tokenizer)
+            self.stop = []  # (rollout.tools are not an episode's: its tools are the agent's or the task's)
+        elif config.env.name is not None:
+            self.episodes = Episodes(config, self.tokenizer, self.encode)
+            self.stop = self.episodes.parser.stop
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(
                 model_path, rc, self.stop, config.run.seed + engine_index, config.model.lora if lora else None

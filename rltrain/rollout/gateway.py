@@ -399,13 +399,20 @@ def reply_message(turn: ParsedTurn) -> dict[str, Any]:
     return message
 
 
-def episode_completions(e: AgentEpisode, reward: float | None, error: tuple[str, str] | None) -> Completion:
+def episode_completions(
+    e: AgentEpisode, reward: float | None, error: tuple[str, str] | None, own_reward: bool = True
+) -> Completion:
     """The episode as the trainer takes it: its last sequence, the sequences split off before it in
-    ``earlier``, the agent's reward, its calls (rollouts on disk), and how it ended."""
+    ``earlier``, its reward (the agent's own, or with ``own_reward`` false an environment's), its
+    calls (rollouts on disk), and how it ended."""
     sequences = e.sequences() or [Completion()]
     last = sequences[-1]
     last.earlier = sequences[:-1]
-    last.by_agent, last.agent_reward = True, reward
+    last.by_agent = True
+    if own_reward:
+        last.agent_reward = reward
+    else:
+        last.env_reward = reward
     last.calls = [asdict(call) for call in e.calls]
     last.tool_calls = e.tool_calls
     for kind, n in e.counts.items():  # logged as rollout/gateway_<kind>

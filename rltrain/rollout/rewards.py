@@ -85,6 +85,7 @@ ENV = "env"  # the environment's reward: computed by its episodes, not by a func
 MODEL = "model"  # reward.model's score: computed by its actors
 JUDGE = "judge"  # reward.judge's verdict: computed by generator engines
 AGENT = "agent"  # a black-box agent's returned reward (rltrain.rollout.gateway)
+VERIFIERS_ENV = "verifiers environment"  # the user code a verifiers episode's failure is charged to
 GIVEN = (ENV, MODEL, JUDGE, AGENT)  # scores computed outside the reward workers, handed to RewardScorer
 
 

@@ -96,13 +96,18 @@ def preflight(config: Config) -> Inputs:
     tokenizer = load_tokenizer(config, "model.name_or_path", model_path)
     _check_scoring_models(config, tokenizer)
     try:
-        rows, held_out = load_rows(config.data), []
-        if config.run.eval_every:
-            rows, held_out = split_held_out(rows, config.data, config.eval)
+        rows, held_out = verifiers_rows(config) if config.verifiers else load_rows(config.data), []
+        if config.run.eval_every:  # (a verifiers taskset's rows: its own, not data.source's)
+            data = (
+                config.data.model_copy(update={"source": config.env.name})
+                if config.verifiers
+                else config.data
+            )
+            rows, held_out = split_held_out(rows, data, config.eval)
         check_reward_functions(config, rows[0])
-        if config.agent.entrypoint is not None:
+        if config.gateway_episodes:
             check_agent(config, tokenizer)
-        if config.env.name is not None:
+        if config.env.name is not None and not config.verifiers:
             check_environment(config, rows[0], tokenizer)
         if config.episodic:
             prompts = episode_prompts(rows, config.data)
@@ -135,15 +140,42 @@ def check_sft_source(config: Config, rows: list[dict], tokenizer) -> None:
 
 
 def check_agent(config: Config, tokenizer) -> None:
-    """``agent.entrypoint`` imports as ``async def run(row, base_url, api_key, model)``, and the
-    tool parser is built for the policy's tokenizer."""
+    """``agent.entrypoint`` imports as ``async def run(row, base_url, api_key, model)`` (a verifiers
+    environment loaded already, in :func:`verifiers_rows`), and the tool parser is built for the
+    policy's tokenizer."""
     from rltrain.rollout.agents import load_agent
 
-    try:
-        load_agent(config.agent.entrypoint)
-    except ValueError as e:
-        raise ValueError(f"agent.entrypoint: {e}") from None
+    if config.agent.entrypoint is not None:
+        try:
+            load_agent(config.agent.entrypoint)
+        except ValueError as e:
+            raise ValueError(f"agent.entrypoint: {e}") from None
     _check_parser(config, tokenizer)
+
+
+def verifiers_rows(config: Config) -> list[dict]:
+    """``env.name: verifiers:<taskset id>``'s tasks as rows (at most data.size); what stops the
+    taskset or its environment from loading raises ValueError in one line, naming the key."""
+    if config.sft_warmup.steps and config.sft_warmup.source == SFT_FROM_ENV:
+        raise ValueError(f"sft_warmup.source=env: env.name={config.env.name} has no demonstrations; "
+                         "warm up on a .jsonl of conversations or set sft_warmup.steps=0")  # fmt: skip
+    try:
+        from rltrain.rollout import verifiers_env
+    except ImportError as e:
+        raise ValueError(
+            f"env.name={config.env.name} needs verifiers (pip install 'rltrain[verifiers]'): {e}"
+        ) from None
+    env = config.env
+    try:
+        verifiers_env.load_env(env.name, env.kwargs, env.max_turns)
+        rows = verifiers_env.task_rows(env.name, env.kwargs, config.data.size)
+    except Exception as e:  # noqa: BLE001  (the taskset's own code: shown in one line)
+        message = " ".join(str(e).split())
+        raise ValueError(f"env.name={env.name} (env.kwargs {env.kwargs}) does not load: "
+                         f"{type(e).__name__}: {message}") from None  # fmt: skip
+    if not rows:
+        raise ValueError(f"env.name={env.name}: the taskset holds no tasks")
+    return rows
 
 
 def _check_parser(config: Config, tokenizer, schemas: list[dict] | None = None) -> None:
@@ -273,15 +305,16 @@ def check_environment_fit(config: Config) -> None:
 
     name, parser = config.env.name, config.tool_parser
     if config.sft_warmup.steps and config.sft_warmup.source == BUILTIN_TASK and parser != "tag":
+        own = "" if config.verifiers else "sft_warmup.source=env (its demonstrations), "
         raise ValueError(
             f"sft_warmup.source={BUILTIN_TASK} warms up on the built-in task's tag-format calculator answers, but "
-            f"env.name={name} speaks rollout.tool_parser={parser}: set sft_warmup.source=env (its demonstrations), "
-            "a file of your own, or sft_warmup.steps=0"
+            f"env.name={name} speaks rollout.tool_parser={parser}: set {own}sft_warmup.source to a file of "
+            "your own, or sft_warmup.steps=0"
         )
     notes = []
     if config.rollout.tools.enabled:
         notes.append(f"rollout.tools.enabled={config.rollout.tools.enabled} is not used with env.name={name}: "
-                     "an environment's tools are its own (Environment.tools)")  # fmt: skip
+                     "an environment's tools are its own (Environment.tools, a verifiers task's toolsets)")  # fmt: skip
     if config.algorithm.overlong == "soft_penalty":
         notes.append(f"algorithm.overlong=soft_penalty adds up to -{config.algorithm.overlong_penalty:g} to the "
                      f"reward of long episodes of {name} (shown as `overlong` in the step line and the rollouts); "

@@ -27,7 +27,7 @@ def evaluate(
     generators,
     prompts: list[Prompt],
     scorer,
-    env: bool = False,
+    own: str | None = None,
     functions: dict[str, float] | None = None,
     model_scorers: dict | None = None,
 ) -> dict[str, float]:
@@ -35,18 +35,19 @@ def evaluate(
     :attr:`Config.eval_functions` picks them; when not given, `math`, or an episode's own reward): ``eval/reward/<name>``
     per function, ``eval/reward`` weighted, ``eval/accuracy`` where a correctness function (math,
     exact match) is among them; ``eval/tool_call_rate`` (completions that called a tool),
-    ``eval/tool_errors``, ``eval/response_length``. With an environment or an agent (``env``: the
-    prompts are its rows) also ``eval/success`` (episodes whose reward is positive),
-    ``eval/env_reward`` (an agent's: ``eval/agent_reward``) and ``eval/turns``. ``model_scorers``:
+    ``eval/tool_errors``, ``eval/response_length``. With an environment or an agent (``own``: the
+    reward an episode gives itself, `env` or `agent`; the prompts are its rows) also
+    ``eval/success`` (episodes whose reward is positive), ``eval/env_reward`` (an agent's:
+    ``eval/agent_reward``), ``eval/turns``, ``eval/failed`` (episodes that failed outside the
+    policy), and a verifiers environment's scores by name (``eval/env/<name>``). ``model_scorers``:
     a reward model's and a judge's, where they are among ``functions``."""
     from rltrain.rollout.rewards import AGENT, ENV, GIVEN, reward_name
-    from rltrain.run.scoring import batch_columns
+    from rltrain.run.scoring import batch_columns, mean_metrics
 
-    requests = [p.row if env else p.token_ids for p in prompts]
+    requests = [p.row if own else p.token_ids for p in prompts]
     completions = generators.collect(generators.submit(requests, [EVAL_SEED] * len(prompts), greedy=True))
     n = len(completions)
-    agent = any(c.by_agent for c in completions)
-    functions = functions or {(AGENT if agent else ENV) if env else "math": 1.0}
+    functions = functions or {own or "math": 1.0}
     given = {ENV: [c.env_reward for c in completions], AGENT: [c.agent_reward for c in completions]}
     for name, model_scorer in (model_scorers or {}).items():
         if name in functions:
@@ -63,12 +64,14 @@ def evaluate(
         scores[reward_name(spec)] = sum(values) / n
         total = [t + weight * v for t, v in zip(total, values)]
     quality = {"eval/reward": sum(total) / n, **{f"eval/reward/{name}": v for name, v in scores.items()}}
-    if env:
-        rewards = [(c.agent_reward if agent else c.env_reward) or 0.0 for c in completions]
+    if own:
+        rewards = [v or 0.0 for v in given[own]]
         quality |= {
             "eval/success": sum(r > 0 for r in rewards) / n,
-            "eval/agent_reward" if agent else "eval/env_reward": sum(rewards) / n,
+            f"eval/{own}_reward": sum(rewards) / n,
             "eval/turns": sum(c.turns for c in completions) / n,
+            "eval/failed": sum(c.finish_reason == "error" for c in completions) / n,
+            **{f"eval/env/{k}": v for k, v in mean_metrics(completions).items()},
         }
     elif correctness := next((s for s in CORRECTNESS if s in functions), None):
         quality["eval/accuracy"] = scores[correctness]
@@ -124,7 +127,7 @@ def score_model(config: Config, inputs) -> dict[str, float]:
         if config.eval.reward_functions is None:  # (no reward model or judge actors here)
             functions = {k: v for k, v in functions.items() if k not in ("model", "judge")} or {"math": 1.0}
         with RewardScorer(functions, config.reward.timeout_s, config.reward.workers) as scorer:
-            return evaluate(generators, inputs.eval_prompts, scorer, config.episodic, functions)
+            return evaluate(generators, inputs.eval_prompts, scorer, config.episode_reward, functions)
     finally:
         generators.shutdown()
 

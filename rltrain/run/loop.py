@@ -169,7 +169,7 @@ def held_out(run: Run, config: Config, inputs: Inputs) -> dict[str, float]:
     """The held-out evaluation, scored by the run's own reward functions (eval.reward_functions)."""
     models = run.orchestrator.model_scorers if config.eval.model_rewards else None
     return evaluate(
-        run.generators, inputs.eval_prompts, run.scorer, config.episodic, config.eval_functions, models
+        run.generators, inputs.eval_prompts, run.scorer, config.episode_reward, config.eval_functions, models
     )
 
 

@@ -22,7 +22,7 @@ from rltrain.loss.advantages import (
 )
 from rltrain.rollout.chat import TEMPLATE
 from rltrain.rollout.gateway import GATEWAY
-from rltrain.rollout.rewards import AGENT, ENV, Calls, RewardScorer, soft_overlong_penalty
+from rltrain.rollout.rewards import AGENT, ENV, VERIFIERS_ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
 @dataclass
@@ -137,7 +137,7 @@ def score(
     per_function = {name: torch.tensor(values) for name, values in scores.per_sample.items()}
     if alg.overlong == "soft_penalty":  # a sample's reward is the sum of these: the penalty shown too
         per_function["overlong"] = penalties
-    calls = user_code_calls(completions, scores.calls)
+    calls = user_code_calls(completions, scores.calls, VERIFIERS_ENV if config.verifiers else AGENT)
     failed = [episode_failure(c) or reward for c, reward in zip(completions, scores.failed)]
     metrics["failures/outside_policy"] = float(sum(f is not None for f in failed))
     # the policy's own: a malformed or refused tool call, an answer cut at its length
@@ -175,14 +175,17 @@ def batch_columns(prompts: list[Prompt]) -> dict[str, list]:
     return {"prompts": [r.get("prompt", "") for r in rows], **{k: [r.get(k) for r in rows] for k in keys}}
 
 
-def user_code_calls(completions: list[Completion], reward_calls: dict[str, Calls]) -> dict[str, Calls]:
+def user_code_calls(
+    completions: list[Completion], reward_calls: dict[str, Calls], gateway_kind: str = AGENT
+) -> dict[str, Calls]:
     """The user's code a step called, by kind: each reward function (``reward function <spec>``),
-    an environment's ``reset`` and ``step`` (an episode's failure there ends it: calls are the
-    episodes that reached the method), the chat template where it raised or rewrote an episode's
-    history, and each tool that raised (calls: every tool call)."""
+    a black-box agent or a verifiers environment (``gateway_kind``: the episodes through the
+    gateway), an environment's ``reset`` and ``step`` (an episode's failure there ends it: calls
+    are the episodes that reached the method), the chat template where it raised or rewrote an
+    episode's history, and each tool that raised (calls: every tool call)."""
     calls = {f"reward function {spec}": record for spec, record in reward_calls.items()}
-    if any(c.by_agent for c in completions):
-        calls[AGENT] = _calls(len(completions), completions, AGENT)  # a black-box agent's episodes
+    if any(c.by_agent for c in completions):  # an agent's or a verifiers environment's episodes
+        calls[gateway_kind] = _calls(len(completions), completions, gateway_kind)
     elif any(c.turns or c.failures or c.messages for c in completions):  # episodes of an environment
         reset_failed = [c for c in completions if "environment reset" in c.failures]
         calls["environment reset"] = _calls(len(completions), reset_failed, "environment reset")
@@ -226,6 +229,7 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     if any(c.calls for c in completions):  # a black-box agent's episodes (rltrain.rollout.gateway)
         metrics["rollout/gateway_calls"] = sum(len(c.calls) for c in completions) / len(completions)
         metrics.setdefault("rollout/gateway_splits", 0.0)
+    metrics |= {f"env/{name}": value for name, value in mean_metrics(completions).items()}
     turns = sum(c.turns for c in completions)
     if turns == 0:
         return metrics
@@ -238,6 +242,16 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         "rollout/env_token_share": sum(c.tool_mask.count(0) for c in completions) / max(tokens, 1),
         **{f"rollout/finish_{reason}": ends[reason] / len(completions) for reason in ("turns", "error")},
     }
+
+
+def mean_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Each score a verifiers episode reported by name (``reward/<function>``, its metrics),
+    averaged over the episodes that reported it (one that failed reports none)."""
+    values: dict[str, list[float]] = {}
+    for c in completions:
+        for name, value in c.env_metrics.items():
+            values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def drop_stale(scored: ScoredGroups, version: int, max_staleness: int, group_size: int) -> ScoredGroups:

@@ -19,11 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 from rltrain.rollout.chat import TEMPLATE
-from rltrain.rollout.rewards import AGENT, Calls
+from rltrain.rollout.rewards import AGENT, VERIFIERS_ENV, Calls
 
-# a tool's failure is the model's observation; a chat template's or a black-box agent's ends its
-# episode alone
-NEVER_STOPS = ("tool ", TEMPLATE, AGENT)
+# a tool's failure is the model's observation; a chat template's, a black-box agent's or a
+# verifiers environment's ends its episode alone
+NEVER_STOPS = ("tool ", TEMPLATE, AGENT, VERIFIERS_ENV)
 
 
 class UserCodeFailed(RuntimeError):

@@ -25,8 +25,8 @@ def episodes(kwargs: str, reply, n: int):
 
     config = load_config(None, ["env.name=verifiers:vf_sums", f"env.kwargs={kwargs}", "reward.functions={env: 1.0}",
                                 "rollout.max_new_tokens=384", "rollout.tools.enabled=[]"])  # fmt: skip
-    rows = task_rows(config.env.name, config.env.kwargs, n)
     runner = AgentRunner(config, TOKENIZER)
+    rows = task_rows(runner.episodes.env, n)
     try:
         return rows, runner.run(ScriptedEngine(reply), rows, list(range(n)))
     finally:

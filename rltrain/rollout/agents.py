@@ -246,12 +246,12 @@ class AgentRunner:
         rc, agent = config.rollout, config.agent
         # the episode's function: the user's agent, or a verifiers environment's episode (whose
         # reward is the environment's, and whose rollouts run inside its serving resources)
-        self.kind, self.serving = AGENT, contextlib.nullcontext
+        self.kind, self.serving, self.episodes = AGENT, contextlib.nullcontext, None
         if config.verifiers:
             from rltrain.rollout.verifiers_env import VerifiersEpisodes
 
-            episodes = VerifiersEpisodes(config.env.name, config.env.kwargs, config.env.max_turns)
-            self.fn, self.kind, self.serving = episodes.run, VERIFIERS_ENV, episodes.serving
+            self.episodes = VerifiersEpisodes(config.env.name, config.env.kwargs, config.env.max_turns)
+            self.fn, self.kind, self.serving = self.episodes.run, VERIFIERS_ENV, self.episodes.serving
         else:
             self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency

@@ -117,13 +117,12 @@ def load_env(name: str, kwargs: dict[str, Any], max_turns: int):
     return vf.load_environment(env_config(name, kwargs, max_turns))
 
 
-def task_rows(name: str, kwargs: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """The taskset's tasks as rows (at most ``size``, for a taskset without end): ``task`` (its
-    index in ``load()`` order), ``key`` (its content's hash), ``prompt`` (as text, for the rollouts
-    on disk) and an empty ``answer`` (the task scores itself)."""
-    taskset = vf.load_taskset(env_config(name, kwargs, 1).taskset)
+def task_rows(env, size: int) -> list[dict[str, Any]]:
+    """A loaded environment's tasks as rows (at most ``size``, for a taskset without end): ``task``
+    (its index in ``load()`` order), ``key`` (its content's hash), ``prompt`` (as text, for the
+    rollouts on disk) and an empty ``answer`` (the task scores itself)."""
     rows = []
-    for i, task in enumerate(taskset):
+    for i, task in enumerate(env.taskset):
         if i == size:
             break
         prompt = task.data.prompt

@@ -167,8 +167,9 @@ def verifiers_rows(config: Config) -> list[dict]:
         ) from None
     env = config.env
     try:
-        verifiers_env.load_env(env.name, env.kwargs, env.max_turns)
-        rows = verifiers_env.task_rows(env.name, env.kwargs, config.data.size)
+        rows = verifiers_env.task_rows(
+            verifiers_env.load_env(env.name, env.kwargs, env.max_turns), config.data.size
+        )
     except Exception as e:  # noqa: BLE001  (the taskset's own code: shown in one line)
         message = " ".join(str(e).split())
         raise ValueError(f"env.name={env.name} (env.kwargs {env.kwargs}) does not load: "

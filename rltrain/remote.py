@@ -102,7 +102,10 @@ def describe(error: Exception) -> str:
     pid = re.search(r"\bpid: (\d+)", text)
     detail = re.search(r"Worker exit detail: (.+?\.)(?:\s|$)", text)
     cause = "died" if isinstance(error, RayActorError) else "is unavailable"
-    if detail:
+    raised = re.findall(r"^\s*((?:\w+\.)*\w*(?:Error|Exception): .+)$", text, re.MULTILINE)
+    if "creation task" in text and raised:  # its __init__ raised: the exception's line says why
+        cause += f" (its start-up raised {raised[-1].strip()})"
+    elif detail:
         cause += f" ({detail.group(1).rstrip('.')})"
     elif "OOM" in text or "out of memory" in text.lower():
         cause += " (out of memory)"

@@ -36,6 +36,22 @@ def test_a_dead_actor_is_named_while_its_peer_still_blocks(ray_local):
     ray.kill(blocked)
 
 
+@ray.remote(num_cpus=0)
+class Unstartable:
+    def __init__(self):
+        raise ModuleNotFoundError("No module named 'mytaskset'")
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_an_actor_whose_start_up_raised_is_named_with_the_exception(ray_local):
+    with pytest.raises(ActorFailure) as failure:
+        gather([Unstartable.remote().ping.remote()], ["generator 0"], timeout_s=60)
+    assert failure.value.actor == "generator 0"
+    assert failure.value.cause == "died (its start-up raised ModuleNotFoundError: No module named 'mytaskset')"
+
+
 def test_a_silent_actor_fails_after_the_timeout_and_results_keep_their_order(ray_local):
     a, b = Worker.remote(), Worker.remote()
     assert gather([a.sleep.remote(0.3), b.sleep.remote(0)], ["a", "b"], timeout_s=30) == ["slept", "slept"]

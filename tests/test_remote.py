@@ -49,7 +49,9 @@ def test_an_actor_whose_start_up_raised_is_named_with_the_exception(ray_local):
     with pytest.raises(ActorFailure) as failure:
         gather([Unstartable.remote().ping.remote()], ["generator 0"], timeout_s=60)
     assert failure.value.actor == "generator 0"
-    assert failure.value.cause == "died (its start-up raised ModuleNotFoundError: No module named 'mytaskset')"
+    assert (
+        failure.value.cause == "died (its start-up raised ModuleNotFoundError: No module named 'mytaskset')"
+    )
 
 
 def test_a_silent_actor_fails_after_the_timeout_and_results_keep_their_order(ray_local):

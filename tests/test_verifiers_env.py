@@ -107,3 +107,22 @@ def test_a_verifiers_taskset_trains_through_the_cli_and_is_evaluated_by_its_own_
     samples = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(samples) == 16 and all(s["messages"][0]["content"].startswith("What is ") for s in samples)
     assert {s["prompt_index"] for s in samples} <= set(range(20))  # training tasks only
+
+
+def test_the_documented_taskset_runs_unchanged(tmp_path, monkeypatch):
+    from rltrain.rollout.verifiers_env import task_rows
+
+    text = (TESTS.parent / "docs" / "environments.md").read_text().split("## Environments from verifiers")[1]
+    (tmp_path / "mysums.py").write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(
+        None, ["env.name=verifiers:mysums", "reward.functions={env: 1.0}", "rollout.max_new_tokens=64"]
+    )
+    runner = AgentRunner(config, TOKENIZER)
+    try:
+        rows = task_rows(runner.episodes.env, 3)
+        done = runner.run(ScriptedEngine(lambda p: encode("4")), rows, [0, 1, 2])
+    finally:
+        runner.server.stop()
+    assert [r["prompt"] for r in rows] == ["What is 0 + 3?", "What is 1 + 3?", "What is 2 + 3?"]
+    assert [c.env_reward for c in done] == [0.0, 1.0, 0.0]  # "4" answers 1 + 3 alone

@@ -173,6 +173,25 @@ def test_evaluate_scores_greedy_completions_with_math_verify():
     assert metrics["eval/accuracy"] == 0.5 and metrics["eval/tool_call_rate"] == 0.25
 
 
+def test_held_out_accuracy_counts_full_credit_only_where_the_scorer_gives_partial_credit():
+    from rltrain.config import DataConfig
+    from rltrain.data import Prompt, load_rows
+
+    data = DataConfig(source="reasoning_gym:chain_sum", size=4, seed=0,
+                      task_config={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2})  # fmt: skip
+    rows = load_rows(data)
+    prompts = [Prompt(i, [1, 2], row["answer"]) for i, row in enumerate(rows)]
+    right = [json.loads(row["answer"])["answer"] for row in rows]
+    texts = [right[0], right[1], f"x{right[2]}", "0.5"]  # two right, one near miss, one wrong
+    with RewardScorer({"reasoning_gym": 1.0}, timeout_s=10) as scorer:
+        metrics = evaluate(ScriptedPool(texts), prompts, scorer, functions={"reasoning_gym": 1.0})
+    # chain_sum's scorer gives an answer that contains the right one len(right)/len(answer): "x76"
+    # for 76 earns 2/3
+    near = len(right[2]) / (len(right[2]) + 1)
+    assert metrics["eval/reward/reasoning_gym"] == pytest.approx((1 + 1 + near + 0) / 4)
+    assert metrics["eval/accuracy"] == 0.5  # full credit only: 2 of 4
+
+
 def test_curves_draw_every_panel(tmp_path):
     rows = [{"step": s, "reward/mean": s / 10, "reward/math": s / 20, "eval/accuracy": s / 30, "train/kl": 0.01,
              "train/entropy": 1.0, "train/clip_fraction": 0.1, "rollout/length_mean": 5.0, "time/generate_s": 0.2,

@@ -327,7 +327,8 @@ class EvalConfig(Section):
     reward_functions: dict[str, float] | None = None
     """What held-out completions are scored by, as reward.functions (weights included): logged per
     function (`eval/reward/<name>`) and weighted (`eval/reward`), and `eval/accuracy` where a
-    correctness function (`math`, `exact_match`, `reasoning_gym`) is among them. null: the run's own
+    correctness function (`math`, `exact_match`, `reasoning_gym`) is among them: the share of
+    completions it gives full credit (partial credit counts in its eval/reward/<name>). null: the run's own
     reward.functions, those computed by code always, a reward model's and a judge's (they cost a
     model's forward per completion) only with eval.model_rewards."""
     model_rewards: bool = False

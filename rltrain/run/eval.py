@@ -20,7 +20,7 @@ from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
-CORRECTNESS = ("math", "exact_match", "reasoning_gym")  # reward functions whose mean is a held-out accuracy
+CORRECTNESS = ("math", "exact_match", "reasoning_gym")  # reward functions whose full credit is a right answer
 
 
 def evaluate(
@@ -34,7 +34,8 @@ def evaluate(
     """Greedy completions of ``prompts`` scored by ``functions`` (the run's reward functions, as
     :attr:`Config.eval_functions` picks them; when not given, `math`, or an episode's own reward): ``eval/reward/<name>``
     per function, ``eval/reward`` weighted, ``eval/accuracy`` where a correctness function (math,
-    exact match) is among them; ``eval/tool_call_rate`` (completions that called a tool),
+    exact match, reasoning_gym) is among them: the share it gives full credit (a scorer's partial
+    credit counts in ``eval/reward/<name>`` alone); ``eval/tool_call_rate`` (completions that called a tool),
     ``eval/tool_errors``, ``eval/response_length``. With an environment or an agent (``own``: the
     reward an episode gives itself, `env` or `agent`; the prompts are its rows) also
     ``eval/success`` (episodes whose reward is positive), ``eval/env_reward`` (an agent's:
@@ -54,7 +55,7 @@ def evaluate(
             given[name] = model_scorer(prompts, completions)[0]
     texts, answers = [c.text for c in completions], [p.answer for p in prompts]
     columns = batch_columns(prompts) if prompts and prompts[0].row else None
-    scores, total = {}, [0.0] * n
+    scores, right, total = {}, {}, [0.0] * n
     for spec, weight in functions.items():
         if spec in GIVEN:
             values = given.get(spec, [None] * n)
@@ -62,6 +63,7 @@ def evaluate(
             values = scorer.one(spec, texts, answers, columns)
         values = [v or 0.0 for v in values]
         scores[reward_name(spec)] = sum(values) / n
+        right[spec] = sum(v >= 1.0 for v in values) / n
         total = [t + weight * v for t, v in zip(total, values)]
     quality = {"eval/reward": sum(total) / n, **{f"eval/reward/{name}": v for name, v in scores.items()}}
     if own:
@@ -74,7 +76,7 @@ def evaluate(
             **{f"eval/env/{k}": v for k, v in mean_metrics(completions).items()},
         }
     elif correctness := next((s for s in CORRECTNESS if s in functions), None):
-        quality["eval/accuracy"] = scores[correctness]
+        quality["eval/accuracy"] = right[correctness]
     return {
         **quality,
         "eval/tool_call_rate": sum(c.tool_calls > 0 for c in completions) / n,

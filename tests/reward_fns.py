@@ -37,7 +37,7 @@ def trl_reward(prompts, completions, answer, **kwargs):
 
 
 def trl_reward_with_a_gap(prompts, completions, **kwargs):
-    # None fails the completion it stands for: the second one here
+    # None: the function does not apply to the completion it stands for (the second one here)
     return [1.0 if i != 1 else None for i in range(len(completions))]
 
 
@@ -63,3 +63,12 @@ def string_reward(completion, answer):
 
 def bool_reward(completion, answer):
     return completion == answer
+
+
+def digits_task_reward(completion, answer):
+    # a multi-task reward's part, as TRL writes them: None where the sample is not its task's
+    return float(completion == answer) if completion.isdigit() else None
+
+
+def words_task_reward(completion, answer):
+    return float(completion == answer) if completion.isalpha() else None

@@ -405,24 +405,27 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
 
     batch = Orchestrator.next_batch
 
-    def nothing_at_step_1(self, step):  # as a step whose every group was filtered out
+    def nothing_at_steps_1_and_3(self, step):  # as a step whose every group was filtered out
         scored = batch(self, step)
-        return scored.keep(torch.zeros(len(scored.prompts), dtype=torch.bool), 4) if step == 1 else scored
+        return (
+            scored.keep(torch.zeros(len(scored.prompts), dtype=torch.bool), 4) if step in (1, 3) else scored
+        )
 
-    monkeypatch.setattr(Orchestrator, "next_batch", nothing_at_step_1)
-    # (stopped after step 2 of 3 by run.stop_after: with a checkpoint to resume from, no final model)
+    monkeypatch.setattr(Orchestrator, "next_batch", nothing_at_steps_1_and_3)
+    # stopped after step 3 of 4 by run.stop_after, a step skipped: the stop and its checkpoint hold
+    # all the same (with a checkpoint to resume from, no final model)
     overrides = [
         *SMALL,
         f"run.output_dir={tmp_path}",
-        "run.steps=3",
-        "run.stop_after=2",
+        "run.steps=4",
+        "run.stop_after=3",
         "run.checkpoint_every=0",
     ]
     train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+    assert len(rows) == 3 and (tmp_path / "checkpoints" / "latest").read_text() == "step_3"
     assert not (tmp_path / "final_model").exists()
-    assert rows[0]["train/skipped"] == 1
+    assert rows[0]["train/skipped"] == 1 and rows[2]["train/skipped"] == 1
     # step 2 is sampled after step 1 (rollout.max_staleness=0) by the learners' weights, unchanged
     # since step 1 skipped its update: fresh, not a version old, so nothing is dropped and it trains
     assert rows[1]["rollout/staleness_max"] == 0 and rows[1]["rollout/stale_dropped"] == 0

@@ -183,6 +183,31 @@ def test_requests_with_no_key_another_episodes_key_or_a_finished_one_are_refused
     assert intruder.agent_reward == 1.0 and len(intruder.calls) == 1  # its own call was served
 
 
+def test_a_reply_that_comes_after_its_episode_closed_is_refused_and_touches_nothing():
+    # the engine takes 2 s, the agent 1 s at most: its episode closes (timed out) with the call in
+    # flight and is handed on; the reply that comes a second later is refused (410), counted as
+    # late on the episode, and leaves the handed-on sequence as it was (no sampled token in it)
+    engine = ScriptedEngine(lambda p: encode("Ok."), seconds=2.0)
+    (late,) = serve([{"id": "l", "mode": "once"}], engine, "agent.timeout_s=1")
+    time.sleep(0.5)  # (long enough for the late reply to have been taken, had it been)
+    assert late.finish_reason == "error" and late.errors["gateway_late"] == 1
+    assert late.token_ids == [] and late.calls == []
+    assert episode_metrics([late])["rollout/gateway_late"] == 1.0
+
+
+def test_a_message_of_a_role_the_api_does_not_have_is_refused_naming_the_roles():
+    from rltrain.rollout.gateway import ChatRequest, Refused
+
+    with pytest.raises(Refused) as refusal:
+        ChatRequest.check({"messages": [{"role": "wizard", "content": "hi"}]})
+    assert refusal.value.status == 400 and refusal.value.kind == "bad_request"
+    assert str(refusal.value) == (
+        "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"
+    )
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        ChatRequest.check({"messages": [{"role": role, "content": "hi"}]})
+
+
 def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():
     from rltrain.rollout.gateway import Refused, Sampling
 

@@ -32,9 +32,11 @@ def test_user_reward_function_and_failures_score_zero_and_are_counted():
     functions = {f"{FNS}:length_reward": 0.5, f"{FNS}:raising_reward": 1.0, f"{FNS}:nan_reward": 1.0}
     with RewardScorer(functions, timeout_s=5) as scorer:
         scores = scorer(["abcd", "xy"], ["", ""])
-    # only length_reward counts: 0.5 * 4, 0.5 * 2; the other two fail on both samples
+    # only length_reward counts: 0.5 * 4, 0.5 * 2; raising_reward fails on both samples, and
+    # nan_reward's NaN is "does not apply" (TRL's None), no failure where another function applies
     assert scores.rewards == [2.0, 1.0]
-    assert scores.failures == 4
+    assert scores.failures == 2 and scores.failed == [f"{FNS}:raising_reward"] * 2
+    assert scores.per_sample[f"{FNS}:nan_reward"] == [None, None]
 
 
 def test_a_reward_that_is_no_number_is_a_failure_and_a_bool_is_a_number():
@@ -230,17 +232,49 @@ def test_micro_batch_plan_pads_short_shares_with_empty_micro_batches():
 
 def test_trls_batch_form_is_told_apart_by_its_signature_and_gets_the_data_columns():
     # trl_reward(prompts, completions, answer, **kwargs): one call for the batch; +0.5 where the
-    # prompt asks a question; trl_reward_with_a_gap's None fails the second completion only
+    # prompt asks a question; trl_reward_with_a_gap's None: it does not apply to the second
+    # completion (TRL's meaning), which trl_reward still scores: no failure
     functions = {f"{FNS}:trl_reward": 1.0, f"{FNS}:trl_reward_with_a_gap": 1.0}
     with RewardScorer(functions, timeout_s=5) as scorer:
         assert scorer.batch == set(functions)
         columns = {"prompts": ["What is 2 + 3?", "Say 7."], "level": [1, 2]}
         scores = scorer([" 5", "8"], ["5", "7"], columns=columns)
-    # completion 0: 1 (right) + 0.5 (a question) + 1; completion 1: 0 + 0 + 0 (None, failed)
+    # completion 0: 1 (right) + 0.5 (a question) + 1; completion 1: 0 + 0 (the gap's function skipped)
     assert scores.rewards == [2.5, 0.0]
-    assert scores.failures == 1
+    assert scores.failures == 0 and scores.failed == [None, None]
     gap = scores.calls[f"{FNS}:trl_reward_with_a_gap"]
-    assert (gap.called, gap.failed, gap.first_error) == (2, 1, "returned None or NaN")
+    assert (gap.called, gap.failed, gap.first_error) == (2, 0, None)
+    assert scores.per_sample[f"{FNS}:trl_reward_with_a_gap"] == [1.0, None]
+    assert scores.per_function[f"{FNS}:trl_reward_with_a_gap"] == 1.0  # over the one it applies to
+
+
+def test_a_multi_task_reward_sums_the_functions_that_apply_and_fails_only_where_none_does():
+    # each function scores its own task type and returns None on the others (TRL's convention)
+    digits, words = f"{FNS}:digits_task_reward", f"{FNS}:words_task_reward"
+    with RewardScorer({digits: 1.0, words: 2.0}, timeout_s=5) as scorer:
+        scores = scorer(["7", "seven", "?", "8"], ["7", "seven", "?", "7"])
+    # "7": digits 1 (right), words None -> 1; "seven": digits None, words 1 x weight 2 -> 2;
+    # "?": neither applies -> failed, 0; "8": digits 0 (wrong), words None -> 0, not failed
+    assert scores.rewards == [1.0, 2.0, 0.0, 0.0]
+    assert scores.failed == [None, None, digits, None]
+    assert scores.failures == 2  # the two Nones of "?", where no function applied
+    assert scores.per_function == {digits: 0.5, words: 1.0}  # digits: (1 + 0) / 2; words: 1 / 1
+    assert scores.calls[digits].failed == scores.calls[words].failed == 1
+    assert "no other reward function applies" in scores.calls[digits].first_error
+    with RewardScorer({digits: 1.0}, timeout_s=5) as scorer:  # one function: its None is a failure
+        assert scorer(["seven"], ["seven"]).failed == [digits]
+
+
+def test_preflight_takes_a_multi_task_reward_whose_first_row_one_function_does_not_apply_to():
+    from rltrain.config import load_config
+    from rltrain.run.checks import check_reward_functions
+
+    digits, words = f"{FNS}:digits_task_reward", f"{FNS}:words_task_reward"
+    row = {"prompt": "What is 3 + 4?", "answer": "7"}
+    check_reward_functions(load_config(None, [f"reward.functions={{{digits}: 1.0, {words}: 1.0}}"]), row)
+    with pytest.raises(ValueError, match=rf"^reward.functions: {words} returned no score \(None or NaN\) "
+                       "on the first data row with its answer as the completion: no function applies to it$"):  # fmt: skip
+        check_reward_functions(load_config(None, [f"reward.functions={{{words}: 1.0}}"]), row)
 
 
 def test_a_failing_reward_function_keeps_its_first_traceback():

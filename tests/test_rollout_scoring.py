@@ -96,7 +96,7 @@ def test_overlong_penalty_is_in_the_reward_and_logged_apart_from_the_functions()
     })  # fmt: skip
     prompts = [Prompt(0, [1, 2], "7")]
     # 16 tokens: before the ramp (20 - 4), no penalty; 18 tokens: halfway up the ramp, -0.25
-    completions = [Completion(token_ids=[3] * 16, text="7"), Completion(token_ids=[3] * 18, text="7")]
+    completions = [Completion(token_ids=[3] * n, tool_mask=[1] * n, text="7") for n in (16, 18)]
     with RewardScorer({"exact_match": 1.0}, timeout_s=5) as scorer:
         scored = score(prompts, completions, config, scorer)
     assert scored.rewards.tolist() == [1.0, 0.75]
@@ -126,6 +126,14 @@ def test_samples_that_failed_outside_the_policy_are_kept_out_of_the_loss_and_the
     fn = "reward_fns:raises_unless_right"
     assert scored.failed == [None, None, fn, None, None, fn, fn, fn]
     assert scored.metrics["failures/outside_policy"] == 4 and scored.metrics["failures/policy"] == 1
+    # every reward figure is over the four samples that count (0, 1, 3 and 4: each 2, see below);
+    # with the failed ones in (their reward: digits alone, 0.5 for "x1", 0 for "a", "b", "c") it
+    # would be (2 + 2 + 0.5 + 2 + 2 + 0 + 0 + 0) / 8 = 1.0625 and no group would be flat
+    assert (scored.metrics["reward/mean"], scored.metrics["reward/std"]) == (2.0, 0.0)
+    assert scored.metrics["reward/digits"] == 1.0 and scored.metrics[f"reward/{fn}"] == 1.0
+    assert scored.metrics["rollout/zero_variance_groups"] == 1.0  # both groups' valid samples agree
+    gae = drop_failed(scored, 4, fewest=1)  # a critic needs no group: group 1's valid sample stays
+    assert [p.index for p in gae.prompts] == [0, 1] and gae.metrics["rollout/dropped_samples"] == 4
     kept = drop_failed(scored, 4)
     assert [p.index for p in kept.prompts] == [0]  # group 1 had one sample left: it goes whole
     assert kept.metrics["rollout/dropped_samples"] == 5  # x1, and all of group 1

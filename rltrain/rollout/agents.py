@@ -190,7 +190,10 @@ class GatewayServer:
             except Refused as r:
                 return _error(r.status, r.kind, str(r))
             except OutOfRoom as full:
-                return runner.gateway.out_of_room(full.episode, len(payload["messages"]))
+                try:
+                    return runner.gateway.out_of_room(full.episode, len(payload["messages"]))
+                except Refused as r:  # (its episode closed meanwhile)
+                    return _error(r.status, r.kind, str(r))
             self.in_flight += 1
             try:
                 batcher = runner.batcher
@@ -211,9 +214,12 @@ class GatewayServer:
                 return _error(500, "engine", f"generation failed: {type(failed).__name__}: {failed}")
             finally:
                 self.in_flight -= 1
-            return await asyncio.to_thread(
-                runner.gateway.finish, e, seg, len(payload["messages"]), len(prompt)
-            )
+            try:
+                return await asyncio.to_thread(
+                    runner.gateway.finish, e, seg, len(payload["messages"]), len(prompt)
+                )
+            except Refused as r:  # the episode closed while its reply was sampled (counted then)
+                return _error(r.status, r.kind, str(r))
 
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -83,8 +83,11 @@ class _ContentPart(_Open):
     text: str | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # what the OpenAI API accepts
+
+
 class _Message(_Open):
-    role: str = Field(min_length=1)
+    role: Literal[ROLES]  # (an unknown one is refused with 400 naming these, as the OpenAI API does)
     content: str | list[_ContentPart] | None = None
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
@@ -187,6 +190,7 @@ class AgentEpisode(EpisodeState):
         self.counts: dict[str, int] = {}
         self.failures: dict[str, str] = {}
         self.busy = False
+        self.open = True  # until the episode is handed on: then no reply may touch its sequences
         self.tool_calls = 0
 
     def count_request(self, kind: str) -> None:
@@ -223,7 +227,13 @@ class Gateway:
         return episode
 
     def close(self, episode: AgentEpisode) -> None:
+        """The episode is over (its agent returned, failed or timed out): a reply still on its way
+        is refused (:meth:`finish`) and counted as ``late``, so its sequences are handed on as
+        they are and nothing touches them afterwards."""
         with self.lock:
+            episode.open = False
+            if episode.busy:  # a call in flight: its reply will come too late
+                episode.count_request("late")
             self.episodes.pop(episode.id, None)
 
     def episode(self, episode_id: str, key: str | None) -> AgentEpisode:
@@ -320,11 +330,15 @@ class Gateway:
 
     def finish(self, e: AgentEpisode, seg: Segment, messages: int, prompt_tokens: int) -> dict[str, Any]:
         """Take the sampled turn into the open sequence; the OpenAI response. The episode is free
-        for its next call however this ends."""
+        for its next call however this ends. A reply whose episode closed while it was sampled (the
+        agent timed out, or returned with the call queued) is refused with 410 and counted; its
+        episode's sequences, already handed on, are left as they were."""
         c = e.c
         assert c is not None
         try:
             with self.lock:
+                if not e.open:  # (counted when it closed)
+                    raise Refused(410, "late", "the episode closed before its reply was sampled")
                 c.take(seg)
                 turn = self._parse(e, seg)
                 for call in turn.calls:
@@ -351,6 +365,8 @@ class Gateway:
         finish reason is ``length``; nothing is sampled, and the call counts among the episode's."""
         reply = {"role": "assistant", "content": ""}
         with self.lock:
+            if not e.open:
+                raise Refused(410, "late", "the episode closed before its reply was given")
             e.calls.append(CallRecord(messages, 0, 0, len(e.closed), "length", reply))
         return self._response(e, reply, "length", 0, 0)
 

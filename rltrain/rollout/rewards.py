@@ -20,9 +20,14 @@ Built-ins:
 ``env`` is an environment's own reward (:mod:`rltrain.envs`), taken from its episodes.
 Anything else is ``module:function`` (an importable module) or ``path/to/file.py:function``. Calls
 run in worker processes; one that raises, returns a non-number or runs past ``timeout_s`` (a batch
-call: ``timeout_s`` per completion) scores 0 for that sample and is counted, with its first
-traceback, in :attr:`Scores.calls`; one past its deadline is stopped for good: its worker process
-is killed and replaced (a hung thread could never be).
+call: ``timeout_s`` per completion) fails that sample and is counted, with its first traceback, in
+:attr:`Scores.calls`; one past its deadline is stopped for good: its worker process is killed and
+replaced (a hung thread could never be).
+
+``None`` (or NaN) means what it means in TRL: the function does not apply to this sample (a
+multi-task reward, one function per task type). A sample's reward is the weighted sum of the
+functions that apply to it; it fails only where none applies (with one function: where it returns
+None). An episode's own reward (``env``, ``agent``) always applies (None scores 0).
 """
 
 from __future__ import annotations
@@ -185,9 +190,10 @@ class Calls:
 @dataclass
 class Scores:
     rewards: list[float]  # weighted sum per completion
-    per_function: dict[str, float]  # mean score of each function
-    failures: int  # calls that raised, hung or returned a non-number
-    per_sample: dict[str, list[float]]  # each function's score of each completion
+    per_function: dict[str, float]  # mean score of each function, over the samples it applies to
+    failures: int  # calls that raised, hung or returned a non-number, and Nones where none applies
+    # each function's score of each completion (None: it does not apply; 0: it failed)
+    per_sample: dict[str, list[float | None]]
     calls: dict[str, Calls] = field(default_factory=dict)  # each called function's calls
     # each completion's first function (its name) whose score could not be computed, or None
     failed: list[str | None] = field(default_factory=list)
@@ -219,16 +225,18 @@ class RewardScorer:
     def one(
         self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None = None
     ) -> list[float | None]:
-        """One function's score per completion (None where it failed), in the same workers; a
-        function this scorer was not made with is loaded here (``columns``: as for ``__call__``)."""
+        """One function's score per completion (None where it failed or does not apply), in the
+        same workers; a function this scorer was not made with is loaded here (``columns``: as for
+        ``__call__``)."""
         if spec not in self.functions and takes_batches(load_reward_fn(spec)):
             self.batch.add(spec)
         return self._scores(spec, completions, answers, columns)[0]
 
     def _scores(
         self, spec: str, completions: list[str], answers: list[str], columns: dict[str, list] | None
-    ) -> tuple[list[float | None], Calls]:
-        """``spec``'s score of each completion (None: failed) and its calls' record."""
+    ) -> tuple[list[float | None], list[str | None]]:
+        """``spec``'s score of each completion (None: it does not apply, or the call failed) and
+        what went wrong with each call (None: nothing, a None score included)."""
         self.launched = self.launched or self.workers  # the pool starts them at its first call
         if spec in self.batch:
             columns = {"answer": answers, **(columns or {}), "completions": completions}
@@ -244,9 +252,7 @@ class RewardScorer:
             futures = [self.pool.schedule(_call, (spec, c, a), timeout=self.timeout_s)
                        for c, a in zip(completions, answers)]  # fmt: skip
             outcomes = [self._outcome(f) for f in futures]
-        values = [v for v, _ in outcomes]
-        errors = [e or "returned None or NaN" for v, e in outcomes if v is None]
-        return values, Calls(len(values), len(errors), errors[0] if errors else None)
+        return [v for v, _ in outcomes], [e for _, e in outcomes]
 
     def __call__(
         self,
@@ -258,26 +264,43 @@ class RewardScorer:
         """Every function's score of every completion. ``given`` holds the scores computed
         elsewhere: ``env``, the episodes' own rewards (None, an episode that gave none, scores 0),
         ``model`` and ``judge``, a reward model's and a judge's (None, a sequence they did not
-        score: 0, a failure). ``columns``: what batch-form functions get besides the completions
-        (``prompts`` and the data rows' columns, a list each)."""
-        given = given or {}
-        totals = [0.0] * len(completions)
+        score: a failure). ``columns``: what batch-form functions get besides the completions
+        (``prompts`` and the data rows' columns, a list each).
+
+        A called function's None is TRL's "does not apply": the sample's reward is the weighted
+        sum of the functions that apply, and it fails (its first function's name in
+        :attr:`Scores.failed`) only where a call raised, a model gave no score, or none applies."""
+        given, n = given or {}, len(completions)
+        values, errors = {}, {}  # by spec: scores (None: no score), what went wrong (None: nothing)
+        for spec in self.functions:
+            if spec in (ENV, AGENT):  # an episode's own reward always applies (None: it gave none, 0)
+                values[spec] = [v or 0.0 for v in given.get(spec, [None] * n)]
+                errors[spec] = [None] * n
+            elif spec in GIVEN:  # a reward model's or judge's None: it could not score the sequence
+                values[spec] = given.get(spec, [None] * n)
+                errors[spec] = [None if v is not None else f"{spec} gave no score" for v in values[spec]]
+            else:
+                values[spec], errors[spec] = self._scores(spec, completions, answers, columns)
+        applies = [any(values[spec][i] is not None for spec in self.functions) for i in range(n)]
+        for spec in self.functions:  # where none applies, each None is a failure of its function
+            errors[spec] = [e or (None if v is not None or ok else "returned None or NaN (and no other "
+                                  "reward function applies)")
+                            for e, v, ok in zip(errors[spec], values[spec], applies)]  # fmt: skip
+        totals = [0.0] * n
         per_function, per_sample, calls, failures = {}, {}, {}, 0
-        failed: list[str | None] = [None] * len(completions)
+        failed: list[str | None] = [None] * n
         for spec, weight in self.functions.items():
             name = reward_name(spec)
-            if spec in GIVEN:
-                values = given.get(spec, [None] * len(completions))
-            else:
-                values, calls[name] = self._scores(spec, completions, answers, columns)
-            if spec != ENV:
-                failures += sum(v is None for v in values)
-            if spec not in (ENV, AGENT):  # (an episode's own reward may be none; its failure is its own)
-                failed = [f or (name if v is None else None) for f, v in zip(failed, values)]
-            scores = [v or 0.0 for v in values]
-            totals = [t + weight * v for t, v in zip(totals, scores)]
-            per_function[name] = sum(scores) / max(len(scores), 1)
-            per_sample[name] = scores
+            wrong = [e for e in errors[spec] if e is not None]
+            if spec not in GIVEN:
+                calls[name] = Calls(n, len(wrong), wrong[0] if wrong else None)
+            failures += len(wrong)
+            failed = [f or (name if e is not None else None) for f, e in zip(failed, errors[spec])]
+            totals = [t + weight * (v or 0.0) for t, v in zip(totals, values[spec])]
+            # each sample's score: None where the function does not apply, 0 where it failed
+            per_sample[name] = [0.0 if e is not None else v for v, e in zip(values[spec], errors[spec])]
+            scored = [v for v in per_sample[name] if v is not None]
+            per_function[name] = sum(scored) / max(len(scored), 1)
         return Scores(totals, per_function, failures, per_sample, calls, failed)
 
     def _outcome(self, future) -> tuple[Any, str | None]:

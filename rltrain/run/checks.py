@@ -213,11 +213,12 @@ def with_deadline(timeout_s: float, fn, *args, **kwargs):
 def check_reward_functions(config: Config, row: dict) -> None:
     """Each reward function, called once on the first data row with its answer as the completion
     (both forms: ``fn(completion, answer)``, and TRL's ``fn(prompts=, completions=, **columns)``),
-    returns a number; raises ValueError naming it otherwise."""
+    returns a number or None (TRL's "does not apply"), and at least one function applies; raises
+    ValueError naming the function otherwise."""
     answer = str(row.get("answer", ""))
-    for spec in config.reward.functions:
-        if spec in GIVEN:
-            continue
+    called = [spec for spec in config.reward.functions if spec not in GIVEN]
+    none = []  # the functions that do not apply to the row
+    for spec in called:
         fn = load_reward_fn(spec)
         if takes_batches(fn):
             columns = {k: [v] for k, v in row.items() if k not in ("prompt", "answer")}
@@ -239,10 +240,13 @@ def check_reward_functions(config: Config, row: dict) -> None:
                 f"completion, raised {first_line(e)}"
             ) from None
         if number != number:
-            raise ValueError(
-                f"reward.functions: {spec} returned no score (None or NaN) on the first data row with its "
-                "answer as the completion"
-            )
+            none.append(spec)
+    if none and len(none) == len(config.reward.functions):  # (an episode's or a model's score applies)
+        names = " and ".join(none) if len(none) < 3 else f"all {len(none)} of {', '.join(none)}"
+        raise ValueError(
+            f"reward.functions: {names} returned no score (None or NaN) on the first data row with its "
+            "answer as the completion: no function applies to it"
+        )
 
 
 def check_environment(config: Config, row: dict, tokenizer) -> None:

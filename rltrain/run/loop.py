@@ -111,33 +111,36 @@ def train_once(config: Config, inputs: Inputs) -> Path:
             scored.metrics.update(user_code.check(step, scored.calls))  # its failures shown and bounded
             generate_s = time.perf_counter() - t0
             scored = trainable(run.out, config, step, scored, user_code)
-            if not scored.completions:  # (every sample failed, was stale, or had no reward variance)
-                skip(run, tracker, step, scored.metrics, user_code.note)
-                continue
-            batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
-            metrics = {} if batch.routes is None else {"perf/routes_bytes": float(batch.routes.numel())}
-            if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+            batch = None  # (none: every sample failed, was stale, or had no reward variance)
+            if scored.completions:
+                batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
+                metrics = {} if batch.routes is None else {"perf/routes_bytes": float(batch.routes.numel())}
+            if batch is not None and run.teacher is not None:  # distillation: the teacher scores every token
                 teacher_logprobs = run.teacher.per_token(batch)
+                scored.metrics["distill/teacher_failures"] = float(teacher_logprobs is None)
                 if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
-                    skip(run, tracker, step, {**scored.metrics, "distill/teacher_failures": 1.0})
-                    continue
-                batch, metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
-                metrics["distill/teacher_failures"] = 0.0
-            trained = step
-            with interrupt.deferred():  # an update issued: its step is logged before a Ctrl-C saves it
-                metrics |= update(run, config, step, batch, scored.rewards)
-                sync_s = push(run, step, batch, metrics, check=sync_unchecked)
-                sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
-                step_s = time.perf_counter() - t0
-                busy_now = generators.busy_seconds()
-                engines_busy_s, busy_s = busy_now - busy_s, busy_now
-                last = step in (config.run.steps, config.run.stop_after)
-                if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
-                    metrics |= held_out(run, config, inputs)
-                times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
-                         "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
-                tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
-            check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
+                    batch = None
+                else:
+                    batch, distill_metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
+                    metrics |= distill_metrics
+            last = step in (config.run.steps, config.run.stop_after)  # (a skipped step ends a run too)
+            if batch is None:
+                skip(run, tracker, step, scored.metrics, user_code.note)
+            else:
+                trained = step
+                with interrupt.deferred():  # an update issued: its step is logged before a Ctrl-C saves it
+                    metrics |= update(run, config, step, batch, scored.rewards)
+                    sync_s = push(run, step, batch, metrics, check=sync_unchecked)
+                    sync_unchecked = sync_unchecked and "sync/probe_gap" not in metrics
+                    step_s = time.perf_counter() - t0
+                    busy_now = generators.busy_seconds()
+                    engines_busy_s, busy_s = busy_now - busy_s, busy_now
+                    if inputs.eval_prompts and (last or step % config.run.eval_every == 0):
+                        metrics |= held_out(run, config, inputs)
+                    times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
+                             "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
+                    tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
+                check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 if saved(config, run.out, step, partial(save_checkpoint, run, config, step, interrupt)):
                     last_saved = step
@@ -177,14 +180,17 @@ def trainable(out: Path, config: Config, step: int, scored, user_code: UserCodeF
     """The step's samples to train on: written to ``rollouts/`` where asked (those that failed
     outside the policy marked), and with ``reward.on_failure: drop`` without them (their groups too
     where fewer than two remain); empty where nothing is left, which ``run.max_user_failure_steps``
-    bounds when failures emptied it."""
+    bounds when failures emptied it. (Under GAE a group keeps any sample that did not fail: a
+    critic's baseline needs no group.)"""
     from rltrain.run.tracking import write_rollouts
 
     drop = config.reward.on_failure == "drop"
     if scored.completions and config.run.save_rollouts_every and step % config.run.save_rollouts_every == 0:
         write_rollouts(out / "rollouts" / f"step_{step}.jsonl", scored, drop)
     if scored.completions and drop:
-        scored = drop_failed(scored, config.algorithm.group_size)
+        scored = drop_failed(
+            scored, config.algorithm.group_size, 1 if config.algorithm.advantage == "gae" else 2
+        )
     if scored.completions:
         user_code.trained()
     else:

@@ -119,30 +119,55 @@ def score(
         ])  # fmt: skip
         rewards = rewards + penalties
         shaping["reward/overlong"] = penalties.mean().item()  # shown apart from the reward functions
+    failed = [episode_failure(c) or reward for c, reward in zip(completions, scores.failed)]
+    # every reward figure is over the samples that count: with reward.on_failure=drop the failed
+    # ones train on nothing, so they are in no mean, spread or group statistic either
+    counted = torch.tensor([f is None or config.reward.on_failure == "zero" for f in failed])
+    per_function = {name: torch.tensor([float("nan") if v is None else v for v in values])  # NaN: none
+                    for name, values in scores.per_sample.items()}  # fmt: skip
     lengths = [len(c.token_ids) for c in completions]
     metrics = {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        **reward_figures(rewards, per_function, counted, n),
         "reward/failures": float(scores.failures),
-        **{f"reward/{name}": value for name, value in scores.per_function.items()},
         **model_metrics,
         **shaping,
         "rollout/length_mean": sum(lengths) / len(lengths),
         "rollout/truncated_fraction": sum(c.truncated for c in completions) / len(completions),
         "rollout/tool_calls": float(sum(c.tool_calls for c in completions)),
         "rollout/tool_errors": float(sum(c.tool_errors for c in completions)),
-        "rollout/zero_variance_groups": zero_variance_groups(rewards, n).float().mean().item(),
         **episode_metrics(completions),
     }
-    per_function = {name: torch.tensor(values) for name, values in scores.per_sample.items()}
     if alg.overlong == "soft_penalty":  # a sample's reward is the sum of these: the penalty shown too
         per_function["overlong"] = penalties
     calls = user_code_calls(completions, scores.calls, VERIFIERS_ENV if config.verifiers else AGENT)
-    failed = [episode_failure(c) or reward for c, reward in zip(completions, scores.failed)]
     metrics["failures/outside_policy"] = float(sum(f is not None for f in failed))
     # the policy's own: a malformed or refused tool call, an answer cut at its length
     metrics["failures/policy"] = float(sum(bool(c.errors) or c.truncated for c in completions))
     return ScoredGroups(prompts, completions, rewards, metrics, per_function, calls, failed)
+
+
+def reward_figures(
+    rewards_N: torch.Tensor, per_function: dict[str, torch.Tensor], counted_N: torch.Tensor, group_size: int
+) -> dict[str, float]:
+    """``reward/mean``, ``reward/std``, ``reward/<function>`` (over the samples it applies to) and
+    ``rollout/zero_variance_groups``, each over the samples that count (``counted_N``, [N] bool);
+    a group with no sample that counts is in no figure."""
+    counted = rewards_N[counted_N].double()
+    groups = counted_N.view(-1, group_size).any(-1)
+    flat = zero_variance_groups(rewards_N, group_size, counted_N)[groups]
+    return {
+        "reward/mean": counted.mean().item() if len(counted) else 0.0,
+        "reward/std": counted.std().item() if len(counted) > 1 else 0.0,
+        **{
+            f"reward/{name}": _mean(scores[counted_N & ~scores.isnan()])
+            for name, scores in per_function.items()
+        },
+        "rollout/zero_variance_groups": flat.float().mean().item() if len(flat) else 0.0,
+    }
+
+
+def _mean(values: torch.Tensor) -> float:
+    return values.double().mean().item() if len(values) else 0.0
 
 
 def episode_failure(c: Completion) -> str | None:
@@ -156,12 +181,13 @@ def episode_failure(c: Completion) -> str | None:
     return None
 
 
-def drop_failed(scored: ScoredGroups, group_size: int) -> ScoredGroups:
-    """``reward.on_failure: drop``: the groups with at least two completions that did not fail
-    outside the policy (the failed ones in them are kept out of the loss by :func:`build_batch`);
-    logs ``rollout/dropped_samples``, the completions that will not train."""
+def drop_failed(scored: ScoredGroups, group_size: int, fewest: int = 2) -> ScoredGroups:
+    """``reward.on_failure: drop``: the groups with at least ``fewest`` completions that did not
+    fail outside the policy (a group baseline needs two; GAE's critic needs no group: one) (the
+    failed ones in them are kept out of the loss by :func:`build_batch`); logs
+    ``rollout/dropped_samples``, the completions that will not train."""
     valid = scored.valid().view(-1, group_size)
-    kept = scored.keep(valid.sum(-1) >= 2, group_size) if not valid.all() else scored
+    kept = scored.keep(valid.sum(-1) >= fewest, group_size) if not valid.all() else scored
     dropped = len(scored.completions) - int(kept.valid().sum())
     kept.metrics = {**scored.metrics, "rollout/dropped_samples": float(dropped)}
     return kept

@@ -164,7 +164,11 @@ def write_rollouts(path: Path, scored, dropped: bool = True) -> None:
             "completion_mask": c.tool_mask,
             "completion_logprobs": c.logprobs,
             "completion_versions": c.versions,
-            "rewards": {name: float(scores[i]) for name, scores in scored.per_function.items()},
+            # (None: the function does not apply to this sample)
+            "rewards": {
+                name: None if scores[i].isnan() else float(scores[i])
+                for name, scores in scored.per_function.items()
+            },  # fmt: skip
             "reward": float(scored.rewards[i]),
             "finish_reason": c.finish_reason,
             "turns": c.turns,

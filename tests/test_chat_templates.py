@@ -158,6 +158,33 @@ def test_a_template_that_moves_the_system_prompt_runs_under_last_turn_and_prefli
     assert "You add and subtract" in tok.decode(prompt)
 
 
+def test_a_tool_result_answers_the_call_under_the_id_the_model_wrote():
+    # Mistral-Nemo writes each call's id itself; vLLM's parser makes up another (random) one, and
+    # the episode, seeing none of its own in the text, made "call00000": the result's tokens then
+    # answered another id than the model's call. The tokens must equal the episode's messages
+    # rendered, each result under the id its call was written with
+    tok = tokenizer_for("mistral-nemo")
+    call = '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1 + 2"}, "id": "call00001"}]'
+    turns = [tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]]
+    turns += [tok.encode(text, add_special_tokens=False) + [tok.eos_token_id] for text in ("3", "7")]
+
+    def generate(prompts, max_tokens, seeds):
+        return [Segment(turns[min(s // SEED_STRIDE, 2)], [-0.5] * len(turns[min(s // SEED_STRIDE, 2)]),
+                        "", "stop") for s in seeds]  # fmt: skip
+
+    c = episode("mistral-nemo", "last_turn", generate, tok)
+    text = tok.decode(c.token_ids, skip_special_tokens=False)
+    assert '"call_id": "call00001"' in text and "call00000" not in text
+    (tool,) = [m for m in c.messages if m["role"] == "tool"]
+    assert tool["tool_call_id"] == "call00001"
+    schemas = tool_schemas(ChainEnv.tools)
+    assert ChatRenderer(tok, schemas, "last_turn").conversation(c.messages) == (
+        c.prompt_ids,
+        c.token_ids,
+        c.tool_mask,
+    )
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preflight_names_the_render_mode_each_family_needs(family):
     tok, mode = tokenizer_for(family), FAMILIES[family][5]

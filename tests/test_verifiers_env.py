@@ -19,12 +19,12 @@ pytest.importorskip("verifiers")
 TESTS = Path(__file__).resolve().parent
 
 
-def episodes(kwargs: str, reply, n: int):
+def episodes(kwargs: str, reply, n: int, *overrides: str):
     """The first ``n`` tasks of vf_sums (``env.kwargs``) as one rollout; the rows and the episodes."""
     from rltrain.rollout.verifiers_env import task_rows
 
     config = load_config(None, ["env.name=verifiers:vf_sums", f"env.kwargs={kwargs}", "reward.functions={env: 1.0}",
-                                "rollout.max_new_tokens=384", "rollout.tools.enabled=[]"])  # fmt: skip
+                                "rollout.max_new_tokens=384", "rollout.tools.enabled=[]", *overrides])  # fmt: skip
     runner = AgentRunner(config, TOKENIZER)
     rows = task_rows(runner.episodes.env, n)
     try:
@@ -65,6 +65,27 @@ def test_a_verifiers_task_with_a_local_mcp_tool_is_one_gateway_sequence_scored_b
     assert episode_metrics([c])["env/reward/correct"] == 1.0
 
 
+def test_an_endless_taskset_is_read_lazily_keys_stay_in_their_clients_and_max_turns_cuts_to_length(
+    monkeypatch,
+):
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    keys_in_environment = []  # seen while an episode's call was in flight (a subprocess inherits them)
+
+    def reply(prompt):  # the calculator, always: the second call is past env.max_turns=1
+        keys_in_environment.extend(v for v in os.environ.values() if v.startswith("rlt-"))
+        call = json.dumps({"name": "calc_add", "arguments": {"a": 1, "b": 2}})
+        return encode(f"<tool_call>\n{call}\n</tool_call>")
+
+    # a taskset without end (load() a generator that never stops): two tasks read, two episodes
+    rows, done = episodes("{endless: true, task: {tools: true}}", reply, 2, "env.max_turns=1")
+    assert [r["task"] for r in rows] == [0, 1] and keys_in_environment == []
+    # verifiers refused each episode's second call (max turns): cut, as a length finish
+    assert [c.finish_reason for c in done] == ["length", "length"] and not any(c.failures for c in done)
+    assert all([x["finish_reason"] for x in c.calls] == ["tool_calls"] for c in done)
+
+
 def test_a_verifiers_error_ends_its_episode_alone_and_is_counted_never_the_runs_end():
     # task 1's reward raises; tasks 0 and 2 are answered 25 (12 + 13 = 25: task 0 right)
     rows, done = episodes("{num_tasks: 3, task: {broken: [1]}}", lambda p: encode("25"), 3)
@@ -96,8 +117,8 @@ def test_a_verifiers_taskset_trains_through_the_cli_and_is_evaluated_by_its_own_
     assert done.stderr.count("the verifiers environment failed (") == 1
     assert "the taskset's own bug" in (out / "errors" / "verifiers_environment.txt").read_text()
     # the trace's reward is the environment's: its functions' scores add up to it, by their weights
-    # (reward/env averages all 16 episodes, a failed one's 0 included; env/* the 8 that scored)
-    assert 2 * row["reward/env"] == pytest.approx(row["env/reward/correct"] + 0.5 * row["env/reward/brief"])
+    # (reward/env, as every reward figure, and env/* are over the 8 episodes that did not fail)
+    assert row["reward/env"] == pytest.approx(row["env/reward/correct"] + 0.5 * row["env/reward/brief"])
     assert "env/reply_chars" in row  # the taskset's metric
     for r in (first, row):  # held out: the environment's own rewards, on episodes that did not fail
         assert r["eval/failed"] == 0.0 and "eval/env/reward/correct" in r

@@ -1,8 +1,10 @@
 """A verifiers taskset for the tests (``env.name: verifiers:vf_sums``): "What is a + b?" questions,
 two rewards (the exact answer, weight 1; a short reply, weight 0.5) and a metric; with
 ``task: {tools: true}`` the task offers a local MCP calculator (``calc_add``); the tasks listed in
-``task: {broken: [...]}`` raise in their reward (the taskset's own bug)."""
+``task: {broken: [...]}`` raise in their reward (the taskset's own bug); ``endless: true`` yields
+tasks without end."""
 
+import itertools
 import random
 import re
 
@@ -55,19 +57,18 @@ class SumsTask(vf.Task[SumsData, vf.State, SumsTaskConfig]):
 
 class SumsConfig(vf.TasksetConfig):
     num_tasks: int = 40
+    endless: bool = False  # load() yields tasks without end (num_tasks aside)
     seed: int = 0
     task: SumsTaskConfig = SumsTaskConfig()
 
 
 class SumsTaskset(vf.Taskset[SumsTask, SumsConfig]):
-    def load(self) -> list[SumsTask]:
+    def load(self):
         rng = random.Random(self.config.seed)
-        tasks = []
-        for _ in range(self.config.num_tasks):
+        for _ in itertools.count() if self.config.endless else range(self.config.num_tasks):
             a, b = rng.randint(0, 20), rng.randint(0, 20)
             data = SumsData(prompt=f"What is {a} + {b}?", answer=str(a + b))
-            tasks.append(SumsTask(data, self.config.task))
-        return tasks
+            yield SumsTask(data, self.config.task)
 
 
 __all__ = ["SumsTaskset"]

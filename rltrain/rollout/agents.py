@@ -123,6 +123,12 @@ class Batcher:
                 r.future.set_result(seg)
 
 
+def _key(request: Request) -> str | None:
+    """An episode's key: the bearer token, or where a client cannot set that per episode (verifiers
+    reads it from a process-wide variable) the ``X-Rltrain-Key`` header."""
+    return request.headers.get("x-rltrain-key") or _bearer(request.headers.get("authorization"))
+
+
 def _bearer(header: str | None) -> str | None:
     if not header or not header.lower().startswith("bearer "):
         return None
@@ -162,7 +168,7 @@ class GatewayServer:
         @app.get("/e/{episode}/v1/models")
         async def models(episode: str, request: Request):
             try:
-                runner.gateway.episode(episode, _bearer(request.headers.get("authorization")))
+                runner.gateway.episode(episode, _key(request))
             except Refused as r:
                 return _error(r.status, r.kind, str(r))
             return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rltrain"}]}
@@ -172,7 +178,7 @@ class GatewayServer:
             # the key before the body, the body's size before reading it, its shape before the
             # episode's state; rendering, tokenizing and parsing off this loop (one agent's long
             # history must not stall the others' calls); the engine's answer waited for within a bound
-            key = _bearer(request.headers.get("authorization"))
+            key = _key(request)
             try:
                 runner.gateway.episode(episode, key)
                 body = await _read_body(request, MAX_BODY_BYTES)
@@ -318,12 +324,12 @@ class AgentRunner:
             async with slots:
                 self.running += 1
                 e = self.gateway.open(rows[i], seeds[i])
-                reward, metrics, error = None, {}, None
+                reward, metrics, error, cut = None, {}, None, False
                 try:
                     run = self.fn(dict(rows[i]), self.base_url(e), e.key, MODEL_NAME)
                     value = await asyncio.wait_for(run, self.timeout_s)
-                    if self.kind != AGENT:  # (a verifiers episode: its reward and its scores by name)
-                        value, metrics = value
+                    if self.kind != AGENT:  # (a verifiers episode: its reward, its scores by name, its cut)
+                        value, metrics, cut = value
                     try:
                         reward = float(value)
                     except (TypeError, ValueError):
@@ -340,7 +346,7 @@ class AgentRunner:
                 finally:
                     self.gateway.close(e)
                     self.running -= 1
-                results[i] = episode_completions(e, reward, error, own_reward=self.kind == AGENT)
+                results[i] = episode_completions(e, reward, error, own_reward=self.kind == AGENT, cut=cut)
                 results[i].env_metrics = metrics
 
         await asyncio.gather(*(one(i) for i in range(len(rows))))

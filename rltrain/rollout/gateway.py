@@ -416,11 +416,16 @@ def reply_message(turn: ParsedTurn) -> dict[str, Any]:
 
 
 def episode_completions(
-    e: AgentEpisode, reward: float | None, error: tuple[str, str] | None, own_reward: bool = True
+    e: AgentEpisode,
+    reward: float | None,
+    error: tuple[str, str] | None,
+    own_reward: bool = True,
+    cut: bool = False,
 ) -> Completion:
     """The episode as the trainer takes it: its last sequence, the sequences split off before it in
     ``earlier``, its reward (the agent's own, or with ``own_reward`` false an environment's), its
-    calls (rollouts on disk), and how it ended."""
+    calls (rollouts on disk), and how it ended (``length`` where its last reply was cut, or where
+    ``cut``: its environment ended it at a limit, as verifiers' ``max_turns``)."""
     sequences = e.sequences() or [Completion()]
     last = sequences[-1]
     last.earlier = sequences[:-1]
@@ -437,7 +442,7 @@ def episode_completions(
     if error is not None:
         last.finish_reason = "error"
         last.failures.setdefault(*error)
-    elif last.token_ids and e.calls and e.calls[-1].finish_reason == "length":
+    elif cut or (last.token_ids and e.calls and e.calls[-1].finish_reason == "length"):
         last.finish_reason = "length"
     else:
         last.finish_reason = "stop"

@@ -170,12 +170,33 @@ class VllmParser:
             if not isinstance(arguments, dict):
                 turn.errors.append(("bad_call", "error: a tool call's arguments are an object"))
                 continue
-            # an id the model wrote (Mistral) is kept; one the parser made up is replaced by the episode's
             turn.calls.append(ToolCall(call.function.name, arguments, call.id if call.id in text else None))
+        # an id the model wrote (Mistral) is kept, so the tool message answers the call under its own
+        # id (vLLM's parsers may make up another); one the parser made up is replaced by the episode's
+        written = written_ids(text)
+        if len(written) == len(turn.calls):
+            for call, own in zip(turn.calls, written):
+                call.id = own or call.id
         return turn
 
     def format_result(self, output: str) -> str:
         raise NotImplementedError("results are tool messages")
+
+
+def written_ids(text: str) -> list[str | None]:
+    """The ``id`` of each tool call object (a JSON object with a ``name``) in ``text``, in order,
+    None where a call has none."""
+    decoder, ids, at = json.JSONDecoder(), [], text.find("{")
+    while at != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            end = at + 1
+        else:
+            if isinstance(value, dict) and "name" in value:
+                ids.append(value["id"] if isinstance(value.get("id"), str) and value["id"] else None)
+        at = text.find("{", end)
+    return ids
 
 
 BUILT_IN: dict[str, type] = {"hermes": HermesParser, "tag": TagParser}

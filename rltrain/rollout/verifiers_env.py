@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from typing import Any
 
@@ -131,33 +130,49 @@ def task_rows(env, size: int) -> list[dict[str, Any]]:
     return rows
 
 
+# the request header that carries an episode's key to the gateway (verifiers reads an endpoint's
+# API key from a process-wide environment variable, which every subprocess and MCP runtime started
+# meanwhile would inherit, every concurrent episode's key with it; a header stays in its client)
+KEY_HEADER = "X-Rltrain-Key"
+NO_KEY_VAR = "RLTRAIN_VERIFIERS_NO_KEY"  # never set: the bearer verifiers sends is a stand-in
+
+
 class VerifiersEpisodes:
     """A generator's verifiers environment: :meth:`serving` around a rollout's episodes (verifiers'
     interception server and the taskset's shared tool servers), and :meth:`run`, one episode, the
-    agent function of the gateway's :class:`~rltrain.rollout.agents.AgentRunner`."""
+    agent function of the gateway's :class:`~rltrain.rollout.agents.AgentRunner`. The taskset is
+    read lazily, as far as the rows the run asks for (a taskset may have no end)."""
 
     def __init__(self, name: str, kwargs: dict[str, Any], max_turns: int):
         self.env = load_env(name, kwargs, max_turns)
-        self.tasks = list(self.env.taskset)
+        self._unread = iter(self.env.taskset)
+        self.tasks: list = []
+
+    def task(self, index: int):
+        """The taskset's ``index``-th task in ``load()`` order, read up to it."""
+        while len(self.tasks) <= index:
+            try:
+                self.tasks.append(next(self._unread))
+            except StopIteration:
+                raise RuntimeError(f"the taskset has {len(self.tasks)} tasks, not task {index}") from None
+        return self.tasks[index]
 
     def serving(self):
         return self.env.serving()
 
-    async def run(self, row: dict, base_url: str, api_key: str, model: str) -> tuple[float, dict[str, float]]:
-        """One episode of the row's task against ``base_url``: the trace's reward and, by name,
-        its reward functions' scores (``reward/<name>``) and its metrics; a verifiers error raises."""
-        task = self.tasks[row["task"]]
+    async def run(
+        self, row: dict, base_url: str, api_key: str, model: str
+    ) -> tuple[float, dict[str, float], bool]:
+        """One episode of the row's task against ``base_url``: the trace's reward, by name its
+        reward functions' scores (``reward/<name>``) and its metrics, and whether verifiers cut it
+        (``env.max_turns``, a token limit, a reply cut at its length); a verifiers error raises."""
+        task = self.task(row["task"])
         if task.key != row["key"]:
             raise RuntimeError(f"task {row['task']} of the taskset is not the one the run's rows hold "
                                "(its load() order changed between the driver and this generator)")  # fmt: skip
-        var = f"RLTRAIN_EPISODE_KEY_{id(row)}"  # verifiers reads an endpoint's key from the environment
-        os.environ[var] = api_key
-        try:
-            ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=base_url, api_key_var=var))
-            [slot] = self.env.slots(task)
-            episode = await self.env.run_slot(slot, ctx)
-        finally:
-            os.environ.pop(var, None)
+        client = vf.EvalClientConfig(base_url=base_url, api_key_var=NO_KEY_VAR, headers={KEY_HEADER: api_key})
+        [slot] = self.env.slots(task)
+        episode = await self.env.run_slot(slot, vf.ModelContext(model=model, client=client))
         errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
         if errors or not episode.traces:
             first = errors[0] if errors else None
@@ -166,4 +181,4 @@ class VerifiersEpisodes:
         trace = episode.traces[0]
         scores = {f"reward/{k}": r.score for k, r in trace.rewards.items() if r is not None}
         metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
-        return float(trace.reward), {**scores, **metrics}
+        return float(trace.reward), {**scores, **metrics}, trace.is_truncated

@@ -75,14 +75,14 @@ def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float
             try:
                 results[index[ref]] = ray.get(ref)
             except RayTaskError as error:
-                _raise_dead_peer(pending, index, names)
+                raise_dead_peer(pending, index, names)
                 raise error
             except (RayActorError, ActorUnavailableError) as error:
                 raise ActorFailure(names[index[ref]], describe(error)) from error
     return [results[i] for i in range(len(refs))]
 
 
-def _raise_dead_peer(pending: list, index: dict, names: Sequence[str]) -> None:
+def raise_dead_peer(pending: list, index: dict, names: Sequence[str]) -> None:
     """A method raised: when a peer died meanwhile (a collective with it broke), that is the cause."""
     deadline = time.monotonic() + PEER_GRACE_S
     while pending and time.monotonic() < deadline:

@@ -289,6 +289,14 @@ def _receive_shared(
     the copy of the next bucket overlaps the loading of this one."""
     slots, largest = group.slots, layout.largest_bucket
     copies: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()  # the consumer stopped (done, or early): the thread ends too
+
+    def hand_over(item) -> bool:
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                copies.put(item, timeout=0.05)
+                return True
+        return False
 
     def copy_out() -> None:
         try:
@@ -302,19 +310,41 @@ def _receive_shared(
                 if k + len(slots.paths) < len(layout.buckets):
                     written.append(group.broadcast(torch.zeros(1, dtype=torch.int64)))
                 read.wait()
-                copies.put(copy)
+                if not hand_over(copy):
+                    return
         except BaseException as e:  # noqa: BLE001  (raised where the weights are read)
-            copies.put(e)
+            hand_over(e)
 
-    threading.Thread(target=copy_out, name="weight-copy", daemon=True).start()
-    for bucket in layout.buckets:
-        copy = copies.get()
-        if isinstance(copy, BaseException):
-            raise copy
-        for meta, view in zip(bucket, _views(copy, bucket, _places(bucket)[0])):
-            yield meta.name, view
-            for alias in aliases.get(meta.name, ()):
-                yield alias, view
+    thread = threading.Thread(target=copy_out, name="weight-copy", daemon=True)
+    thread.start()
+    try:
+        for bucket in layout.buckets:
+            copy = copies.get()
+            if isinstance(copy, BaseException):
+                raise copy
+            for meta, view in zip(bucket, _views(copy, bucket, _places(bucket)[0])):
+                yield meta.name, view
+                for alias in aliases.get(meta.name, ()):
+                    yield alias, view
+    finally:  # (a consumer that stopped early: the thread hands nothing more over and ends)
+        stop.set()
+        thread.join()
+
+
+def on_host(arriving: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What :func:`receive` yields, kept for later (an engine with rollouts in flight): each tensor
+    copied to host memory as it arrives where it came on a GPU, so every bucket's device buffer is
+    freed once its tensors are copied, not held as a whole extra copy of the model (an alias shares
+    its tensor's copy); host tensors are kept as they are."""
+    kept: dict[str, torch.Tensor] = {}
+    source = copy = None  # the last tensor and its copy (an alias comes right after its tensor)
+    for name, tensor in arriving:
+        if tensor.device.type != "cpu":
+            if tensor is not source:
+                source, copy = tensor, tensor.to("cpu")
+            tensor = copy
+        kept[name] = tensor
+    return kept
 
 
 def _places(bucket: list[TensorMeta]) -> tuple[list[int], int]:

@@ -62,3 +62,56 @@ def test_a_silent_actor_fails_after_the_timeout_and_results_keep_their_order(ray
     with pytest.raises(ray.exceptions.RayTaskError, match="a bad batch"):
         gather([b.fail.remote()], ["b"], timeout_s=30)
     ray.kill(a)
+
+
+class Engines:
+    """What CollectiveSync._await reads of a generator pool: its actors' names, and who answers."""
+
+    names = ["generator 0", "generator 1"]
+
+    def silent(self, names: list[str]) -> list[str]:
+        return []
+
+
+def test_a_weight_sync_call_that_raised_is_named_with_its_error_before_its_blocked_peers_time_out(
+    ray_local, capfd
+):
+    from rltrain.run.weight_sync import CollectiveSync, SyncFailed
+
+    sync = CollectiveSync.__new__(CollectiveSync)  # (the group itself is not needed: only the waiting)
+    sync.timeout_s = 60.0
+    # generator 1's load raises; generator 0 and the sender wait in the collective it left
+    receiver, broken, sender = Worker.remote(), Worker.remote(), Worker.remote()
+    start = time.monotonic()
+    with pytest.raises(SyncFailed) as failed:
+        sync._await(["policy learner 0"], [sender.sleep.remote(60)], Engines(),
+                    [receiver.sleep.remote(60), broken.fail.remote()], "the weight sync")  # fmt: skip
+    assert str(failed.value) == "generator 1 raised ValueError: a bad batch in the weight sync"
+    # named within the grace for a dead peer (5 s), not after the peers' 60 s or the time limit
+    assert time.monotonic() - start < 30
+    err = capfd.readouterr().err
+    assert "rltrain: generator 1 raised in the weight sync:" in err  # its traceback, for the log:
+    assert 'in fail\n    raise ValueError("a bad batch")' in err
+    for actor in (receiver, broken, sender):
+        ray.kill(actor)
+
+
+def test_a_sync_that_raised_stops_the_run_in_one_line_without_a_restart(monkeypatch, tmp_path):
+    from rltrain.config import load_config
+    from rltrain.run import loop
+    from rltrain.run.checks import Inputs
+    from rltrain.run.weight_sync import SyncFailed
+
+    calls = []
+
+    def raising(config, inputs):
+        calls.append(1)
+        raise SyncFailed("generator 1 raised KeyError: 'model.no_such.weight' in the weight sync")
+
+    monkeypatch.setattr(loop, "train_once", raising)
+    config = load_config(None, ["run.max_restarts=3", f"run.output_dir={tmp_path}"])
+    inputs = Inputs(tmp_path, "unused", None, [], [], [])
+    with pytest.raises(loop.RunFailed, match=r"^generator 1 raised KeyError: 'model.no_such.weight' in the "
+                       r"weight sync; stopped \(not restarted: the same weights would fail the same way\)$"):  # fmt: skip
+        loop.train(config, inputs)
+    assert calls == [1]  # no restart: 3 were allowed

@@ -5,6 +5,7 @@ shared memory (shm), and a receiver that is gone or stuck fails the sender inste
 import io
 import multiprocessing
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,13 @@ def _member(rank: int, port: int, behaviour: str, results, backend: str) -> None
                 results.put((0, f"error: {e}", time.monotonic() - start))
         elif behaviour == "gone" and rank == 2:
             return  # leaves the group before the sync
+        elif behaviour == "quit" and rank == 2:  # stops reading after one tensor (as a load that raised)
+            arriving = receive(group, layout)
+            next(arriving)
+            start = time.monotonic()
+            arriving.close()
+            alive = [t.name for t in threading.enumerate() if t.name == "weight-copy"]
+            results.put((rank, f"copy threads alive: {alive}", time.monotonic() - start))
         elif behaviour == "stuck" and rank == 2:
             time.sleep(3 * TIMEOUT_S)  # alive, never receives
         elif (
@@ -122,3 +130,24 @@ def test_a_receiver_gone_or_stuck_fails_the_sender_instead_of_hanging_it(behavio
     assert isinstance(message, str) and message.startswith("error:"), message
     # gone: the connection closes at once; stuck: the group's time limit (5 s) ends the wait
     assert seconds < 6 * TIMEOUT_S
+
+
+def test_a_receiver_that_stops_reading_early_leaves_no_thread_behind():
+    # its copy thread had the next bucket ready for a consumer that is gone: it ends with the
+    # consumer (it blocked forever on its hand-over before); the others fail by the time limit
+    out = _run("quit", "shm")
+    message, seconds = out[2]
+    assert message == "copy threads alive: []" and seconds < TIMEOUT_S
+    assert out[0][0].startswith("error:")
+
+
+@pytest.mark.gpu
+def test_weights_held_for_later_leave_the_gpu_as_they_arrive():
+    from rltrain.weight_transfer import on_host
+
+    bucket = torch.arange(8, dtype=torch.float32, device="cuda")  # one received bucket's buffer
+    embed = bucket[:4]
+    kept = on_host(iter([("embed", embed), ("lm_head", embed), ("norm", bucket[4:])]))
+    assert all(t.device.type == "cpu" for t in kept.values())
+    assert kept["lm_head"] is kept["embed"]  # an alias shares its tensor's copy
+    assert kept["norm"].tolist() == [4.0, 5.0, 6.0, 7.0]

@@ -169,7 +169,7 @@ class GeneratorActor:
         rollouts."""
         arriving = weight_transfer.receive(self.weight_group, layout)
         if not now:
-            self._received[version] = dict(arriving)
+            self._received[version] = weight_transfer.on_host(arriving)
             return
         with self._engine, self._pending_lock:
             self._pending = None  # (older weights not taken yet: these replace them)

@@ -53,6 +53,7 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
     """Run the training loop; when an actor dies or stops answering, start every actor afresh from
     the newest checkpoint (up to ``run.max_restarts`` times) and go on."""
     from rltrain.remote import ActorFailure, StartupTimeout
+    from rltrain.run.weight_sync import SyncFailed
 
     inputs = inputs or preflight(config)
     before = checkpoint.latest_marker(inputs.out)
@@ -69,6 +70,10 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
             return train_once(config, inputs)
         except StartupTimeout as e:  # nothing to restart: the cluster cannot hold the run as asked
             raise RunFailed(str(e)) from None
+        except SyncFailed as e:  # a call raised (its traceback printed): a restart would raise it again
+            raise RunFailed(
+                f"{e}; stopped (not restarted: the same weights would fail the same way)"
+            ) from None
         except ActorFailure as failure:
             tag = checkpoint.latest_tag(inputs.out)
             # a restart resumes what this run saved or resumed from, never an older run's checkpoint

@@ -8,8 +8,11 @@ gathered bucket by bucket under ZeRO-3 (every rank takes part
 in the gathers). An engine with no rollout in flight loads each bucket as it arrives, overlapping
 the transfer; one with rollouts in flight receives beside them and takes the weights where the
 object store's would have been taken. A generator that dies or sticks in a sync is named and
-the run restarts, forming the group afresh; where the group cannot be formed at all the run says
-so in one line and uses the object store.
+the run restarts, forming the group afresh. A call that raises (a receiver's load, a sender's name
+or shape check) is named at once with its exception, its traceback printed to the run's log,
+instead of its peers timing out in the collective it left: deterministic, it stops the run in one
+line (:class:`SyncFailed`) rather than restarting into it. Where the group cannot be formed at all
+the run says so in one line, with that cause, and uses the object store.
 
 ``ObjectStoreSync`` (``rollout.weight_sync: object_store``): rank 0 gathers the full weights, puts
 them in the Ray object store once, and every engine reloads them from there.
@@ -31,15 +34,21 @@ from typing import Protocol
 
 import ray
 import torch
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.group import LearnerGroup
-from rltrain.remote import ActorFailure, gather
+from rltrain.remote import ActorFailure, describe, raise_dead_peer
 from rltrain.rollout import GeneratorPool
 
 PROBE_SEQUENCES = 4
 MIN_TOLERANCE = 1e-4  # fp32 engines and learners agree to ~1e-6 on the built-in model
 NOISE_FACTOR = 10.0  # the tolerance over the gap measured before the update
+
+
+class SyncFailed(RuntimeError):
+    """A call of the collective sync raised (not a dead or hung actor): named with its exception's
+    line; the same weights would fail the same way, so the run stops instead of restarting."""
 
 
 class SyncCheckFailed(RuntimeError):
@@ -96,19 +105,39 @@ class CollectiveSync:
         return time.perf_counter() - start
 
     def _await(self, sender_names, senders, generators: GeneratorPool, receivers, what: str) -> None:
-        """Every call of a collective step, within ``rollout.weight_sync_timeout_s``: a generator
-        that dies is named (its peers' errors are its doing), and so is one that does not finish
-        (the learners wait on it)."""
+        """Every call of a collective step, within ``rollout.weight_sync_timeout_s``, taken as each
+        finishes: the first that raised is named with its exception (:class:`SyncFailed`, its
+        traceback on stderr) before its peers, blocked in the collective it left, time out; a
+        generator that dies is named (its peers' errors are its doing), and so is one that does not
+        finish (the learners wait on it)."""
         refs, names = [*receivers, *senders], [*generators.names, *sender_names]
-        _, silent = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        if silent:
-            waiting = [name for ref, name in zip(refs, names) if ref in silent]
-            # the generators that answer nothing, else every generator still waiting, else the learners
-            engines = [name for name in waiting if name in generators.names]
-            named = generators.silent(engines) or engines or waiting
-            raise ActorFailure(", ".join(named), f"did not finish {what} within rollout.weight_sync_timeout_s="
-                               f"{self.timeout_s:g}s", timed_out=True)  # fmt: skip
-        gather(refs, names, self.timeout_s)
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                waiting = [names[index[ref]] for ref in pending]
+                # the generators that answer nothing, else every generator still waiting, else the learners
+                engines = [name for name in waiting if name in generators.names]
+                named = generators.silent(engines) or engines or waiting
+                raise ActorFailure(", ".join(named), f"did not finish {what} within rollout.weight_sync_timeout_s="
+                                   f"{self.timeout_s:g}s", timed_out=True)  # fmt: skip
+            try:
+                ray.get(ready[0])
+            except RayTaskError as error:
+                raise_dead_peer(pending, index, names)  # a peer that died broke the collective: the cause
+                raise sync_failed(names[index[ready[0]]], error, what) from None
+            except (RayActorError, ActorUnavailableError) as error:
+                raise ActorFailure(names[index[ready[0]]], describe(error)) from error
+
+
+def sync_failed(name: str, error: RayTaskError, what: str) -> SyncFailed:
+    """The one line for an actor's call that raised in the sync; its traceback goes to stderr."""
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip()
+    line = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
+    print(f"rltrain: {name} raised in {what}:\n{error}", file=sys.stderr, flush=True)
+    return SyncFailed(f"{name} raised {line} in {what}")
 
 
 def weight_sync(config, learners: LearnerGroup, generators: GeneratorPool) -> WeightSync:
@@ -121,6 +150,8 @@ def weight_sync(config, learners: LearnerGroup, generators: GeneratorPool) -> We
         except ActorFailure as e:
             if not e.timed_out:  # an actor died: the run restarts
                 raise
+            why = str(e)
+        except SyncFailed as e:  # a member could not join (its own error, named)
             why = str(e)
         except (RuntimeError, OSError) as e:  # what gloo, NCCL and the store raise (a bug propagates)
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1]

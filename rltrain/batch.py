@@ -10,7 +10,11 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-ROUTE_UNKNOWN = 255  # a position whose experts were not recorded (routes are uint8)
+# routing replay's expert ids: int16, wide enough for any expert count models have (DeepSeek-V3's
+# 256, Qwen3-Next's 512; uint8 read DeepSeek-V3's expert 255 as "not recorded" and wrapped past it)
+ROUTE_DTYPE = np.int16
+ROUTE_UNKNOWN = -1  # a position whose experts were not recorded
+MAX_ROUTED_EXPERTS = int(np.iinfo(ROUTE_DTYPE).max) + 1
 
 
 @dataclass
@@ -23,7 +27,7 @@ class Segment:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     # routing replay: the engine's experts for every position it ran (prompt, then sampled tokens
-    # but the last), uint8 [positions, MoE layers, k]
+    # but the last), int16 [positions, MoE layers, k]
     routes: np.ndarray | None = None
 
 
@@ -78,7 +82,7 @@ class Completion:
     @classmethod
     def from_state(cls, state: dict) -> Completion:
         routes = state.get("routes")
-        return cls(**{**state, "routes": None if routes is None else np.asarray(routes, dtype=np.uint8),
+        return cls(**{**state, "routes": None if routes is None else np.asarray(routes, dtype=ROUTE_DTYPE),
                       "earlier": [cls.from_state(c) for c in state.get("earlier", [])]})  # fmt: skip
 
     @property
@@ -132,7 +136,7 @@ class TrainBatch:
     blank: torch.Tensor | None = None  # [N] bool
     # routing replay: the experts the engine sent each token to, per MoE layer, ROUTE_UNKNOWN where
     # not recorded (padding, each sequence's last token)
-    routes: torch.Tensor | None = None  # [N, T, L, k] uint8
+    routes: torch.Tensor | None = None  # [N, T, L, k] int16
 
     def loss_tool_mask(self) -> torch.Tensor:
         """The tool mask less what a rollout correction rejected: with ``response_mask``, the loss
@@ -344,7 +348,7 @@ def _route_table(completions: list[Completion], n: int, t: int) -> torch.Tensor 
         return None
     if len(shapes) > 1:
         raise ValueError(f"completions carry routes of different shapes (layers, k): {sorted(shapes)}")
-    return torch.full((n, t, *shapes.pop()), ROUTE_UNKNOWN, dtype=torch.uint8)
+    return torch.full((n, t, *shapes.pop()), ROUTE_UNKNOWN, dtype=torch.int16)
 
 
 def nonempty(mb: TrainBatch) -> TrainBatch:

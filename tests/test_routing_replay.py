@@ -10,7 +10,7 @@ import torch
 from model_utils import nudged
 from transformers import AutoModelForCausalLM
 
-from rltrain.batch import ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
+from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
 from rltrain.config import Config
 from rltrain.learner.routers import in_forward_order
 from rltrain.loss.logprobs import sequence_logprobs
@@ -41,7 +41,7 @@ def engine_pass(path: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad(), tap.capture() as (_, chosen):
         logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
     n, t = batch.input_ids.shape
-    routes = torch.stack(chosen, 1).reshape(n, t, len(chosen), -1).to(torch.uint8)
+    routes = torch.stack(chosen, 1).reshape(n, t, len(chosen), -1).to(torch.int16)
     routes[~batch.attention_mask.bool()] = ROUTE_UNKNOWN
     return logprobs, routes
 
@@ -91,12 +91,100 @@ def test_a_router_the_replay_cannot_drive_is_named(models):
     assert replay_problem(moe) == "its router Qwen3MoeTopKRouter does not return transformers' top-k (logits, scores, indices)"  # fmt: skip
 
 
+def tiny_moe(kind: str, **more):
+    """A tiny transformers MoE model of ``kind``'s router family, random weights (and, for the
+    sigmoid routers, a random correction bias, which steers their choice)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig, Qwen3MoeConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    sigmoid = dict(first_k_dense_replace=0, n_shared_experts=1, norm_topk_prob=True, n_routed_experts=8)
+    config = {
+        # sigmoid scores, 4 groups of 2 experts (2 groups chosen), scaled by 2.5
+        "deepseek_v3": lambda: DeepseekV3Config(**shape, **sigmoid, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                                q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                qk_nope_head_dim=8, v_head_dim=8),
+        "glm4_moe": lambda: Glm4MoeConfig(**shape, **sigmoid, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                                          head_dim=16),
+        "qwen3_moe": lambda: Qwen3MoeConfig(**shape, head_dim=16, **{"num_experts": 8, **more}),
+    }[kind]()  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for router in RouterTap(model).routers:
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.normal_()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_replaying_a_sigmoid_routers_own_routes_runs_the_network_it_runs(kind):
+    # DeepSeek-V3 and GLM-4-MoE weight their chosen experts by a sigmoid (renormalized, then times
+    # routed_scaling_factor); their bias and group limit steer the choice only. Replaying the routes
+    # a forward chose must give that forward's logits exactly (a softmax's weights gave others)
+    model = tiny_moe(kind)
+    assert replay_problem(model) is None
+    tap = RouterTap(model)
+    assert tap.scoring[0] == "sigmoid renormalized over the top-k, scaled"
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), tap.capture() as (_, chosen):
+        own = model(ids).logits
+    tap.routes = torch.stack(chosen, 1)  # [N, L, k]: the routes the forward took
+    with torch.no_grad(), tap.capture(measure=True):
+        replayed = model(ids).logits
+    assert tap.take_mismatch()[0] == 0  # every route agrees with the router's own
+    assert torch.equal(replayed, own)
+
+
+def test_a_router_whose_weights_no_replay_scoring_reproduces_is_refused_in_one_line():
+    model = tiny_moe("qwen3_moe")
+    router = model.model.layers[0].mlp.gate
+    own = type(router).forward
+    router.forward = lambda hidden: (lambda out: (out[0], 2 * out[1], out[2]))(own(router, hidden))  # doubled
+    problem = replay_problem(model)
+    assert problem.startswith("its router Qwen3MoeTopKRouter weights the experts it chooses in a way routing "
+                              "replay does not reproduce (none of: softmax renormalized over the top-k; ")  # fmt: skip
+    assert "\n" not in problem
+
+
+def test_route_ids_past_255_replay_as_recorded_and_too_many_experts_are_refused():
+    from transformers import Qwen3MoeConfig
+
+    # 300 experts: ids 255 (uint8's "not recorded" before) and 299 (wrapped to 43 in uint8)
+    model = tiny_moe("qwen3_moe", num_experts=300)
+    assert replay_problem(model) is None
+    routes = np.zeros((4, 2, 2), dtype=ROUTE_DTYPE)
+    routes[:, :, 0], routes[:, :, 1] = 255, 299  # positions 0-3 (prompt and one sampled token)
+    c = Completion()
+    c.take(Segment([10, 11], [-0.1, -0.2], "", "stop", routes=routes))
+    batch = collate([[1, 2, 3]], [c], torch.zeros(1), pad_id=0)
+    tap = RouterTap(model)
+    tap.routes = in_forward_order(batch.routes, batch.attention_mask, False, 1, 0, ROUTE_UNKNOWN).long()
+    with torch.no_grad(), tap.capture() as (_, chosen):
+        model(batch.input_ids)
+    assert chosen[0][:4].tolist() == chosen[1][:4].tolist() == [[255, 299]] * 4  # as recorded
+    with torch.device("meta"):  # (the architecture alone)
+        huge = AutoModelForCausalLM.from_config(
+            Qwen3MoeConfig(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=40_000,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+            )  # fmt: skip
+        )
+    assert replay_problem(huge) == "its 40000 experts are more than routing replay's expert ids hold (32768)"
+
+
 def test_routes_travel_with_the_completion_and_land_on_their_tokens():
     # a prompt of 3 tokens, then two generation calls (a tool loop): the first ran positions 0-3
     # (prompt + 2 sampled, the last never run), the second, prompt + 2 + 1 inserted + 2 sampled,
     # positions 0-6; each position keeps its first routes
-    first = np.full((4, 2, 2), 1, dtype=np.uint8)
-    second = np.full((7, 2, 2), 2, dtype=np.uint8)
+    first = np.full((4, 2, 2), 1, dtype=ROUTE_DTYPE)
+    second = np.full((7, 2, 2), 2, dtype=ROUTE_DTYPE)
     c = Completion()
     c.take(Segment([10, 11], [-0.1, -0.2], "", "stop", routes=first))
     c.insert([12])
@@ -107,11 +195,12 @@ def test_routes_travel_with_the_completion_and_land_on_their_tokens():
     batch = collate([[1, 2, 3], [4, 5, 6, 7, 8]], [c, Completion(token_ids=[9], logprobs=[0.0], tool_mask=[1])],
                     torch.zeros(2), pad_id=0)  # fmt: skip
     assert batch.routes.shape == (2, 5 + 5, 2, 2)
-    assert batch.routes[0, :, 0, 0].tolist() == [255, 255, 1, 1, 1, 1, 2, 2, 2, 255]
+    unknown = ROUTE_UNKNOWN
+    assert batch.routes[0, :, 0, 0].tolist() == [unknown, unknown, 1, 1, 1, 1, 2, 2, 2, unknown]
     assert (batch.routes[1] == ROUTE_UNKNOWN).all()  # recorded nowhere: the learner's own routes
     batch.validate()
     restored = Completion.from_state(c.state())  # a checkpoint's completions generated ahead
-    assert np.array_equal(restored.routes, c.routes) and restored.routes.dtype == np.uint8
+    assert np.array_equal(restored.routes, c.routes) and restored.routes.dtype == ROUTE_DTYPE
     blank = nonempty(batch.select(torch.tensor([], dtype=torch.long)))
     assert blank.routes.shape == (1, 2, 2, 2) and (blank.routes == ROUTE_UNKNOWN).all()
 
@@ -185,7 +274,7 @@ def test_the_transformers_backend_records_the_routes_of_the_forward_that_scores_
     prompt = [5, 17, 99, 3]
     (seg,) = backend.generate([prompt], [6], [0])
     sequence = prompt + seg.token_ids
-    assert seg.routes.dtype == np.uint8 and seg.routes.shape == (len(sequence) - 1, 2, 2)
+    assert seg.routes.dtype == ROUTE_DTYPE and seg.routes.shape == (len(sequence) - 1, 2, 2)
     tap = RouterTap(backend.model)
     with torch.no_grad(), tap.capture() as (_, chosen):
         backend.model(torch.tensor([sequence]))
@@ -197,3 +286,13 @@ def test_the_transformers_backend_records_the_routes_of_the_forward_that_scores_
         .routes
         is None
     )
+
+
+def test_under_replay_the_gpu_engine_runs_eager_so_its_decode_steps_record_their_routes():
+    # a CUDA graph replays kernels without Python: the capture hook would not run on decode steps
+    from rltrain.config import RolloutConfig
+    from rltrain.rollout.backends import runs_eager
+
+    assert runs_eager(RolloutConfig(routing_replay=True), cuda=True)
+    assert not runs_eager(RolloutConfig(routing_replay=False), cuda=True)  # graphs where nothing is recorded
+    assert runs_eager(RolloutConfig(routing_replay=False), cuda=False)  # (no graphs on CPU)

@@ -123,7 +123,7 @@ class RolloutConfig(Section):
     max_staleness >= 1; where updates land then depends on timing, so runs are not bit-reproducible)."""
     routing_replay: bool = False
     """A mixture of experts: each engine records the experts its routers chose for every prompt and
-    sampled token (per MoE layer, uint8), they travel with the rollout, and every learner forward
+    sampled token (per MoE layer, int16), they travel with the rollout, and every learner forward
     (log-probs, reference, update) sends each token to those experts: the router's logits and
     softmax are still computed and trained, only its top-k selection is replaced. Logged:
     `moe/routing_mismatch`, the share of (token, layer) pairs whose experts the learner's own router

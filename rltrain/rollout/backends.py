@@ -80,6 +80,14 @@ def _finish(c) -> str:
     return "length" if c.finish_reason == "length" else "stop"
 
 
+def runs_eager(rc: RolloutConfig, cuda: bool) -> bool:
+    """Whether the vLLM engine runs without CUDA graphs: on CPU (there are none), and under routing
+    replay on a GPU: a replayed decode graph runs no Python, so the capture hook that records each
+    step's routes (:mod:`rltrain.rollout.routes`) would not run and decode positions would come
+    back unrecorded. Eager decoding is slower; the routes are exact."""
+    return not cuda or rc.routing_replay
+
+
 class VLLMBackend:
     def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int, lora=None):
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
@@ -93,7 +101,7 @@ class VLLMBackend:
         self.llm = LLM(
             model=model_path,
             dtype="bfloat16" if cuda else "float32",
-            enforce_eager=not cuda,
+            enforce_eager=runs_eager(rc, cuda),
             max_model_len=rc.max_model_len,
             seed=seed,
             # log-probs after temperature, min_p, top_k and top_p: the distribution the tokens were
@@ -316,7 +324,7 @@ class HFBackend:
                 out = out[: out.index(eos) + 1]
             with contextlib.nullcontext(([], [])) if self.tap is None else self.tap.capture() as (_, chosen):
                 logprobs = self._logprobs(prompt + out, self.rc.temperature, self.truncation)[len(prompt) :]
-            routes = torch.stack(chosen, 1)[:-1].to(torch.uint8).cpu().numpy() if chosen else None
+            routes = torch.stack(chosen, 1)[:-1].to(torch.int16).cpu().numpy() if chosen else None
             text = decode(self.tokenizer, out)
             stopped = (out and out[-1] == eos) or any(text.endswith(s) for s in self.stop)
             finish = "stop" if stopped or len(out) < m else "length"

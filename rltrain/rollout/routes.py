@@ -20,13 +20,13 @@ import re
 
 import numpy as np
 
-from rltrain.batch import ROUTE_UNKNOWN
+from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN
 
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # vLLM's engine-side request id: <request id>-<8 hex>
 
 
 class RouteRecorder:
-    """Per request, ``uint8 [positions, MoE layers, k]`` expert ids (``ROUTE_UNKNOWN`` where no
+    """Per request, ``int16 [positions, MoE layers, k]`` expert ids (``ROUTE_UNKNOWN`` where no
     forward ran the position). :meth:`install` runs in the engine's worker (``collective_rpc``;
     the in-process engine shares this object)."""
 
@@ -53,7 +53,7 @@ class RouteRecorder:
         if layer == 0 or self._placed is None:  # the forward's first MoE layer: whose rows are where
             self._placed = self._placement(runner)
         total, placed = self._placed
-        ids = topk_ids[:total].cpu().numpy().astype(np.uint8)
+        ids = topk_ids[:total].cpu().numpy().astype(ROUTE_DTYPE)
         for table, rows, at in placed:
             table[at, layer] = ids[rows]
 
@@ -77,7 +77,7 @@ class RouteRecorder:
         table = self._routes.get(request_id)
         if table is None or len(table) < length:
             grown = np.full((max(length, 2 * len(table) if table is not None else 64), self.layers,
-                             self.top_k), ROUTE_UNKNOWN, dtype=np.uint8)  # fmt: skip
+                             self.top_k), ROUTE_UNKNOWN, dtype=ROUTE_DTYPE)  # fmt: skip
             if table is not None:
                 grown[: len(table)] = table
             self._routes[request_id] = table = grown
@@ -85,7 +85,7 @@ class RouteRecorder:
 
     def pop(self, request_id: str, length: int) -> np.ndarray:
         """The routes of the first ``length`` positions of a request (its id as given to vLLM)."""
-        out = np.full((length, self.layers, self.top_k), ROUTE_UNKNOWN, dtype=np.uint8)
+        out = np.full((length, self.layers, self.top_k), ROUTE_UNKNOWN, dtype=ROUTE_DTYPE)
         table = self._routes.pop(request_id, None)
         if table is not None:
             out[: min(length, len(table))] = table[:length]

@@ -43,8 +43,25 @@ def test_every_key_is_documented_for_help_config():
 def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in_one_line(
     tmp_path, monkeypatch
 ):
+    from rltrain.run import checks
     from rltrain.run.checks import preflight
 
+    # the prompts' tokenization is the same for every value that leaves the data, the tokenizer and
+    # the rows alone (most of the ~130 configs): done once per distinct input, as preflight did it
+    tokenized, tokenize = {}, checks.tokenize_prompts
+
+    def tokenize_once(rows, tokenizer, data):
+        key = (
+            tokenizer.name_or_path,
+            tokenizer.chat_template,
+            data.model_dump_json(),
+            hash(tuple(r["prompt"] for r in rows)),
+        )
+        if key not in tokenized:
+            tokenized[key] = tokenize(rows, tokenizer, data)
+        return tokenized[key]
+
+    monkeypatch.setattr(checks, "tokenize_prompts", tokenize_once)
     monkeypatch.chdir(tmp_path)  # relative paths among the values land here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub name fails at once rather than after retries
     tried = 0

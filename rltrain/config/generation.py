@@ -266,16 +266,19 @@ class RewardConfig(Section):
     a user function `module:function` (importable where rltrain runs) or `path/to/file.py:function`.
     A user function takes (completion, answer) and returns a float, or takes TRL's batch form
     (prompts, completions, **kwargs), told apart by a parameter named `completions`, and returns a
-    list of floats (the data's other columns come as keyword lists). With an environment, the
-    completion is the last assistant turn's text."""
+    list of floats (the data's other columns come as keyword lists). None (or NaN) is TRL's "does
+    not apply to this sample": a sample's reward is the weighted sum of the functions that apply,
+    and it fails (reward.on_failure) only where none applies. With an environment, the completion
+    is the last assistant turn's text."""
     timeout_s: float = Field(5.0, gt=0)
     """A reward call that takes longer fails (reward.on_failure says what becomes of its sample), is
     counted, and is stopped (its worker process is killed and replaced)."""
     workers: int = Field(2, ge=1)
     """Worker processes that run reward functions."""
     on_failure: Literal["drop", "zero"] = "drop"
-    """A sample whose reward could not be computed (a reward function raised, timed out, or
-    returned None, NaN or no number; a reward model or judge gave none) or whose episode failed
+    """A sample whose reward could not be computed (a reward function raised, timed out or
+    returned no number; no function applied (each returned None or NaN); a reward model or judge
+    gave none) or whose episode failed
     outside the policy (its environment, tool host, agent or chat template failed): `drop` keeps it
     out of the loss (no token counted; its group's advantages come from the samples that remain, and
     a group left with fewer than two goes whole); `zero` trains on it with reward 0, as if the policy

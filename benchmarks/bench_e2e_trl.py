@@ -26,7 +26,7 @@ import torch
 from common import model_folder, run_trainer, table
 
 from rltrain.data import arithmetic_rows
-from rltrain.rollout.rewards import digits_reward
+from rltrain.rewards.functions import digits_reward
 
 
 def run_rltrain(model: str, length: int, async_steps: int, args, out: Path) -> dict[str, float]:
@@ -121,7 +121,7 @@ def main() -> None:
     for size in args.sizes:
         shape, _, length = size.partition(":")
         if shape == "smollm2":
-            from rltrain.pretrained import hf_folder_from_gguf, smollm2_gguf
+            from rltrain.models.pretrained import hf_folder_from_gguf, smollm2_gguf
 
             model = str(hf_folder_from_gguf(smollm2_gguf(), tmp / "gguf"))
         else:

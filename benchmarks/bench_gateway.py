@@ -22,9 +22,9 @@ from common import table
 
 from rltrain.batch import Segment
 from rltrain.config import load_config
-from rltrain.rollout.agents import AgentRunner
+from rltrain.episodes.agents import AgentRunner
+from rltrain.models.tiny import build_tokenizer
 from rltrain.rollout.backends import decode
-from rltrain.tiny_model import build_tokenizer
 
 AGENT = """
 from openai import AsyncOpenAI

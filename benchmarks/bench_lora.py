@@ -52,7 +52,7 @@ def main() -> None:
             if name == "tiny":
                 model = "builtin:tiny"
             else:
-                from rltrain.pretrained import smollm2_gguf
+                from rltrain.models.pretrained import smollm2_gguf
 
                 model = str(smollm2_gguf())
             full = None

@@ -51,7 +51,7 @@ def held_out(run_folder: Path) -> list[dict]:
 
 
 def run(seed: int, steps: int, overrides: list[str], out: Path) -> tuple[dict, list[dict]]:
-    from rltrain.pretrained import smollm2_gguf
+    from rltrain.models.pretrained import smollm2_gguf
 
     start = time.perf_counter()
     done = subprocess.run(

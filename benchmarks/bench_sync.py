@@ -227,11 +227,11 @@ def trainer_main(args) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
             if name == "smollm2":
-                from rltrain.pretrained import smollm2_gguf
+                from rltrain.models.pretrained import smollm2_gguf
 
                 model = str(smollm2_gguf())
             else:
-                from rltrain.tiny_model import build_tiny_model
+                from rltrain.models.tiny import build_tiny_model
 
                 hidden, layers = BUILTIN_SIZES[name]
                 model = str(build_tiny_model(Path(scratch) / name, hidden_size=hidden, num_layers=layers))

@@ -67,7 +67,7 @@ def model_folder(model: str | None, hidden_size: int = 64, num_layers: int = 2) 
     """``model`` if given (a local folder or hub name), else a freshly built tiny model."""
     if model:
         return model
-    from rltrain.tiny_model import build_tiny_model
+    from rltrain.models.tiny import build_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="rltrain-bench-")) / f"tiny-{hidden_size}x{num_layers}"
     return str(build_tiny_model(out, hidden_size=hidden_size, num_layers=num_layers))

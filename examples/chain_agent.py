@@ -14,7 +14,7 @@ import json
 from openai import AsyncOpenAI
 
 from rltrain.envs import ChainEnv, tool_schemas
-from rltrain.rollout.tools import calculator
+from rltrain.episodes.tools import calculator
 
 TOOLS = tool_schemas([calculator])
 TASK = {"links": 2, "high": 300}  # as configs/cpu_agent.yaml sets the environment (env.kwargs)

@@ -18,7 +18,7 @@ from pathlib import Path
 from rltrain.config import load_config
 from rltrain.data import load_rows, split_held_out
 from rltrain.envs import ChainEnv, tool_schemas
-from rltrain.rollout.chat import with_call_ids
+from rltrain.episodes.chat import with_call_ids
 
 
 def openai_format(message: dict) -> dict:

@@ -51,7 +51,7 @@ class Completion:
     finish_reason: str = "stop"  # "stop", "length" (token budget or context), "turns", "error"
     tool_calls: int = 0
     tool_errors: int = 0
-    # episodes of an environment (rltrain.rollout.episodes); the request's own prompt otherwise
+    # episodes of an environment (rltrain.episodes.turns); the request's own prompt otherwise
     prompt_ids: list[int] = field(default_factory=list)  # the opening messages' rendering
     messages: list[dict] = field(default_factory=list)  # the conversation, assistant turns as generated
     turns: int = 0  # assistant turns
@@ -64,7 +64,7 @@ class Completion:
     # per token: the policy version (training steps behind the weights) of the engine when the token
     # was sampled; an inserted token carries the version of the sampled token before it
     versions: list[int] = field(default_factory=list)
-    # a black-box agent's episode (rltrain.rollout.gateway): its returned reward, its calls, and the
+    # a black-box agent's episode (rltrain.episodes.gateway): its returned reward, its calls, and the
     # training sequences split off before this one (the agent changed its history), same reward
     by_agent: bool = False
     agent_reward: float | None = None

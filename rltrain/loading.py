@@ -51,3 +51,26 @@ def _import_file(path: str):
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+def with_deadline(timeout_s: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a thread: its value, what it raised, or TimeoutError after
+    ``timeout_s`` (the user's code checked before any actor starts; a hung call is left behind)."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"did not return within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

@@ -19,9 +19,9 @@ import sys
 
 from rltrain.config import TINY_MODEL, TINY_MOE_MODEL, ConfigError, describe, describe_respelled, load_config
 from rltrain.run import checkpoint
-from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
 from rltrain.run.loop import Interrupted, RunFailed, train
+from rltrain.run.preflight import preflight
 from rltrain.run.user_code import UserCodeFailed
 
 
@@ -87,9 +87,9 @@ def outputs_line(out) -> str:
 def help_config(args: argparse.Namespace) -> int:
     """``--help-config [SECTION]``: the keys with the values of ``--config`` and the overrides."""
     from rltrain.data import BUILTIN_SOURCES
-    from rltrain.rollout.environments import BUILTIN as ENVIRONMENTS
-    from rltrain.rollout.rewards import BUILTIN as REWARDS
-    from rltrain.rollout.rewards import GIVEN
+    from rltrain.episodes.environments import BUILTIN as ENVIRONMENTS
+    from rltrain.rewards.functions import BUILTIN as REWARDS
+    from rltrain.rewards.functions import GIVEN
 
     section, overrides = args.help_config, list(args.overrides)
     if "=" in section:  # `--help-config key=value`: an override, not a section

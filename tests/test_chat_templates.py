@@ -10,13 +10,13 @@ from envs_for_tests import SystemChainEnv
 
 from rltrain.batch import Segment
 from rltrain.envs import ChainEnv, tool_schemas
-from rltrain.rollout.chat import ChatRenderer, TemplateError, render_problem, with_call_ids
-from rltrain.rollout.env_host import EnvHost
-from rltrain.rollout.episode_state import EpisodeLimits
-from rltrain.rollout.episodes import run_episodes
-from rltrain.rollout.parsers import get_parser
-from rltrain.rollout.tools import SEED_STRIDE
-from rltrain.tiny_model import build_tokenizer
+from rltrain.episodes.chat import ChatRenderer, TemplateError, render_problem, with_call_ids
+from rltrain.episodes.env_host import EnvHost
+from rltrain.episodes.episode_state import EpisodeLimits
+from rltrain.episodes.parsers import get_parser
+from rltrain.episodes.tools import SEED_STRIDE
+from rltrain.episodes.turns import run_episodes
+from rltrain.models.tiny import build_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 LLAMA = [

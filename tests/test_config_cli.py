@@ -285,7 +285,7 @@ def _rewriting_model(t) -> list[str]:
     """The tiny model with a Qwen3-like template (earlier assistant turns lose their text)."""
     from transformers import AutoTokenizer
 
-    from rltrain.tiny_model import build_tiny_model
+    from rltrain.models.tiny import build_tiny_model
 
     folder = build_tiny_model(t / "model")
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -348,7 +348,7 @@ INPUTS.update(ENVIRONMENTS)
 
 def _tiny(t, name: str, edit=None) -> str:
     """A tiny model folder; ``edit(model_folder)`` changes it after it is written."""
-    from rltrain.tiny_model import build_tiny_model
+    from rltrain.models.tiny import build_tiny_model
 
     folder = build_tiny_model(t / name)
     if edit is not None:
@@ -465,7 +465,7 @@ def test_the_users_code_is_called_once_before_any_actor(case, capsys, tmp_path, 
 
 
 def test_a_trl_style_reward_function_passes_the_check_before_the_run(tmp_path):
-    from rltrain.run.checks import preflight
+    from rltrain.run.preflight import preflight
 
     # TRL's (prompts, completions, **kwargs) used to pass the (completion, answer) check and then
     # fail every call of every step; it is called as a batch now, with the data's columns
@@ -523,9 +523,9 @@ def test_config_file_must_hold_a_mapping(tmp_path, capsys):
 
 
 def test_python_tool_that_cannot_be_isolated_stops_the_run(tmp_path, capsys, monkeypatch):
-    import rltrain.rollout.sandbox
+    import rltrain.episodes.sandbox
 
-    monkeypatch.setattr(rltrain.rollout.sandbox, "isolation_problem", lambda: "no user namespaces")
+    monkeypatch.setattr(rltrain.episodes.sandbox, "isolation_problem", lambda: "no user namespaces")
     argv = [
         "--config",
         "configs/cpu_demo.yaml",
@@ -721,7 +721,7 @@ def test_settings_that_do_not_fit_an_environment_are_refused_or_noted(tmp_path, 
             "reward.functions={env: 1.0}"]  # fmt: skip
     fails_with_one_line(argv, "sft_warmup.source=builtin:arithmetic warms up on the built-in task's tag-format "
                         "calculator answers, but env.name=builtin:calculator speaks rollout.tool_parser=hermes", capsys)  # fmt: skip
-    from rltrain.run.checks import preflight
+    from rltrain.run.preflight import preflight
 
     preflight(load_config("configs/cpu_demo.yaml", [f"run.output_dir={tmp_path}", "env.name=builtin:calculator",
                                                     "reward.functions={env: 1.0}", "sft_warmup.steps=0"]))  # fmt: skip
@@ -738,7 +738,7 @@ def test_settings_that_do_not_fit_an_environment_are_refused_or_noted(tmp_path, 
 def test_the_readme_environment_plugs_into_the_shipped_config_without_a_word(tmp_path, capsys):
     from test_example_ddp import readme_block
 
-    from rltrain.run.checks import preflight
+    from rltrain.run.preflight import preflight
 
     (tmp_path / "countdown.py").write_text(readme_block("An environment in 20 lines"))
     config = load_config("configs/cpu_env.yaml", [f"run.output_dir={tmp_path / 'run'}",
@@ -775,7 +775,7 @@ def test_a_relative_output_dir_under_a_ray_job_stops_in_one_line_and_an_absolute
         capsys,
     )
     from rltrain.config import load_config
-    from rltrain.run.checks import _output_folder
+    from rltrain.run.preflight import _output_folder
 
     out = _output_folder(load_config(None, [f"run.output_dir={tmp_path}/abs"]))
     assert out == tmp_path / "abs" and out.is_dir()

@@ -43,8 +43,7 @@ def test_every_key_is_documented_for_help_config():
 def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in_one_line(
     tmp_path, monkeypatch
 ):
-    from rltrain.run import checks
-    from rltrain.run.checks import preflight
+    from rltrain.run import preflight as checks
 
     # the prompts' tokenization is the same for every value that leaves the data, the tokenizer and
     # the rows alone (most of the ~130 configs): done once per distinct input, as preflight did it
@@ -75,7 +74,7 @@ def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in
                 continue  # the schema walk above covers these
             tried += 1
             try:
-                preflight(config)
+                checks.preflight(config)
             except ConfigError as e:
                 assert "\n" not in str(e), (key, value, str(e))
                 assert key.split(".")[-1] in str(e) or key.split(".")[0] in str(e), (key, value, str(e))

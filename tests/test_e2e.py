@@ -18,10 +18,10 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
+from rltrain.episodes.sandbox import isolation_problem
 from rltrain.learner.group import LearnerGroup
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
-from rltrain.rollout.sandbox import isolation_problem
 from rltrain.run.diagnostics import synthetic_rollouts
 from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync
 
@@ -149,8 +149,8 @@ def test_a_tied_output_head_is_synced_exported_and_a_sync_that_leaves_it_behind_
     # head: vLLM sampled from stale logits, and the transformers backend refused the state dict
     import ray
 
+    from rltrain.models.tiny import build_tiny_model
     from rltrain.run.weight_sync import SyncCheckFailed, check_sync
-    from rltrain.tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     config = {"learner": {"num_learners": 1, "zero_stage": 0, "lr": 0.05}}

@@ -9,13 +9,13 @@ import pytest
 
 from rltrain.batch import Segment
 from rltrain.envs import CalculatorEnv, ChainEnv, GuessEnv, tool_schemas
-from rltrain.rollout.chat import ChatRenderer, TemplateError
-from rltrain.rollout.env_host import EnvHost
-from rltrain.rollout.episode_state import EpisodeLimits
-from rltrain.rollout.episodes import run_episodes
-from rltrain.rollout.parsers import HermesParser, TagParser
-from rltrain.rollout.tools import SEED_STRIDE
-from rltrain.tiny_model import CHAT_TEMPLATE, TOOL_TOKENS, build_tokenizer
+from rltrain.episodes.chat import ChatRenderer, TemplateError
+from rltrain.episodes.env_host import EnvHost
+from rltrain.episodes.episode_state import EpisodeLimits
+from rltrain.episodes.parsers import HermesParser, TagParser
+from rltrain.episodes.tools import SEED_STRIDE
+from rltrain.episodes.turns import run_episodes
+from rltrain.models.tiny import CHAT_TEMPLATE, TOOL_TOKENS, build_tokenizer
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

@@ -58,7 +58,7 @@ def test_the_readme_environment_plays_an_episode():
 
 
 def test_the_readme_reward_function_scores_through_its_file(tmp_path):
-    from rltrain.rollout.rewards import RewardScorer
+    from rltrain.rewards.functions import RewardScorer
 
     (tmp_path / "myreward.py").write_text(readme_block("Your reward function"))
     with RewardScorer({f"{tmp_path / 'myreward.py'}:brevity": 1.0}, timeout_s=5) as scorer:

@@ -1,4 +1,4 @@
-"""The agent gateway (rltrain.rollout.gateway, rltrain.rollout.agents): the official openai client
+"""The agent gateway (rltrain.episodes.gateway, rltrain.episodes.agents): the official openai client
 against the real HTTP server, token-in/token-out sequences and masks, splits, concurrency, failing
 agents and refused requests. The engine is scripted (it answers what the chat template would
 render), so each sequence can be compared with the one ChatRenderer.conversation builds."""
@@ -11,12 +11,12 @@ import pytest
 
 from rltrain.batch import Segment
 from rltrain.config import load_config
-from rltrain.rollout.agents import AgentRunner
+from rltrain.episodes.agents import AgentRunner
+from rltrain.episodes.chat import ChatRenderer, canonical
+from rltrain.models.tiny import build_tokenizer
 from rltrain.rollout.backends import decode
-from rltrain.rollout.chat import ChatRenderer, canonical
 from rltrain.run.scoring import episode_metrics, training_sequences, user_code_calls
 from rltrain.run.user_code import NEVER_STOPS
-from rltrain.tiny_model import build_tokenizer
 
 TOKENIZER = build_tokenizer()
 AGENT = ["agent.entrypoint=gateway_agents:run", "rollout.tools.enabled=[]", "reward.functions={agent: 1.0}",
@@ -196,7 +196,7 @@ def test_a_reply_that_comes_after_its_episode_closed_is_refused_and_touches_noth
 
 
 def test_a_message_of_a_role_the_api_does_not_have_is_refused_naming_the_roles():
-    from rltrain.rollout.gateway import ChatRequest, Refused
+    from rltrain.episodes.gateway import ChatRequest, Refused
 
     with pytest.raises(Refused) as refusal:
         ChatRequest.check({"messages": [{"role": "wizard", "content": "hi"}]})
@@ -209,7 +209,7 @@ def test_a_message_of_a_role_the_api_does_not_have_is_refused_naming_the_roles()
 
 
 def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():
-    from rltrain.rollout.gateway import Refused, Sampling
+    from rltrain.episodes.gateway import Refused, Sampling
 
     run = Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
     served = [{}, {"temperature": 1.0, "top_p": 1}, {"top_k": -1}, {"n": 1}, {"stream": False},
@@ -300,7 +300,7 @@ def test_an_agent_that_does_not_load_stops_before_any_actor_in_one_line(
 
 def test_the_chain_agent_asks_the_questions_the_chain_environment_asks():
     from rltrain.envs import ChainEnv
-    from rltrain.rollout.agents import load_agent
+    from rltrain.episodes.agents import load_agent
 
     chain_agent = sys.modules[load_agent("examples/chain_agent.py:run").__module__]
     env = load_config("configs/cpu_agent.yaml").env.kwargs

@@ -99,7 +99,7 @@ def test_a_weight_sync_call_that_raised_is_named_with_its_error_before_its_block
 def test_a_sync_that_raised_stops_the_run_in_one_line_without_a_restart(monkeypatch, tmp_path):
     from rltrain.config import load_config
     from rltrain.run import loop
-    from rltrain.run.checks import Inputs
+    from rltrain.run.preflight import Inputs
     from rltrain.run.weight_sync import SyncFailed
 
     calls = []

@@ -12,8 +12,8 @@ import torch
 from rltrain.batch import Completion, collate, plan_micro_batches
 from rltrain.config import DataConfig
 from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_prompts
-from rltrain.rollout.rewards import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
-from rltrain.tiny_model import build_tokenizer
+from rltrain.models.tiny import build_tokenizer
+from rltrain.rewards.functions import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
 
 FNS = "reward_fns"
 
@@ -42,7 +42,7 @@ def test_user_reward_function_and_failures_score_zero_and_are_counted():
 def test_a_reward_that_is_no_number_is_a_failure_and_a_bool_is_a_number():
     import numpy as np
 
-    from rltrain.rollout.rewards import score_value
+    from rltrain.rewards.functions import score_value
 
     functions = {f"{FNS}:string_reward": 1.0, f"{FNS}:bool_reward": 1.0}
     with RewardScorer(functions, timeout_s=5) as scorer:
@@ -58,7 +58,7 @@ def test_a_reward_that_is_no_number_is_a_failure_and_a_bool_is_a_number():
 
 
 def test_a_reward_function_named_by_its_file_is_logged_by_its_name_not_its_path(tmp_path):
-    from rltrain.rollout.rewards import reward_name
+    from rltrain.rewards.functions import reward_name
     from rltrain.run.scoring import user_code_calls
 
     (tmp_path / "sub").mkdir()
@@ -117,7 +117,7 @@ if __name__ == "__mp_main__":  # a reward worker starting: the first one is quic
     except FileExistsError:
         time.sleep(1.0)
 import pebble.pool.process
-from rltrain.rollout.rewards import RewardScorer
+from rltrain.rewards.functions import RewardScorer
 stop = pebble.pool.process.stop_process
 def slow_stop(process):  # a loaded machine: each worker takes a while to stop
     time.sleep(1.0)
@@ -266,15 +266,14 @@ def test_a_multi_task_reward_sums_the_functions_that_apply_and_fails_only_where_
 
 
 def test_preflight_takes_a_multi_task_reward_whose_first_row_one_function_does_not_apply_to():
-    from rltrain.config import load_config
-    from rltrain.run.checks import check_reward_functions
+    from rltrain.rewards.functions import check_reward_functions
 
     digits, words = f"{FNS}:digits_task_reward", f"{FNS}:words_task_reward"
     row = {"prompt": "What is 3 + 4?", "answer": "7"}
-    check_reward_functions(load_config(None, [f"reward.functions={{{digits}: 1.0, {words}: 1.0}}"]), row)
+    check_reward_functions({digits: 1.0, words: 1.0}, 5.0, row)
     with pytest.raises(ValueError, match=rf"^reward.functions: {words} returned no score \(None or NaN\) "
                        "on the first data row with its answer as the completion: no function applies to it$"):  # fmt: skip
-        check_reward_functions(load_config(None, [f"reward.functions={{{words}: 1.0}}"]), row)
+        check_reward_functions({words: 1.0}, 5.0, row)
 
 
 def test_a_failing_reward_function_keeps_its_first_traceback():

@@ -6,8 +6,8 @@ from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt
 from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.rewards.functions import RewardScorer
 from rltrain.rollout import GeneratorActor
-from rltrain.rollout.rewards import RewardScorer
 from rltrain.run.orchestrator import collect_groups
 
 

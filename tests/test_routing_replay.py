@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
 from rltrain.config import Config
-from rltrain.learner.routers import in_forward_order
+from rltrain.learner.route_rows import in_forward_order
 from rltrain.loss.logprobs import sequence_logprobs
-from rltrain.routing import RouterTap, replay_problem
+from rltrain.models.routers import RouterTap, replay_problem
+from rltrain.models.tiny import build_tiny_model
 from rltrain.run.diagnostics import layout_config, synthetic_rollouts
-from rltrain.tiny_model import build_tiny_model
 
 NEAR_TIES = 1e-3  # the routers' scale: experts' logits a few 1e-3 apart
 NUDGE = 1e-4  # the learner's routers differ from the engine's by this much (noise per weight)

@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.rollout.sandbox import Limits, isolation_problem, run_python
-from rltrain.rollout.tools import ToolRunner, generate_with_tools
+from rltrain.episodes.sandbox import Limits, isolation_problem, run_python
+from rltrain.episodes.tools import ToolRunner, generate_with_tools
 
 needs_isolation = pytest.mark.skipif(
     isolation_problem() is not None, reason=f"no isolation here: {isolation_problem()}"
@@ -83,7 +83,7 @@ def test_the_code_writes_and_reads_its_own_folder_only():
 def test_the_python_tool_refuses_when_it_cannot_isolate(monkeypatch):
     monkeypatch.setenv(SECRET, "hunter2")
     # a platform without user namespaces, simulated: unshare(2) fails inside the bootstrap
-    import rltrain.rollout.sandbox as sandbox
+    import rltrain.episodes.sandbox as sandbox
 
     monkeypatch.setattr(
         sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("libc.unshare(", "-1 + 0 * libc.getpid(")

@@ -10,7 +10,7 @@ from rltrain.batch import Completion, TrainBatch
 from rltrain.config import Config
 from rltrain.data import Prompt
 from rltrain.loss.advantages import distill_advantages
-from rltrain.rollout.rewards import RewardScorer
+from rltrain.rewards.functions import RewardScorer
 from rltrain.run.scoring import with_distillation
 
 
@@ -81,7 +81,7 @@ def test_reward_model_scores_join_the_weighted_sum_and_failures_are_counted():
 
 
 def test_verdicts_are_parsed_by_pattern_and_values():
-    from rltrain.rollout.judge import parse_verdict
+    from rltrain.rewards.judge import parse_verdict
 
     pattern, values = r"Verdict:\s*(\w+)", {"correct": 1.0, "incorrect": 0.0}
     assert parse_verdict("Verdict: CORRECT", pattern, values) == 1.0  # case-insensitive
@@ -109,7 +109,7 @@ def test_the_judge_scores_verdicts_and_counts_what_it_could_not_score(tiny_model
     from transformers import AutoTokenizer
 
     from rltrain.config import JudgeConfig
-    from rltrain.rollout.judge import Judge
+    from rltrain.rewards.judge import Judge
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     prompts = [Prompt(0, [1, 2], "12", {"prompt": "What is 5 + 7?"})] * 3 + [
@@ -208,7 +208,7 @@ def test_a_scorer_on_its_own_actors_scores_the_step_ahead_while_the_policy_train
 @pytest.fixture(scope="module")
 def teacher_path(tmp_path_factory) -> str:
     """A teacher: the tiny model's architecture and tokenizer, other weights."""
-    from rltrain.tiny_model import build_tiny_model
+    from rltrain.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=1))
 

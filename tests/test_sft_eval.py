@@ -14,8 +14,8 @@ from rltrain.batch import Completion
 from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
 from rltrain.envs import ChainEnv, tool_schemas
-from rltrain.rollout.chat import with_call_ids
-from rltrain.rollout.rewards import RewardScorer
+from rltrain.episodes.chat import with_call_ids
+from rltrain.rewards.functions import RewardScorer
 from rltrain.run.diagnostics import (
     layout_config,
     relative_difference,
@@ -66,9 +66,9 @@ def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_
     import importlib.util
 
     from rltrain.data import sft_conversations
-    from rltrain.rollout.chat import render_conversations
+    from rltrain.episodes.chat import render_conversations
+    from rltrain.models.tiny import build_tokenizer
     from rltrain.run.warm_start import demonstrations
-    from rltrain.tiny_model import build_tokenizer
 
     spec = importlib.util.spec_from_file_location(
         "chain_demos", REPO / "examples" / "chain_demonstrations.py"
@@ -125,8 +125,8 @@ def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_
 
 
 def test_a_conversation_the_template_cannot_render_stops_the_warm_start_naming_it(tmp_path):
+    from rltrain.models.tiny import build_tokenizer
     from rltrain.run.warm_start import BadExamples, warm_start
-    from rltrain.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()  # with a Qwen3-like template: earlier assistant turns lose their text
     tokenizer.chat_template = tokenizer.chat_template.replace(

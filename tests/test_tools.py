@@ -1,7 +1,7 @@
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.rollout.tools import ToolRunner, calculator, generate_with_tools
+from rltrain.episodes.tools import ToolRunner, calculator, generate_with_tools
 
 
 def encode(text):

@@ -4,7 +4,7 @@ per step, and the run stopped when every call of a reward function or environmen
 import pytest
 from test_episodes import EOS, ids, play
 
-from rltrain.rollout.rewards import Calls
+from rltrain.rewards.functions import Calls
 from rltrain.run.scoring import user_code_calls
 from rltrain.run.tracking import Tracker
 from rltrain.run.user_code import UserCodeFailed, UserCodeFailures
@@ -86,7 +86,7 @@ def test_the_step_line_shows_what_a_reward_is_the_sum_of(tmp_path, capsys):
 
 def test_the_step_line_says_when_most_episodes_failed_and_the_most_common_reason(tmp_path, capsys):
     from rltrain.config import load_config
-    from rltrain.rollout.rewards import Calls
+    from rltrain.rewards.functions import Calls
     from rltrain.run.user_code import UserCodeFailures
 
     failures = UserCodeFailures(tmp_path, max_failed_steps=None)

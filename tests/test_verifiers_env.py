@@ -1,4 +1,4 @@
-"""verifiers environments through the gateway (rltrain.rollout.verifiers_env): a taskset of the
+"""verifiers environments through the gateway (rltrain.episodes.verifiers_env): a taskset of the
 tests' own (tests/vf_sums.py) run by verifiers' SingleAgentEnv with rltrain's in-process harness,
 against the gateway's real HTTP server and a scripted engine (as in tests/test_gateway.py)."""
 
@@ -10,8 +10,8 @@ import pytest
 from test_gateway import LOGPROB, TOKENIZER, ScriptedEngine, encode
 
 from rltrain.config import load_config
-from rltrain.rollout.agents import AgentRunner
-from rltrain.rollout.rewards import VERIFIERS_ENV
+from rltrain.episodes.agents import AgentRunner
+from rltrain.rewards.functions import VERIFIERS_ENV
 from rltrain.run.scoring import episode_metrics, user_code_calls
 from rltrain.run.user_code import NEVER_STOPS
 
@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parent
 
 def episodes(kwargs: str, reply, n: int, *overrides: str):
     """The first ``n`` tasks of vf_sums (``env.kwargs``) as one rollout; the rows and the episodes."""
-    from rltrain.rollout.verifiers_env import task_rows
+    from rltrain.episodes.verifiers_env import task_rows
 
     config = load_config(None, ["env.name=verifiers:vf_sums", f"env.kwargs={kwargs}", "reward.functions={env: 1.0}",
                                 "rollout.max_new_tokens=384", "rollout.tools.enabled=[]", *overrides])  # fmt: skip
@@ -131,7 +131,7 @@ def test_a_verifiers_taskset_trains_through_the_cli_and_is_evaluated_by_its_own_
 
 
 def test_the_documented_taskset_runs_unchanged(tmp_path, monkeypatch):
-    from rltrain.rollout.verifiers_env import task_rows
+    from rltrain.episodes.verifiers_env import task_rows
 
     text = (TESTS.parent / "docs" / "environments.md").read_text().split("## Environments from verifiers")[1]
     (tmp_path / "mysums.py").write_text(text.split("```python\n", 1)[1].split("```", 1)[0])

@@ -142,6 +142,7 @@ def test_a_receiver_that_stops_reading_early_leaves_no_thread_behind():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_weights_held_for_later_leave_the_gpu_as_they_arrive():
     from rltrain.weight_transfer import on_host
 

@@ -70,7 +70,7 @@ class Config(Section):
     """Multi-turn environments: each rollout is an episode (rltrain.envs)."""
     agent: AgentConfig = AgentConfig()
     """Black-box agents through an OpenAI-compatible gateway: each rollout is an episode of the
-    user's own agent code (rltrain.rollout.gateway)."""
+    user's own agent code (rltrain.episodes.gateway)."""
     critic: CriticConfig | None = None
     """A learned value model (PPO with GAE); needs algorithm.advantage=gae."""
     sft_warmup: SFTWarmupConfig = SFTWarmupConfig()

@@ -67,7 +67,7 @@ class AgentConfig(Section):
     naming `async def run(row: dict, base_url: str, api_key: str, model: str) -> float`, the user's
     agent (any OpenAI-compatible client) pointed at the gateway beside each generator; it returns
     the episode's reward (`agent` in reward.functions). Its calls are recorded token-in/token-out
-    (rltrain.rollout.gateway)."""
+    (rltrain.episodes.gateway)."""
     max_calls: int = Field(32, ge=1)
     """Chat completions per episode; later calls are refused (HTTP 429) and counted."""
     timeout_s: float = Field(300.0, gt=0)

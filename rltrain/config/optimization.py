@@ -57,7 +57,7 @@ TINY_MODEL = "builtin:tiny"
 TINY_MOE_MODEL = "builtin:tiny-moe"  # the same, its MLPs a mixture of experts
 BUILTIN_TASK = "builtin:arithmetic"
 SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
-VERIFIERS = "verifiers:"  # env.name: a verifiers taskset (rltrain.rollout.verifiers_env)
+VERIFIERS = "verifiers:"  # env.name: a verifiers taskset (rltrain.episodes.verifiers_env)
 
 
 class ConfigError(ValueError):

@@ -3,7 +3,7 @@
 correction's rejections, decided on the pre-update policy before the step's token totals, and a
 mixture of experts' load-balancing loss (:mod:`rltrain.loss.moe`), its assignment counts taken on
 the pre-update policy too and summed in the same collective, and its routing replay (every forward
-sends each token to the experts the engine chose, :mod:`rltrain.routing`)."""
+sends each token to the experts the engine chose, :mod:`rltrain.models.routers`)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import contextlib
 
 import torch
 
-from rltrain import adapters
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
-from rltrain.learner.routers import moe_metrics, replayed_routes, router_rows
+from rltrain.learner.route_rows import moe_metrics, replayed_routes, router_rows
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
 from rltrain.loss.logprobs import Truncation, sequence_logprobs
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
-from rltrain.routing import RouterTap, replay_problem
+from rltrain.models import adapters
+from rltrain.models.routers import RouterTap, replay_problem
 
 
 def rollout_correction(config: Config) -> RolloutCorrection | None:

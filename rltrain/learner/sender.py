@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rltrain import adapters, weight_transfer
+from rltrain import weight_transfer
+from rltrain.models import adapters
 
 
 class WeightSender:

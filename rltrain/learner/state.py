@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from rltrain import adapters
 from rltrain.learner.sender import WeightSender
+from rltrain.models import adapters
 
 GATHER_BUCKET_BYTES = 64 * 2**20  # the parameters gathered at once for a whole state dict (ZeRO-3)
 LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it

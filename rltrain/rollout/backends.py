@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from rltrain import adapters
-from rltrain.adapters import is_adapter
 from rltrain.batch import Segment
 from rltrain.config import RolloutConfig
 from rltrain.loss.logprobs import Truncation, sequence_logprobs, truncation_keep
+from rltrain.models import adapters
+from rltrain.models.adapters import is_adapter
 
 
 class GeneratorBackend(Protocol):
@@ -83,7 +83,7 @@ def _finish(c) -> str:
 def runs_eager(rc: RolloutConfig, cuda: bool) -> bool:
     """Whether the vLLM engine runs without CUDA graphs: on CPU (there are none), and under routing
     replay on a GPU: a replayed decode graph runs no Python, so the capture hook that records each
-    step's routes (:mod:`rltrain.rollout.routes`) would not run and decode positions would come
+    step's routes (:mod:`rltrain.rollout.route_recorder`) would not run and decode positions would come
     back unrecorded. Eager decoding is slower; the routes are exact."""
     return not cuda or rc.routing_replay
 
@@ -107,7 +107,7 @@ class VLLMBackend:
             # log-probs after temperature, min_p, top_k and top_p: the distribution the tokens were
             # sampled from, which the learner's log-probs reproduce (rltrain.loss.logprobs.Truncation)
             logprobs_mode="processed_logprobs",
-            # routing replay: every position's routes are recorded where it runs (rltrain.rollout.routes)
+            # routing replay: every position's routes are recorded where it runs (rltrain.rollout.route_recorder)
             **({"enable_prefix_caching": False} if rc.routing_replay else {}),
             **_lora_options(lora, rc),
             **(
@@ -126,7 +126,7 @@ class VLLMBackend:
         self.adapters = AdapterFolders(lora, _lora_slots(rc)) if lora is not None else None
         self.recorder = None
         if rc.routing_replay:
-            from rltrain.rollout.routes import RouteRecorder
+            from rltrain.rollout.route_recorder import RouteRecorder
 
             self.recorder = RouteRecorder()
             self._hook_routers()
@@ -287,7 +287,7 @@ class HFBackend:
         self.truncation = Truncation(rc.top_k, rc.top_p, rc.min_p)
         self.tap = None
         if rc.routing_replay:  # the routes of the forward that scores the sampled tokens
-            from rltrain.routing import RouterTap
+            from rltrain.models.routers import RouterTap
 
             self.tap = RouterTap(self.model)
         if torch.cuda.is_available():

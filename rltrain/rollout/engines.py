@@ -1,6 +1,6 @@
 """Generator actors: each owns a backend (:mod:`rltrain.rollout.backends`: vLLM or transformers)
 and stamps the policy version of its weights on every token it samples; :class:`GeneratorActor`
-adds tool calls and episodes on top (:func:`rltrain.rollout.tools.generate_with_tools`);
+adds tool calls and episodes on top (:func:`rltrain.episodes.tools.generate_with_tools`);
 :class:`GeneratorPool` spreads requests over the engines.
 """
 
@@ -16,19 +16,19 @@ import ray
 import torch
 
 from rltrain import weight_transfer
-from rltrain.adapters import is_adapter
 from rltrain.batch import Completion, Segment
 from rltrain.config import Config
+from rltrain.episodes.tools import STOP, ToolRunner, generate_with_tools
+from rltrain.episodes.turns import Episodes
+from rltrain.models.adapters import is_adapter
 from rltrain.remote import gather, where
 from rltrain.rollout.backends import GeneratorBackend, HFBackend, VLLMBackend, decode, unsent
-from rltrain.rollout.episodes import Episodes
 from rltrain.rollout.inflight import generate_in_chunks
-from rltrain.rollout.tools import STOP, ToolRunner, generate_with_tools
 
 
 class GeneratorActor:
     """One generation engine plus the tool loop, or the episodes of an environment
-    (:func:`~rltrain.rollout.episodes.run_episodes`). Created by :class:`GeneratorPool` as a Ray actor.
+    (:func:`~rltrain.episodes.turns.run_episodes`). Created by :class:`GeneratorPool` as a Ray actor.
 
     It knows the policy version of its weights (the training steps behind them, sent with them)
     and stamps it on every token it samples. Without ``rollout.inflight_updates`` new weights wait
@@ -50,7 +50,7 @@ class GeneratorActor:
         self.stop = [STOP] if self.tools else []
         self.episodes, self.agents = None, None
         if config.gateway_episodes:
-            from rltrain.rollout.agents import AgentRunner
+            from rltrain.episodes.agents import AgentRunner
 
             self.agents = AgentRunner(config, self.tokenizer)
             self.stop = []  # (rollout.tools are not an episode's: its tools are the agent's or the task's)

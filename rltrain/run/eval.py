@@ -16,8 +16,8 @@ import sys
 
 from rltrain.config import Config, ConfigError, load_config
 from rltrain.data import Prompt
-from rltrain.run.checks import preflight
 from rltrain.run.launch import connect_ray, quiet_console
+from rltrain.run.preflight import preflight
 
 EVAL_SEED = 7  # greedy decoding does not sample; the seed only fixes request ids
 CORRECTNESS = ("math", "exact_match", "reasoning_gym")  # reward functions whose full credit is a right answer
@@ -42,7 +42,7 @@ def evaluate(
     ``eval/agent_reward``), ``eval/turns``, ``eval/failed`` (episodes that failed outside the
     policy), and a verifiers environment's scores by name (``eval/env/<name>``). ``model_scorers``:
     a reward model's and a judge's, where they are among ``functions``."""
-    from rltrain.rollout.rewards import AGENT, ENV, GIVEN, reward_name
+    from rltrain.rewards.functions import AGENT, ENV, GIVEN, reward_name
     from rltrain.run.scoring import batch_columns, mean_metrics
 
     requests = [p.row if own else p.token_ids for p in prompts]
@@ -120,8 +120,8 @@ def _one_engine(config: Config) -> Config:
 
 
 def score_model(config: Config, inputs) -> dict[str, float]:
+    from rltrain.rewards.functions import RewardScorer
     from rltrain.rollout import GeneratorPool
-    from rltrain.rollout.rewards import RewardScorer
 
     generators = GeneratorPool(config, inputs.model_path)
     try:

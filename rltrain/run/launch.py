@@ -1,7 +1,7 @@
 """Run set-up, shared by training and evaluation: checks before anything starts, the Ray
 connection, the actors.
 
-- :func:`~rltrain.run.checks.preflight` checks every input before any actor starts;
+- :func:`~rltrain.run.preflight.preflight` checks every input before any actor starts;
 - :func:`connect_ray` joins ``RAY_ADDRESS`` or starts a local instance, and checks the layout fits;
 - :func:`start_run` starts the learners, the critic and the generators, restored from the newest
   checkpoint when resuming.
@@ -27,10 +27,11 @@ from rltrain.config import Config, ConfigError, dump, first_line
 from rltrain.data import (
     PromptSampler,
 )
-from rltrain.rollout.rewards import JUDGE, MODEL, RewardScorer
+from rltrain.models.resolve import load_tokenizer
+from rltrain.rewards.functions import JUDGE, MODEL, RewardScorer
 from rltrain.run import checkpoint
-from rltrain.run.checks import Inputs, load_tokenizer
 from rltrain.run.orchestrator import Orchestrator
+from rltrain.run.preflight import Inputs
 
 
 def quiet_console() -> None:
@@ -260,7 +261,7 @@ def model_scorers(config: Config, inputs: Inputs, parts: dict[str, Any]) -> dict
         scorers[MODEL] = parts["reward_model"]
     judge = config.reward.judge
     if judge is not None:
-        from rltrain.rollout.judge import Judge
+        from rltrain.rewards.judge import Judge
 
         tokenizer = inputs.tokenizer
         if judge.model is not None:

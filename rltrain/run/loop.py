@@ -2,7 +2,7 @@
 checkpoint. An actor that dies or stops answering restarts every actor from the newest checkpoint,
 up to ``run.max_restarts`` times; past that the run stops with one line saying how to resume.
 
-Checks live in :mod:`rltrain.run.checks`, the Ray connection and the actors' start-up in :mod:`rltrain.run.launch` (shared with
+Checks live in :mod:`rltrain.run.preflight`, the Ray connection and the actors' start-up in :mod:`rltrain.run.launch` (shared with
 :mod:`rltrain.run.eval`); the generation pipeline (steps in flight, policy versions, staleness) in
 :mod:`rltrain.run.orchestrator`. The command line is :mod:`rltrain.train`.
 """
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from rltrain.config import Config
 from rltrain.run import checkpoint
-from rltrain.run.checks import Inputs, preflight
 from rltrain.run.eval import evaluate
 from rltrain.run.launch import Run, start_run
+from rltrain.run.preflight import Inputs, preflight
 from rltrain.run.scoring import build_batch, drop_failed, with_distillation, with_gae
 from rltrain.run.user_code import UserCodeFailures
 

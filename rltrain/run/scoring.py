@@ -12,6 +12,8 @@ import torch
 from rltrain.batch import Completion, TrainBatch, collate, last_positions
 from rltrain.config import AlgorithmConfig, Config
 from rltrain.data import Prompt
+from rltrain.episodes.chat import TEMPLATE
+from rltrain.episodes.gateway import GATEWAY
 from rltrain.loss.advantages import (
     distill_advantages,
     gae_advantages,
@@ -20,9 +22,7 @@ from rltrain.loss.advantages import (
     whiten,
     zero_variance_groups,
 )
-from rltrain.rollout.chat import TEMPLATE
-from rltrain.rollout.gateway import GATEWAY
-from rltrain.rollout.rewards import AGENT, ENV, VERIFIERS_ENV, Calls, RewardScorer, soft_overlong_penalty
+from rltrain.rewards.functions import AGENT, ENV, VERIFIERS_ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
 @dataclass
@@ -252,7 +252,7 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         f"rollout/{kind}" if kind.startswith(GATEWAY) else f"rollout/tool_errors/{kind}": float(count)
         for kind, count in sorted(errors.items())
     }
-    if any(c.calls for c in completions):  # a black-box agent's episodes (rltrain.rollout.gateway)
+    if any(c.calls for c in completions):  # a black-box agent's episodes (rltrain.episodes.gateway)
         metrics["rollout/gateway_calls"] = sum(len(c.calls) for c in completions) / len(completions)
         metrics.setdefault("rollout/gateway_splits", 0.0)
     metrics |= {f"env/{name}": value for name, value in mean_metrics(completions).items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rltrain.config import Config
-from rltrain.rollout.rewards import reward_name
+from rltrain.rewards.functions import reward_name
 
 # failures/ counts of samples (rltrain.run.scoring.score), beside the user code's failures by kind
 SAMPLE_COUNTS = ("failures/outside_policy", "failures/policy")

@@ -18,8 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from rltrain.rollout.chat import TEMPLATE
-from rltrain.rollout.rewards import AGENT, VERIFIERS_ENV, Calls
+from rltrain.episodes.chat import TEMPLATE
+from rltrain.rewards.functions import AGENT, VERIFIERS_ENV, Calls
 
 # a tool's failure is the model's observation; a chat template's, a black-box agent's or a
 # verifiers environment's ends its episode alone

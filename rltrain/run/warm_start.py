@@ -27,9 +27,9 @@ from rltrain.data import (
     sft_examples,
     tokenize_completion,
 )
+from rltrain.episodes.chat import Encoded, render_conversations
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
-from rltrain.rollout.chat import Encoded, render_conversations
 from rltrain.run import checkpoint
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
@@ -81,7 +81,7 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
 
 def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]:
     """The environment's ``demonstration(row)`` conversations, rendered as its episodes are."""
-    from rltrain.rollout.environments import load_environment, tool_schemas
+    from rltrain.episodes.environments import load_environment, tool_schemas
 
     env_class, kwargs = load_environment(config.env.name), config.env.kwargs
     schemas = tool_schemas(env_class(**kwargs).tools)

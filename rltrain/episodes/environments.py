@@ -3,7 +3,7 @@
 An environment opens an episode from a data row, lists the tools the model may call, and answers
 each assistant turn that calls no tool::
 
-    from rltrain.rollout.environments import Environment, Step
+    from rltrain.episodes.environments import Environment, Step
 
     class Countdown(Environment):
         tools = [calculator]                     # JSON schemas from type hints and docstrings
@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltrain.episodes.tools import calculator
 from rltrain.loading import import_attribute
-from rltrain.rollout.tools import calculator
 
 Messages = list[dict[str, Any]]
 

@@ -9,7 +9,7 @@ stretch of every live episode in one engine call. After an assistant turn:
   reward, or ends the episode.
 
 The sequence is the ids the engine sampled, with their log-probs and mask 1, and between turns the
-chat template's tokens for what was added (:class:`~rltrain.rollout.chat.ChatRenderer`), mask 0 and
+chat template's tokens for what was added (:class:`~rltrain.episodes.chat.ChatRenderer`), mask 0 and
 log-prob 0. Nothing sampled is decoded and encoded again. ``rollout.max_new_tokens`` bounds the
 whole episode after the prompt (added tokens included) and ``rollout.max_model_len`` the context;
 an episode cut by either ends with finish reason ``length``; ``env.max_turns`` assistant turns end
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import TEMPLATE, ChatRenderer, TemplateError
-from rltrain.rollout.env_host import EnvHost
-from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
-from rltrain.rollout.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
-from rltrain.rollout.tools import SEED_STRIDE, GenerateFn
+from rltrain.episodes.chat import TEMPLATE, ChatRenderer, TemplateError
+from rltrain.episodes.env_host import EnvHost
+from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
+from rltrain.episodes.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
+from rltrain.episodes.tools import SEED_STRIDE, GenerateFn
 
 TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
 
@@ -35,9 +35,9 @@ class Episodes:
     """A generator's environment side: its host process, template renderer, parser and limits."""
 
     def __init__(self, config, tokenizer, encode: Callable[[str], list[int]]):
-        from rltrain.rollout.environments import tool_schemas
-        from rltrain.rollout.parsers import get_parser
-        from rltrain.rollout.tools import ToolRunner
+        from rltrain.episodes.environments import tool_schemas
+        from rltrain.episodes.parsers import get_parser
+        from rltrain.episodes.tools import ToolRunner
 
         rc, env = config.rollout, config.env
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))

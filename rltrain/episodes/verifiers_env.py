@@ -11,7 +11,7 @@ Each episode runs as verifiers runs one (``SingleAgentEnv.run_slot``: the task's
 harness, its rewards and metrics), with the harness this module supplies: a chat loop in the
 generator's own process (no uv, no sandbox, no tunnel) that calls the model through verifiers'
 interception, which forwards to the episode's endpoint on the generator's gateway. The gateway
-records every call token-in/token-out (:mod:`rltrain.rollout.gateway`), so the sequences, masks
+records every call token-in/token-out (:mod:`rltrain.episodes.gateway`), so the sequences, masks
 and log-probs trained on are the engine's, never a re-tokenisation of the trace's messages.
 The task's local MCP toolsets serve their tools as verifiers serves them; this harness calls them.
 
@@ -140,7 +140,7 @@ NO_KEY_VAR = "RLTRAIN_VERIFIERS_NO_KEY"  # never set: the bearer verifiers sends
 class VerifiersEpisodes:
     """A generator's verifiers environment: :meth:`serving` around a rollout's episodes (verifiers'
     interception server and the taskset's shared tool servers), and :meth:`run`, one episode, the
-    agent function of the gateway's :class:`~rltrain.rollout.agents.AgentRunner`. The taskset is
+    agent function of the gateway's :class:`~rltrain.episodes.agents.AgentRunner`. The taskset is
     read lazily, as far as the rows the run asks for (a taskset may have no end)."""
 
     def __init__(self, name: str, kwargs: dict[str, Any], max_turns: int):

@@ -41,12 +41,14 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pebble import ProcessPool
 
-from rltrain.loading import import_attribute
+from rltrain.config import first_line
+from rltrain.loading import import_attribute, with_deadline
 from rltrain.tasks import reasoning_gym_reward
 
 RewardFn = Callable[[str, str], float]
@@ -89,7 +91,7 @@ BUILTIN: dict[str, RewardFn] = {
 ENV = "env"  # the environment's reward: computed by its episodes, not by a function
 MODEL = "model"  # reward.model's score: computed by its actors
 JUDGE = "judge"  # reward.judge's verdict: computed by generator engines
-AGENT = "agent"  # a black-box agent's returned reward (rltrain.rollout.gateway)
+AGENT = "agent"  # a black-box agent's returned reward (rltrain.episodes.gateway)
 VERIFIERS_ENV = "verifiers environment"  # the user code a verifiers episode's failure is charged to
 GIVEN = (ENV, MODEL, JUDGE, AGENT)  # scores computed outside the reward workers, handed to RewardScorer
 
@@ -299,7 +301,7 @@ class RewardScorer:
             totals = [t + weight * (v or 0.0) for t, v in zip(totals, values[spec])]
             # each sample's score: None where the function does not apply, 0 where it failed
             per_sample[name] = [0.0 if e is not None else v for v, e in zip(values[spec], errors[spec])]
-            scored = [v for v in per_sample[name] if v is not None]
+            scored = [v for v in values[spec] if v is not None]  # (where it applies and gave a score)
             per_function[name] = sum(scored) / max(len(scored), 1)
         return Scores(totals, per_function, failures, per_sample, calls, failed)
 
@@ -352,3 +354,42 @@ def soft_overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty
     if length <= start:
         return 0.0
     return -penalty * min(1.0, (length - start) / buffer)
+
+
+def check_reward_functions(functions: dict[str, float], timeout_s: float, row: dict) -> None:
+    """Each reward function, called once on the first data row with its answer as the completion
+    (both forms: ``fn(completion, answer)``, and TRL's ``fn(prompts=, completions=, **columns)``),
+    returns a number or None (TRL's "does not apply"), and at least one function applies; raises
+    ValueError naming the function otherwise."""
+    answer = str(row.get("answer", ""))
+    called = [spec for spec in functions if spec not in GIVEN]
+    none = []  # the functions that do not apply to the row
+    for spec in called:
+        fn = load_reward_fn(spec)
+        if takes_batches(fn):
+            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "answer")}
+            call = partial(
+                fn, prompts=[row.get("prompt", "")], completions=[answer], answer=[answer], **columns
+            )
+            form = "fn(prompts=[...], completions=[...], answer=[...], <other columns>=[...])"
+        else:
+            call, form = partial(fn, answer, answer), "fn(completion, answer)"
+        try:
+            value = with_deadline(timeout_s, call)
+            if len(value if takes_batches(fn) else [value]) != 1:
+                raise ValueError(f"returned {len(value)} scores for 1 completion")
+            number = score_value(list(value)[0] if takes_batches(fn) else value)
+            number = float("nan") if number is None else number
+        except Exception as e:
+            raise ValueError(
+                f"reward.functions: {spec}, called as {form} on the first data row with its answer as the "
+                f"completion, raised {first_line(e)}"
+            ) from None
+        if number != number:
+            none.append(spec)
+    if none and len(none) == len(functions):  # (an episode's or a model's score applies)
+        names = " and ".join(none) if len(none) < 3 else f"all {len(none)} of {', '.join(none)}"
+        raise ValueError(
+            f"reward.functions: {names} returned no score (None or NaN) on the first data row with its "
+            "answer as the completion: no function applies to it"
+        )

@@ -3,7 +3,7 @@ of where its router logits come from (transformers' ``_can_record_outputs["route
 recorder behind ``output_router_logits``), captured per forward by hooks, and routing replay: the
 experts the engine chose for each token put in place of the router's own top-k. The learners'
 forwards and the transformers generation backend both use it; the rows a forward's router sees
-are the learner's business (:mod:`rltrain.learner.routers`).
+are the learner's business (:mod:`rltrain.learner.route_rows`).
 
 Replay (``rollout.routing_replay``): a router of transformers' top-k kind returns ``(logits,
 scores, indices)``; the hook keeps the logits (so the router keeps its gradients and the

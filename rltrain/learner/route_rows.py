@@ -1,7 +1,7 @@
 """The rows of a learner's forward that a mixture's routers see, in the forward's order (padded,
 packed or a sequence-parallel slice): which of them count in the load-balancing loss
 (:mod:`rltrain.loss.moe` says which) and the routes replayed on them. The routers themselves,
-their hooks and the replay are :mod:`rltrain.routing`."""
+their hooks and the replay are :mod:`rltrain.models.routers`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Running black-box agents against a generator (no ray): the gateway's HTTP server, the agents'
-event loop, and the engine calls that serve them (see :mod:`rltrain.rollout.gateway`).
+event loop, and the engine calls that serve them (see :mod:`rltrain.episodes.gateway`).
 
 Three threads share a generator's process during an agent rollout:
 
@@ -34,10 +34,9 @@ from fastapi import FastAPI, Request  # (FastAPI resolves the endpoints' annotat
 from fastapi.responses import JSONResponse
 
 from rltrain.batch import Completion, Segment
-from rltrain.loading import import_attribute
-from rltrain.rollout.chat import ChatRenderer
-from rltrain.rollout.episode_state import EpisodeLimits
-from rltrain.rollout.gateway import (
+from rltrain.episodes.chat import ChatRenderer
+from rltrain.episodes.episode_state import EpisodeLimits
+from rltrain.episodes.gateway import (
     GATEWAY,
     Gateway,
     OutOfRoom,
@@ -45,8 +44,9 @@ from rltrain.rollout.gateway import (
     Sampling,
     episode_completions,
 )
-from rltrain.rollout.parsers import get_parser
-from rltrain.rollout.rewards import AGENT, VERIFIERS_ENV
+from rltrain.episodes.parsers import get_parser
+from rltrain.loading import import_attribute
+from rltrain.rewards.functions import AGENT, VERIFIERS_ENV
 
 MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
 MAX_BODY_BYTES = 16 << 20
@@ -135,6 +135,15 @@ def _bearer(header: str | None) -> str | None:
     return header[7:].strip()
 
 
+async def _answer(fn, *args):
+    """``fn(*args)`` off the server's loop: its response, or the HTTP error it was refused with
+    (an episode that closed while its reply was sampled: counted when it closed)."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Refused as r:
+        return _error(r.status, r.kind, str(r))
+
+
 def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -196,10 +205,7 @@ class GatewayServer:
             except Refused as r:
                 return _error(r.status, r.kind, str(r))
             except OutOfRoom as full:
-                try:
-                    return runner.gateway.out_of_room(full.episode, len(payload["messages"]))
-                except Refused as r:  # (its episode closed meanwhile)
-                    return _error(r.status, r.kind, str(r))
+                return await _answer(runner.gateway.out_of_room, full.episode, len(payload["messages"]))
             self.in_flight += 1
             try:
                 batcher = runner.batcher
@@ -220,12 +226,7 @@ class GatewayServer:
                 return _error(500, "engine", f"generation failed: {type(failed).__name__}: {failed}")
             finally:
                 self.in_flight -= 1
-            try:
-                return await asyncio.to_thread(
-                    runner.gateway.finish, e, seg, len(payload["messages"]), len(prompt)
-                )
-            except Refused as r:  # the episode closed while its reply was sampled (counted then)
-                return _error(r.status, r.kind, str(r))
+            return await _answer(runner.gateway.finish, e, seg, len(payload["messages"]), len(prompt))
 
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -260,7 +261,7 @@ class AgentRunner:
         # reward is the environment's, and whose rollouts run inside its serving resources)
         self.kind, self.serving, self.episodes = AGENT, contextlib.nullcontext, None
         if config.verifiers:
-            from rltrain.rollout.verifiers_env import VerifiersEpisodes
+            from rltrain.episodes.verifiers_env import VerifiersEpisodes
 
             self.episodes = VerifiersEpisodes(config.env.name, config.env.kwargs, config.env.max_turns)
             self.fn, self.kind, self.serving = self.episodes.run, VERIFIERS_ENV, self.episodes.serving

@@ -4,7 +4,7 @@
 float``, unchanged apart from where it reads its endpoint. Each episode gets its own random key;
 every chat completion the agent asks for with it is recorded against its episode.
 
-Each call's prompt is built as an environment turn builds it (:class:`~rltrain.rollout.chat.ChatRenderer`):
+Each call's prompt is built as an environment turn builds it (:class:`~rltrain.episodes.chat.ChatRenderer`):
 
 - the first call renders its messages (the opening prompt);
 - a call whose messages extend the previous call's messages and the reply it got (as returned)
@@ -19,7 +19,7 @@ Masks are 1 exactly on sampled ids. The run's sampling settings apply to every c
 asks for others (temperature, top_p, logit_bias, ...) is refused with HTTP 400 and counted, never
 mixed into training. An unknown or finished key gets 401 and is counted.
 
-This module holds the episodes and the protocol (no ray, no vllm); :mod:`rltrain.rollout.agents`
+This module holds the episodes and the protocol (no ray, no vllm); :mod:`rltrain.episodes.agents`
 runs the agents, the HTTP server and the engine calls.
 """
 
@@ -36,10 +36,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rltrain.batch import Completion, Segment
-from rltrain.rollout.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical
-from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
-from rltrain.rollout.parsers import ParsedTurn, ToolParser
-from rltrain.rollout.tools import SEED_STRIDE
+from rltrain.episodes.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical
+from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
+from rltrain.episodes.parsers import ParsedTurn, ToolParser
+from rltrain.episodes.tools import SEED_STRIDE
 
 # request fields that would change the distribution sampled from (refused unless they equal the
 # run's), and those that are ignored (they change nothing the policy is trained on)
@@ -203,7 +203,7 @@ class AgentEpisode(EpisodeState):
 class Gateway:
     """The episodes of one generator and the chat-completions protocol over them. ``renderer(tools)``
     makes the chat template renderer for a call's tools; ``parser(tools)`` the tool parser. The
-    HTTP layer (:mod:`rltrain.rollout.agents`) calls :meth:`begin`, has the engine generate the
+    HTTP layer (:mod:`rltrain.episodes.agents`) calls :meth:`begin`, has the engine generate the
     prompt it returns, and calls :meth:`finish` with the segment."""
 
     def __init__(

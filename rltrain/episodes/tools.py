@@ -19,8 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from rltrain.rollout.parsers import NO_CALLS_LEFT, TagParser
-from rltrain.rollout.sandbox import DEFAULT_LIMITS, Limits, run_python
+from rltrain.episodes.parsers import NO_CALLS_LEFT, TagParser
+from rltrain.episodes.sandbox import DEFAULT_LIMITS, Limits, run_python
 
 if TYPE_CHECKING:
     from rltrain.batch import Completion, Segment
@@ -64,7 +64,7 @@ def calculator(expression: str) -> str:
 
 class ToolRunner:
     """Runs the enabled tools with a time limit and cuts their output. The python tool runs in
-    :mod:`rltrain.rollout.sandbox` (limits, no network, its own folder); ``isolate=False`` keeps only the
+    :mod:`rltrain.episodes.sandbox` (limits, no network, its own folder); ``isolate=False`` keeps only the
     limits."""
 
     def __init__(
@@ -139,7 +139,7 @@ def generate_with_tools(
     function of (weights, prompt, seed), so a resumed run samples what an uninterrupted one did.
     """
     from rltrain.batch import Completion  # torch: imported when a rollout runs, not with the tools
-    from rltrain.rollout.episode_state import EpisodeLimits, EpisodeState
+    from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
 
     # (the prompts are the data's, already within their limit; the budget is the completion's)
     limits = EpisodeLimits(max_new_tokens, sys.maxsize, sys.maxsize, max_tool_calls=max_calls)

@@ -1,6 +1,6 @@
 """One episode's bookkeeping, shared by the three multi-turn paths: environment episodes
-(:mod:`rltrain.rollout.episodes`), inline tool turns (:func:`rltrain.rollout.tools.generate_with_tools`)
-and black-box agents' episodes (:mod:`rltrain.rollout.gateway`). Each path keeps its own control
+(:mod:`rltrain.episodes.turns`), inline tool turns (:func:`rltrain.episodes.tools.generate_with_tools`)
+and black-box agents' episodes (:mod:`rltrain.episodes.gateway`). Each path keeps its own control
 flow; the limits, the token room, the tool-call ids and the failures counted by kind live here, so
 that a fix to any of them lands once."""
 
@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rltrain.rollout.chat import call_id
+from rltrain.episodes.chat import call_id
 
 if TYPE_CHECKING:
     from rltrain.batch import Completion

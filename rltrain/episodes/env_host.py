@@ -25,9 +25,9 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rltrain.rollout import tools as builtin_tools
-from rltrain.rollout.environments import GYM_HINT, Step, load_environment
-from rltrain.rollout.parsers import ToolCall
+from rltrain.episodes import tools as builtin_tools
+from rltrain.episodes.environments import GYM_HINT, Step, load_environment
+from rltrain.episodes.parsers import ToolCall
 
 Call = tuple[int, str, Any, float]  # (episode, method: reset | step | tool, argument, timeout_s)
 Answer = tuple[str, Any]  # ("ok", value) | ("raised" | "timeout" | "died", message)
@@ -154,7 +154,7 @@ def _host(conn, spec: str, kwargs: dict[str, Any], python_tool: builtin_tools.To
 class EnvHost:
     """The generator's side: opens episodes, sends calls in batches, gets every answer back.
 
-    The host is a fresh interpreter (``python -m rltrain.rollout.env_host``) on a socket pair, with
+    The host is a fresh interpreter (``python -m rltrain.episodes.env_host``) on a socket pair, with
     the caller's ``sys.path``: nothing of the caller's process (threads, its main module) is
     carried over."""
 
@@ -166,7 +166,7 @@ class EnvHost:
         ours, theirs = socket.socketpair()
         path = os.pathsep.join(p for p in sys.path if p)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rltrain.rollout.env_host", str(theirs.fileno())],
+            [sys.executable, "-m", "rltrain.episodes.env_host", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env={**os.environ, "PYTHONPATH": path},
         )

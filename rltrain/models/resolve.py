@@ -1,0 +1,163 @@
+"""The model a run trains, resolved and checked before anything starts: the built-in tiny models
+built into the run folder, a GGUF file converted once, or a folder or hub name whose transformers
+config is read (no weights); its tokenizer; the frozen models that must share it (the teacher, the
+reward model) and the judge; and what the model allows (sequence parallelism's heads, LoRA on
+experts, routing replay). Each problem raises one :class:`~rltrain.config.ConfigError` line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rltrain.config import TINY_MODEL, TINY_MOE_MODEL, Config, ConfigError, first_line
+from rltrain.models.pretrained import model_folder
+
+
+def resolve_model(config: Config, out: Path) -> str:
+    """The folder of ``model.name_or_path``: a built-in model built under ``out``, a GGUF file's
+    conversion, or the folder or hub name as given."""
+    if config.model.name_or_path in (TINY_MODEL, TINY_MOE_MODEL):
+        from rltrain.models.tiny import build_tiny_model
+
+        if config.model.name_or_path == TINY_MOE_MODEL:
+            folder = build_tiny_model(out / "tiny_moe_model", seed=config.run.seed, family="qwen3_moe")
+        else:
+            folder = build_tiny_model(out / "tiny_model", seed=config.run.seed)
+        return str(folder.resolve())
+    try:
+        return model_folder(config.model.name_or_path)
+    except (ImportError, OSError, ValueError) as e:  # a .gguf that does not convert
+        raise ConfigError(f"model.name_or_path: {config.model.name_or_path!r} does not load: {e}") from None
+
+
+def model_config(config: Config, key: str, model_path: str):
+    """The transformers config of a local model folder or hub name (``key`` names it in errors),
+    whose context must hold the longest sequence."""
+    folder = Path(model_path).expanduser()
+    local = folder.is_dir()
+    if local and not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: {model_path!r} has no config.json (not a transformers model folder)")
+    from transformers import AutoConfig
+
+    try:  # a hub name: its config.json alone is fetched (and cached) now
+        model_config = AutoConfig.from_pretrained(
+            folder if local else model_path, trust_remote_code=config.model.trust_remote_code
+        )
+    except Exception as e:
+        if local:
+            raise ConfigError(f"{key}: cannot read {str(folder / 'config.json')!r} ({e})") from None
+        raise ConfigError(
+            f"{key}: {model_path!r} is no local model folder and cannot be loaded from the hub ({first_line(e)})"
+        ) from None
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and config.longest_sequence > context:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {config.longest_sequence} exceeds the "
+            f"context of {context} tokens of {key} (max_position_embeddings in {model_path})"
+        )
+    return model_config
+
+
+def load_tokenizer(config: Config, key: str, model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:  # a model folder without tokenizer files, say
+        raise ConfigError(f"{key}: cannot load the tokenizer of {model_path!r} ({first_line(e)})") from None
+
+
+def check_scoring_models(config: Config, tokenizer) -> None:
+    """The teacher and the reward model score the policy's token ids as sampled: each must share
+    its tokenizer; the reward model must be a one-label sequence classifier with a chat template."""
+    judge = config.reward.judge
+    if (
+        judge is not None and judge.model is not None
+    ):  # a judge reads text: any tokenizer with a chat template
+        model_config(config, "reward.judge.model", judge.model)
+        if load_tokenizer(config, "reward.judge.model", judge.model).chat_template is None:
+            raise ConfigError(
+                f"reward.judge.model: {judge.model!r} has no chat template to put the question in"
+            )
+    models = {"algorithm.teacher": config.algorithm.teacher, "reward.model": config.reward.model}
+    for key, path in models.items():
+        if path is None:
+            continue
+        architecture = model_config(config, key, path)
+        theirs = load_tokenizer(config, key, path)
+        if theirs.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"{key}: the tokenizer of {path!r} differs from the policy's ({len(theirs)} vs "
+                f"{len(tokenizer)} tokens, or other ids); it must score the policy's token ids as sampled"
+            )
+        if key != "reward.model":
+            continue
+        architectures = getattr(architecture, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ConfigError(
+                f"reward.model: {path!r} is {', '.join(architectures) or 'no known architecture'}, "
+                "expected a sequence-classification model (one score per sequence)"
+            )
+        if architecture.num_labels != 1:
+            raise ConfigError(
+                f"reward.model: {path!r} has {architecture.num_labels} labels, expected 1 (a score)"
+            )
+        if theirs.chat_template is None:
+            raise ConfigError(
+                f"reward.model: {path!r} has no chat template (it scores the prompt's chat rendering)"
+            )
+
+
+def check_model(config: Config, model_path: str) -> None:
+    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    architecture = model_config(config, "model.name_or_path", model_path)
+    sp = config.learner.sequence_parallel_size
+    if sp > 1 and architecture.num_attention_heads % sp:
+        raise ConfigError(
+            f"learner.sequence_parallel_size={sp} does not divide the model's "
+            f"{architecture.num_attention_heads} attention heads"
+        )
+    from rltrain.models.routers import config_experts
+
+    experts = config_experts(architecture) > 0
+    if experts and config.model.lora.rank and config.rollout.backend == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "model.lora.rank with a mixture of experts: vLLM's CPU engine cannot serve LoRA adapters "
+                "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
+                "(model.lora.rank=0) or generate with rollout.backend=hf"
+            )
+    if config.rollout.routing_replay:
+        _check_replay(config, architecture, experts)
+    if config.loss.moe_aux_coef and not experts:
+        raise ConfigError(
+            f"loss.moe_aux_coef={config.loss.moe_aux_coef}: {config.model.name_or_path} is not a mixture "
+            "of experts (no load-balancing loss to weigh; leave it unset)"
+        )
+
+
+def _check_replay(config: Config, architecture, experts: bool) -> None:
+    """Routing replay needs a mixture of experts whose router it can drive, and one generation per
+    turn that it records (not an environment's episodes or an agent's calls)."""
+    name = config.model.name_or_path
+    if not experts:
+        raise ConfigError(f"rollout.routing_replay: {name} is not a mixture of experts (no routes to replay)")
+    for key, value in (("env.name", config.env.name), ("agent.entrypoint", config.agent.entrypoint)):
+        if value is not None:
+            raise ConfigError(
+                f"rollout.routing_replay with {key}: the routes of an episode's turns are not recorded yet "
+                "(single-turn generation and the tool loop are); set rollout.routing_replay=false"
+            )
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.models.routers import replay_problem
+
+    with torch.device("meta"):  # the architecture alone: no weights, no compute
+        model = AutoModelForCausalLM.from_config(
+            architecture, trust_remote_code=config.model.trust_remote_code
+        )
+    if problem := replay_problem(model):
+        raise ConfigError(f"rollout.routing_replay: {name}: {problem}")

@@ -193,9 +193,11 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     hang = tmp_path / "hang"
     hang.write_text("1 2 600")
     out = tmp_path / "run"
-    # a Ray instance of its own, started by the trainer: its actors see RLTRAIN_TEST_HANG
+    # a Ray instance of its own, started by the trainer: its actors see RLTRAIN_TEST_HANG, and import
+    # the test's fault hook (tests/fault_hooks/sitecustomize.py) at their start-up from PYTHONPATH
+    hooks = str(Path(__file__).resolve().parent / "fault_hooks")
     done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30", HF,
-                       env={"RLTRAIN_TEST_HANG": str(hang)})  # fmt: skip
+                       env={"RLTRAIN_TEST_HANG": str(hang), "PYTHONPATH": hooks})  # fmt: skip
     stacks = out / "hangs" / "step_3.txt"
     assert (
         "policy learner 1" in done.stderr and "did not answer within run.actor_timeout_s=30s" in done.stderr

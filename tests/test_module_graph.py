@@ -109,3 +109,56 @@ def test_no_class_over_250_lines_and_no_function_over_80():
                 if length > limit:
                     sizes.append(f"{path.relative_to(PACKAGE.parent)}:{node.name} {length} lines")
     assert not sizes, sizes
+
+
+def code_lines(path: Path) -> int:
+    """Lines that are neither blank, comments nor docstrings."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        line
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant)
+        and isinstance(node.value.value, str)
+        for line in range(node.lineno, node.end_lineno + 1)
+    }  # fmt: skip
+    return sum(
+        1
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and i not in docs
+    )
+
+
+def test_the_rooms_hold_what_their_names_say_and_stay_small():
+    # each stage a folder of at most ~3,000 lines, no module past ~450, an __init__ that exports
+    modules = {path: len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert not [f"{p.relative_to(PACKAGE)}: {n}" for p, n in modules.items() if n > 450]
+    assert not [f"{p.relative_to(PACKAGE)}: {code_lines(p)}" for p in modules
+                if p.name == "__init__.py" and code_lines(p) > 60]  # fmt: skip
+    folders = {}
+    for path, n in modules.items():
+        if path.parent != PACKAGE:
+            folders[path.parent.name] = folders.get(path.parent.name, 0) + n
+    assert set(folders) == set(FLOORS) - {"ground", "top"}
+    assert not {name: n for name, n in folders.items() if n > 3000}, folders
+    names = [path.stem for path in modules]
+    assert "checks" not in {p.stem for p in (PACKAGE / "run").glob("*.py")}  # the run's is its preflight
+    assert names.count("routers") + names.count("routes") <= 1  # one module of that name: the routers
+
+
+def test_moved_modules_import_under_their_old_names_for_one_release_with_a_warning():
+    import importlib
+    import sys
+    import warnings
+
+    from rltrain import MOVED
+
+    for old, new in MOVED.items():
+        assert not (PACKAGE.parent / (old.replace(".", "/") + ".py")).exists(), old  # gone as a file
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
+        real = importlib.import_module(new)
+        public = [name for name in vars(real) if not name.startswith("_")]
+        assert all(getattr(module, name) is getattr(real, name) for name in public), old

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,28 +43,6 @@ from rltrain.remote import where
 
 # counted once per step (not per PPO epoch): tokens the model ran on (padding included) and real ones
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens"]
-
-
-HANG_ENV = "RLTRAIN_TEST_HANG"  # fault injection for the hang-report test (tests/test_faults.py)
-
-
-def _planted_hang(rank: int, optimizer_steps: int) -> None:
-    """When the file named by ``$RLTRAIN_TEST_HANG`` says ``<rank> <optimizer steps> <seconds>`` for
-    this rank and step, delete it (so a restarted run goes on) and sleep in :func:`planted_sleep`."""
-    path = os.environ.get(HANG_ENV)
-    if not path:
-        return
-    try:  # another rank may delete it between a check and the read
-        want_rank, want_steps, seconds = Path(path).read_text().split()
-    except FileNotFoundError:
-        return
-    if (int(want_rank), int(want_steps)) == (rank, optimizer_steps):
-        os.unlink(path)
-        planted_sleep(float(seconds))
-
-
-def planted_sleep(seconds: float) -> None:
-    time.sleep(seconds)
 
 
 def peak_memory_mib(use_cuda: bool) -> float:
@@ -263,7 +240,6 @@ class EngineLearner(LearnerState):
     def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
         """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
 
-        _planted_hang(self.rank, self.optimizer_steps)
         start = time.perf_counter()
         lc, mode = self.lc, self.config.loss.masked_mean_denominator
         aggregation = self.config.loss.aggregation

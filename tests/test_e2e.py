@@ -413,13 +413,15 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
 
     monkeypatch.setattr(Orchestrator, "next_batch", nothing_at_steps_1_and_3)
     # stopped after step 3 of 4 by run.stop_after, a step skipped: the stop and its checkpoint hold
-    # all the same (with a checkpoint to resume from, no final model)
+    # all the same (with a checkpoint to resume from, no final model); the loss is DPPO's (Binary-KL)
     overrides = [
         *SMALL,
         f"run.output_dir={tmp_path}",
         "run.steps=4",
         "run.stop_after=3",
         "run.checkpoint_every=0",
+        "loss.kind=dppo",
+        "loss.dppo_divergence=kl",
     ]
     train(load_config(str(REPO / "configs/cpu_demo.yaml"), overrides))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -430,6 +432,8 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
     # since step 1 skipped its update: fresh, not a version old, so nothing is dropped and it trains
     assert rows[1]["rollout/staleness_max"] == 0 and rows[1]["rollout/stale_dropped"] == 0
     assert "train/skipped" not in rows[1] and rows[1]["train/tokens"] > 0
+    masked = rows[1]["loss/dppo_masked_low"] + rows[1]["loss/dppo_masked_high"]
+    assert 0 <= masked <= 1 and rows[1]["train/clip_fraction"] == pytest.approx(masked)
 
 
 def test_a_ray_instance_something_else_started_and_a_port_in_use_are_left_alone(tmp_path):

@@ -384,6 +384,41 @@ def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
     assert control_diff > 1e-2, control_diff
 
 
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_in_token_mode_gives_one_learners_update_in_every_layout(divergence, ray_local, tiny_model_path):
+    # an engine whose log-probs are off by N(0, 0.8) (the anchor): DPPO masks the tokens the policy
+    # moved past the bound, on each side; the masked tokens stay in the token totals (their loss is
+    # 0), so 2 learners x 2 micro-batches under ZeRO-2 give one learner's single micro-batch update
+    from rltrain.loss.dppo import dppo_mask
+
+    batch = straddling_rollouts().replace(old_logprobs=None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    learner_logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
+    g = torch.Generator().manual_seed(5)
+    batch = batch.replace(
+        generator_logprobs=learner_logprobs + 0.8 * torch.randn(learner_logprobs.shape, generator=g)
+    )
+    # the tiny model's probabilities are ~1/260: bounds at that scale mask some tokens on each side
+    delta = {"tv": 1e-3, "kl": 2e-4}[divergence]
+    keep = batch.response_mask.bool() & batch.tool_mask.bool()
+    low, high = dppo_mask(learner_logprobs, batch.generator_logprobs, batch.advantages[:, None].expand_as(keep),
+                          divergence, delta, delta)  # fmt: skip
+    assert 0 < low[keep].sum() and 0 < high[keep].sum() and (low | high)[keep].sum() < keep.sum()
+    loss = {"kind": "dppo", "dppo_divergence": divergence, "dppo_delta_low": delta, "dppo_delta_high": delta}
+    unmasked = {**loss, "dppo_delta_low": 1.0, "dppo_delta_high": 1.0}  # (no token moves that far)
+    reference, naive, layout, control = updates_after_one_step(
+        [layout_config(1, 5, 0, loss=loss), layout_config(2, 2, 2, None, loss=loss), layout_config(2, 2, 2, loss=loss),
+         layout_config(1, 5, 0, loss=unmasked)],
+        tiny_model_path, batch,
+    )  # fmt: skip
+    diff, naive_diff = relative_difference(layout, reference), relative_difference(naive, reference)
+    mask_diff = relative_difference(control, reference)
+    print(f"dppo {divergence}: 2 learners x 2 micro-batches {diff:.3e}; per-micro-batch control {naive_diff:.3e}; "
+          f"without the mask {mask_diff:.3e}")  # fmt: skip
+    assert diff < 1e-5 and naive_diff > 1e-2, (diff, naive_diff)
+    assert mask_diff > 1e-3, mask_diff  # the mask acts in the learners
+
+
 def test_reference_logprobs_under_sequence_parallelism_cover_every_rank_s_tokens(ray_local, tiny_model_path):
     # algorithm.kl_in_reward reads the reference's per-token log-probs through LearnerGroup.per_token;
     # with sp=2 each rank computes the tokens it owns (0 elsewhere), and only the first rank's share

@@ -202,3 +202,31 @@ def test_gspo_sequence_ratio_uses_the_whole_sequence_when_a_rank_holds_part():
                         sequence_tokens_B=torch.tensor([4]), sequence_sum=lambda x: x + 0.4)  # fmt: skip
     # every token's ratio is exp(0.8 / 4) = exp(0.2); loss = -A * ratio = exp(0.2)
     assert loss[0, :2].tolist() == pytest.approx([math.exp(0.2)] * 2)
+
+
+def test_dppo_masks_tokens_moved_past_the_divergence_bound_in_their_advantages_direction():
+    from rltrain.loss.dppo import dppo_loss
+
+    # anchor probability 0.5 everywhere; the policy's 0.7, 0.55, 0.3, 0.45, 0.3
+    anchor = torch.full((1, 5), 0.5).log()
+    logprobs = torch.tensor([[0.7, 0.55, 0.3, 0.45, 0.3]]).log().requires_grad_()
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    # TV, delta 0.1: token 0 moved up 0.2 with A > 0 (masked high), token 2 down 0.2 with A < 0
+    # (masked low); tokens 1 and 3 moved 0.05; token 4 moved down 0.2 but A > 0: not its direction
+    loss, low, high = dppo_loss(logprobs, anchor, advantages, "tv", 0.1, 0.1)
+    assert low.tolist() == [[False, False, True, False, False]]
+    assert high.tolist() == [[True, False, False, False, False]]
+    # -A * r on the rest: token 1 -1.1 (0.55 / 0.5), token 3 +0.9, token 4 -0.6
+    torch.testing.assert_close(loss, torch.tensor([[0.0, -1.1, 0.0, 0.9, -0.6]]))
+    loss.sum().backward()  # d(-A r)/d log p = -A r
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -1.1, 0.0, 0.9, -0.6]]))
+    # a ratio cap of 1.05: token 1's r = 1.1 counts 1.05, in value and in its gradient's weight
+    logprobs.grad = None
+    capped, _, _ = dppo_loss(logprobs, anchor, advantages, "tv", 0.1, 0.1, ratio_cap=1.05)
+    capped.sum().backward()
+    assert capped[0, 1].item() == pytest.approx(-1.05) and logprobs.grad[0, 1].item() == pytest.approx(-1.05)
+    # KL(Bern(0.5) || Bern(0.7)) = 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 > 0.05: masked;
+    # KL(Bern(0.5) || Bern(0.55)) = 0.5 ln(0.5/0.55) + 0.5 ln(0.5/0.45) = 0.0050: kept
+    _, low, high = dppo_loss(logprobs, anchor, advantages, "kl", 0.05, 0.05)
+    assert high.tolist() == [[True, False, False, False, False]]
+    assert low.tolist() == [[False, False, True, False, False]]  # (0.5 -> 0.3: 0.0872 as well)

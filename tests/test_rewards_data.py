@@ -354,3 +354,43 @@ def test_a_composite_reasoning_gym_source_mixes_its_datasets_and_scores_each_by_
     assert set(names) == {"chain_sum", "gcd"} and names.count("chain_sum") > names.count("gcd")
     gcd = next(r for r, n in zip(load_rows(data), names) if n == "gcd")
     assert reasoning_gym_reward(json.loads(gcd["answer"])["answer"], gcd["answer"]) == 1.0  # the last line
+
+
+def test_difficulty_sampling_draws_each_pool_by_its_weight_and_resumes_as_it_went():
+    from rltrain.config import DifficultySampling
+    from rltrain.data import Prompt
+
+    prompts = [Prompt(i, [1], "") for i in range(30)]
+    # prompts 0-9 always solved (easy), 10-19 never (hard), 20-29 half the time (normal)
+    means = [1.0] * 10 + [0.0] * 10 + [0.5] * 10
+    pools = {i: "easy" if i < 10 else "hard" if i < 20 else "normal" for i in range(30)}
+    sampler = PromptSampler(prompts, seed=1, difficulty=DifficultySampling(easy_weight=0.0, hard_weight=1.0))
+    sampler.observe(prompts, means)
+    assert sampler.pool_sizes() == {"data/pool_hard": 10.0, "data/pool_normal": 10.0, "data/pool_easy": 10.0}
+    first = [p.index for p in sampler.take(20)]
+    # easy weighs 0: set aside for the epoch; hard and normal weigh 1 each, each prompt once a pass
+    assert sorted(first) == list(range(10, 30))
+    assert 3 <= sum(pools[i] == "hard" for i in first[:10]) <= 7  # drawn by weight, not pool by pool
+    # mid-epoch state (a checkpoint), then a prompt's mean changes: the resumed sampler draws the same
+    sampler.observe(prompts[20:21], [1.0])  # prompt 20 is now easy: left for the epoch's end
+    state = json.loads(json.dumps(sampler.state()))  # (through the checkpoint's JSON)
+    expected = [p.index for p in sampler.take(25)]
+    resumed = PromptSampler(prompts, seed=1, difficulty=DifficultySampling(easy_weight=0.0, hard_weight=1.0))
+    resumed.load_state(state)
+    assert [p.index for p in resumed.take(25)] == expected
+    assert 20 not in expected  # easy now, weight 0
+    # without weights that differ: the plain sampler's order is kept (same draws as before the option)
+    plain = PromptSampler(prompts, seed=1)
+    assert [p.index for p in plain.take(30)] == [p.index for p in PromptSampler(prompts, seed=1).take(30)]
+
+
+def test_a_difficulty_weight_of_zero_on_a_pool_never_draws_it_and_bad_bounds_are_refused():
+    from rltrain.config import ConfigError, DifficultySampling, load_config
+    from rltrain.data import Prompt
+
+    prompts = [Prompt(i, [1], "") for i in range(6)]
+    sampler = PromptSampler(prompts, seed=0, difficulty=DifficultySampling(hard_weight=0.0))
+    sampler.observe(prompts[:3], [0.0, 0.1, 0.25])  # at or below hard_at=0.25: hard
+    assert {p.index for p in sampler.take(12)} == {3, 4, 5}  # four passes over the normal three
+    with pytest.raises(ConfigError, match="easy_at=0.2 must be above hard_at=0.25"):
+        load_config(None, ["data.difficulty_sampling={easy_at: 0.2}"])

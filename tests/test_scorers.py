@@ -445,3 +445,44 @@ def test_a_run_distills_from_a_teacher_with_a_reward_model_and_a_judge_in_the_re
     actors = {place["actor"] for place in json.loads((out / "placement.json").read_text())}
     assert {"teacher 0", "reward model 0"} <= actors
     AutoModelForCausalLM.from_pretrained(out / "final_model")
+
+
+class ByPrompt:
+    """Generator stand-in: every completion of a prompt reads the prompt's answer for prompts 0-1
+    (exact match: solved by the whole group) and "wrong" for the others (never solved), each with one
+    sampled token."""
+
+    def __init__(self):
+        self.requests = []
+
+    def submit(self, requests, seeds):
+        self.requests.append(list(requests))
+        return [list(requests)]
+
+    def collect(self, refs):
+        (requests,) = refs
+        return [Completion(token_ids=[1], tool_mask=[1], text="7" if r == [1, 0] or r == [1, 1] else "wrong")
+                for r in requests]  # fmt: skip
+
+
+def test_difficulty_sampling_learns_each_groups_mean_before_dynamic_sampling_drops_it():
+    from rltrain.data import PromptSampler
+    from rltrain.run.orchestrator import Orchestrator
+
+    # every group has zero variance (all right or all wrong): dynamic sampling drops them all and
+    # refills, 3 rounds; the sampler learns each drawn group's mean all the same
+    config = Config.model_validate({
+        "algorithm": {"group_size": 2, "prompts_per_step": 2, "dynamic_sampling": True, "max_sampling_rounds": 3},
+        "reward": {"functions": {"exact_match": 1.0}}, "run": {"steps": 1},
+        "data": {"difficulty_sampling": {}},
+    })  # fmt: skip
+    prompts = [Prompt(i, [1, i], "7") for i in range(8)]  # (a prompt's ids name it: [1, i])
+    sampler = PromptSampler(prompts, seed=0, difficulty=config.data.difficulty_sampling)
+    with RewardScorer(config.reward.functions, timeout_s=5) as scorer:
+        batch = Orchestrator(config, sampler, ByPrompt(), scorer).next_batch(1)
+    assert batch.metrics["rollout/sampling_rounds"] == 3 and not batch.prompts
+    # 3 rounds x 2 prompts drawn, each group's mean learned: 1.0 (easy) for prompts 0-1, 0.0 (hard)
+    assert len(sampler.latest) == 6
+    assert all(mean == (1.0 if i < 2 else 0.0) for i, mean in sampler.latest.items())
+    assert batch.metrics["data/pool_easy"] + batch.metrics["data/pool_hard"] == 6
+    assert batch.metrics["data/pool_normal"] == 2  # the two never drawn

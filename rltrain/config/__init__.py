@@ -12,9 +12,9 @@ or vllm. This module only exports.
 """
 
 # ruff: noqa: I001  (the exports, wrapped: one name a line would be most of the file)
-from rltrain.config.generation import (AgentConfig, DataConfig, EnvConfig, EvalConfig, JudgeConfig,
-                                      RewardConfig, RolloutConfig, SandboxConfig, SFTWarmupConfig,
-                                      ToolsConfig)  # fmt: skip
+from rltrain.config.generation import (AgentConfig, DataConfig, DifficultySampling, EnvConfig, EvalConfig,
+                                      JudgeConfig, RewardConfig, RolloutConfig, SandboxConfig,
+                                      SFTWarmupConfig, ToolsConfig)  # fmt: skip
 from rltrain.config.help import describe
 from rltrain.config.loading import dump, load_config, validate
 from rltrain.config.optimization import (AUTO_MISMATCH_KL, BUILTIN_TASK, DENOMINATOR_KEY, SFT_FROM_ENV,
@@ -28,8 +28,9 @@ from rltrain.config.spellings import RESPELLED, describe_respelled
 
 __all__ = ["AUTO_MISMATCH_KL", "BUILTIN_TASK", "DENOMINATOR_KEY", "RESPELLED", "SFT_FROM_ENV", "TINY_MODEL",
            "TINY_MOE_MODEL", "VERIFIERS", "AgentConfig", "Aggregation", "AlgorithmConfig", "Config",
-           "ConfigError", "CriticConfig", "CriticLearnerConfig", "DataConfig", "Denominator", "EnvConfig",
-           "EvalConfig", "FrozenLearnerConfig", "JudgeConfig", "LearnerConfig", "LoraConfig", "LossConfig",
-           "ModelConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig",
-           "SFTWarmupConfig", "SandboxConfig", "Section", "ToolsConfig", "describe", "describe_respelled",
-           "dump", "first_line", "load_config", "resolve_denominator", "validate"]  # fmt: skip
+           "ConfigError", "CriticConfig", "CriticLearnerConfig", "DataConfig", "Denominator",
+           "DifficultySampling", "EnvConfig", "EvalConfig", "FrozenLearnerConfig", "JudgeConfig",
+           "LearnerConfig", "LoraConfig", "LossConfig", "ModelConfig", "RewardConfig", "RolloutConfig",
+           "RolloutCorrectionConfig", "RunConfig", "SFTWarmupConfig", "SandboxConfig", "Section",
+           "ToolsConfig", "describe", "describe_respelled", "dump", "first_line", "load_config",
+           "resolve_denominator", "validate"]  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rltrain.config.optimization import BUILTIN_TASK, FrozenLearnerConfig, Section
 
@@ -163,6 +163,30 @@ class RolloutConfig(Section):
     hermes with an environment, tag without. Without an environment only `tag` is available."""
 
 
+class DifficultySampling(Section):
+    """Prompts drawn by their observed difficulty (prime-rl's difficulty pools): each prompt's
+    latest group mean reward puts it in the hard, normal or easy pool (unseen prompts are normal),
+    and each draw picks a pool by these weights, then that pool's next prompt of the epoch's order.
+    A weight of 0 sets its pool aside for the epoch."""
+
+    hard_at: float = 0.25
+    """A prompt whose latest group mean reward is at most this is hard."""
+    easy_at: float = 1.0
+    """A prompt whose latest group mean reward is at least this is easy."""
+    hard_weight: float = Field(0.2, ge=0)
+    """How often a draw takes a hard prompt, against the other pools' weights."""
+    normal_weight: float = Field(1.0, gt=0)
+    """The normal pool's weight (unseen prompts are normal: it must be drawn)."""
+    easy_weight: float = Field(0.2, ge=0)
+    """The easy pool's weight; 0: prompts the policy always solves are not drawn again this epoch."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DifficultySampling:
+        if self.easy_at <= self.hard_at:
+            raise ValueError(f"easy_at={self.easy_at} must be above hard_at={self.hard_at}")
+        return self
+
+
 class DataConfig(Section):
     source: str = BUILTIN_TASK
     """A built-in (`builtin:arithmetic`; `builtin:guess` and `builtin:chain`, the rows of those
@@ -194,6 +218,11 @@ class DataConfig(Section):
     """Column with the reference answer."""
     system_prompt: str | None = None
     """Optional system message for the chat template."""
+    difficulty_sampling: DifficultySampling | None = None
+    """Draw prompts by their observed difficulty (`{}` for the defaults: hard at or below a group
+    mean reward of 0.25, weight 0.2; easy at 1.0, weight 0.2; normal weight 1); null: shuffled
+    passes over every prompt. Held in the checkpoint; logged as data/pool_easy, data/pool_hard,
+    data/pool_normal (prompts in each pool)."""
     max_prompt_tokens: int = Field(128, ge=1)
     """Prompts longer than this are rejected when loading."""
 

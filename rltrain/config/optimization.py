@@ -226,8 +226,24 @@ class RolloutCorrectionConfig(Section):
 
 
 class LossConfig(Section):
-    kind: Literal["ppo", "cispo", "gspo"] = "ppo"
-    """Per-token policy loss: PPO/DAPO clipped surrogate, CISPO or GSPO."""
+    kind: Literal["ppo", "cispo", "gspo", "dppo"] = "ppo"
+    """Per-token policy loss: PPO/DAPO clipped surrogate, CISPO, GSPO, or DPPO (a divergence mask
+    in place of the ratio clip: loss.dppo_*; the clip keys do not apply)."""
+    dppo_divergence: Literal["tv", "kl"] = "tv"
+    """DPPO's divergence estimate per token: `tv` (Binary-TV, |p - p_anchor|) or `kl` (Binary-KL,
+    KL(Bern(p_anchor) || Bern(p)))."""
+    dppo_delta_low: float | None = Field(None, gt=0)
+    """DPPO: a token with a negative advantage leaves the gradient once the policy moved it down by
+    more than this; null: 0.15 for tv, 0.05 for kl (the paper's; prime-rl, SkyRL and verl's
+    generic config use 0.2)."""
+    dppo_delta_high: float | None = Field(None, gt=0)
+    """DPPO: the same bound for tokens with a positive advantage moved up; null: as dppo_delta_low."""
+    dppo_anchor: Literal["rollout", "old"] = "rollout"
+    """DPPO's anchor policy: `rollout`, the engine's sampling log-probs (the paper's, Stable-RL,
+    prime-rl, SkyRL), or `old`, the learner's recomputed old policy (verl)."""
+    dppo_ratio_cap: float | None = Field(None, gt=0)
+    """DPPO: a ratio above this weighs its token's gradient by the cap (truncated importance
+    sampling; verl's clip_ratio_c, 3 by default there); null: no cap (prime-rl, SkyRL)."""
     clip_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)

@@ -35,7 +35,7 @@ class PolicyLearner(EngineLearner):
     a frozen reference model for the KL term."""
 
     METRIC_SUMS = ["pg_loss", "kl", "clipped", "ratio", "entropy", "mismatch_kl", "mismatch_tokens", "rejected",
-                   "tokens"]  # fmt: skip
+                   "dppo_masked_low", "dppo_masked_high", "tokens"]  # fmt: skip
     METRIC_MAXES = ["mismatch_max"]
     TEMPERATURE: float | None = None  # of the log-probs; None: rollout.temperature (the sampling one)
 
@@ -46,6 +46,8 @@ class PolicyLearner(EngineLearner):
             kind=loss.kind, clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip,
             kl_beta=loss.kl_beta, kl_estimator=loss.kl_estimator, correction=rollout_correction(config),
             aggregation=loss.aggregation, aggregation_norm=config.aggregation_norm,
+            dppo_divergence=loss.dppo_divergence, dppo_delta_low=loss.dppo_delta_low,
+            dppo_delta_high=loss.dppo_delta_high, dppo_anchor=loss.dppo_anchor, dppo_ratio_cap=loss.dppo_ratio_cap,
         )  # fmt: skip
         self.ref_model = None
         self.tap: RouterTap | None = None  # a mixture of experts' routers
@@ -212,6 +214,10 @@ class PolicyLearner(EngineLearner):
 
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         out["train/clip_fraction"] = out.pop("train/clipped")
+        for side in ("low", "high"):  # DPPO: the share of loss tokens masked on each side
+            masked = out.pop(f"train/dppo_masked_{side}")
+            if self.loss_settings.kind == "dppo":
+                out[f"loss/dppo_masked_{side}"] = masked
         # the engine's sampling log-probs against the learner's under the same weights: a rollout
         # matter; a mean over the tokens measured (both sums came divided by the loss tokens)
         measured = out.pop("train/mismatch_tokens")

@@ -16,6 +16,8 @@ Departures from the papers:
   caller passes ``sequence_sum`` (one all-reduce in that group, :mod:`rltrain.learner.sequence_parallel`)
   and ``sequence_tokens_B`` (the whole sequence's token count), so every rank uses the sequence's
   full ratio. The ratio is a stop-gradient value, so the sum needs no backward collective.
+- DPPO (:mod:`rltrain.loss.dppo`): a divergence mask in place of the ratio clip, against the
+  engine's sampling policy or the old one (``dppo_anchor``).
 - Every ratio is ``exp`` of a log-ratio clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` (20, as
   verl): a token whose policies disagree wildly (a broken sync, a bf16 outlier) gives a finite loss
   and gradient instead of inf/NaN. Such a token is far outside any clip range, so the bound changes
@@ -31,10 +33,11 @@ from typing import Literal
 import torch
 
 from rltrain.loss.corrections import LOG_RATIO_BOUND, RolloutCorrection, correction_mask, correction_weights
+from rltrain.loss.dppo import Divergence, dppo_loss
 from rltrain.loss.logprobs import token_logprobs
 from rltrain.loss.masked_mean import Aggregation, aggregate, loss_token_mask
 
-PolicyLossType = Literal["ppo", "cispo", "gspo"]
+PolicyLossType = Literal["ppo", "cispo", "gspo", "dppo"]
 KLEstimator = Literal["k1", "k2", "k3", "k3+", "abs"]
 # LOG_RATIO_BOUND (rltrain.loss.corrections): exp(20) ~ 4.9e8, finite in fp32 and bf16
 
@@ -176,6 +179,11 @@ class PolicyLossSettings:
         "token-mean"  # how per-token losses reduce (rltrain.loss.masked_mean.aggregate)
     )
     aggregation_norm: float = 1.0  # the constant of seq-mean-token-sum-norm
+    dppo_divergence: Divergence = "tv"  # DPPO (kind="dppo"): rltrain.loss.dppo
+    dppo_delta_low: float | None = None  # None: the divergence's default (rltrain.loss.dppo.DEFAULT_DELTA)
+    dppo_delta_high: float | None = None
+    dppo_anchor: Literal["rollout", "old"] = "rollout"  # the engine's sampling log-probs, or the old policy's
+    dppo_ratio_cap: float | None = None
 
 
 def _surrogate(
@@ -189,9 +197,7 @@ def _surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_BT, clipped_BT)`` of ``s.kind``, with one advantage per sequence (group estimators)
     or per token (GAE)."""
-    per_sequence = advantages_B.dim() == 1
-    advantages_BT = (advantages_B[:, None] if per_sequence else advantages_B).expand_as(logprobs_BT)
-    advantages_BT = advantages_BT.to(logprobs_BT.dtype)
+    advantages_BT = _per_token(advantages_B, logprobs_BT)
     if s.kind == "ppo":
         return ppo_clip_loss(
             logprobs_BT, old_logprobs_BT, advantages_BT, s.clip_low, s.clip_high, s.dual_clip
@@ -202,6 +208,22 @@ def _surrogate(
         return gspo_loss(logprobs_BT, old_logprobs_BT, advantages_BT, keep_BT, s.clip_low, s.clip_high,
                          sequence_tokens_B, sequence_sum)  # fmt: skip
     raise ValueError(f"policy loss kind must be ppo, cispo or gspo, got {s.kind!r}")
+
+
+def _per_token(advantages_B: torch.Tensor, logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """One advantage per sequence (group estimators) or per token (GAE), as ``[B, T]``."""
+    per_sequence = advantages_B.dim() == 1
+    advantages_BT = (advantages_B[:, None] if per_sequence else advantages_B).expand_as(logprobs_BT)
+    return advantages_BT.to(logprobs_BT.dtype)
+
+
+def _dppo(s: PolicyLossSettings, logprobs_BT, old_logprobs_BT, generator_logprobs_BT, advantages_B):
+    """DPPO's ``(loss_BT, masked_low_BT, masked_high_BT)`` against its anchor: the engine's sampling
+    log-probs where asked for and given, else the old policy's."""
+    rollout = s.dppo_anchor == "rollout" and generator_logprobs_BT is not None
+    anchor = generator_logprobs_BT if rollout else old_logprobs_BT
+    return dppo_loss(logprobs_BT, anchor, _per_token(advantages_B, logprobs_BT), s.dppo_divergence,
+                     s.dppo_delta_low, s.dppo_delta_high, s.dppo_ratio_cap)  # fmt: skip
 
 
 def policy_loss(
@@ -240,9 +262,14 @@ def policy_loss(
     if correction is not None:
         # rejected tokens leave the loss (a caller that computes token totals removed them already)
         keep = correction_mask(old_logprobs_BT, generator_logprobs_BT, keep, correction, sequence_sum)
-    pg, clipped = _surrogate(
-        s, logprobs_BT, old_logprobs_BT, advantages_B, keep, sequence_tokens_B, sequence_sum
-    )
+    masked = None
+    if s.kind == "dppo":
+        pg, *masked = _dppo(s, logprobs_BT, old_logprobs_BT, generator_logprobs_BT, advantages_B)
+        clipped = masked[0] | masked[1]
+    else:
+        pg, clipped = _surrogate(
+            s, logprobs_BT, old_logprobs_BT, advantages_B, keep, sequence_tokens_B, sequence_sum
+        )
     if correction is not None:
         pg = pg * correction_weights(old_logprobs_BT, generator_logprobs_BT, keep, correction, sequence_sum)
 
@@ -268,6 +295,8 @@ def policy_loss(
     }
     if kl is not None:
         metrics["kl"] = token_sum(kl)
+    if masked is not None:  # DPPO: the tokens masked on each side
+        metrics["dppo_masked_low"], metrics["dppo_masked_high"] = (token_sum(m.float()) for m in masked)
     if generator_logprobs_BT is not None:  # over every sampled loss token, rejected ones included
         measured = sampled if fresh_BT is None else sampled & fresh_BT.bool()
         metrics |= sampling_mismatch(old_logprobs_BT, generator_logprobs_BT, measured)

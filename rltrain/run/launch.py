@@ -199,7 +199,7 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     dump(config, out / "config.yaml")
     random.seed(config.run.seed)
     torch.manual_seed(config.run.seed)
-    sampler = PromptSampler(inputs.prompts, config.run.seed)
+    sampler = PromptSampler(inputs.prompts, config.run.seed, config.data.difficulty_sampling)
     scorer = RewardScorer(config.reward.functions, config.reward.timeout_s, config.reward.workers)
     parts: dict[str, Any] = {}
     try:  # a failure while starting still stops what did start

@@ -78,6 +78,7 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         model_scorers,
         model_scores,
     )
+    observe(sampler, scored, config)
     if not alg.dynamic_sampling:
         return scored
     parts, found, rounds = [], 0, 1
@@ -91,6 +92,7 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         more = sampler.take(alg.prompts_per_step)
         more_completions = generators.collect(submit(generators, more, config, step, rounds))
         scored = score(more, more_completions, config, scorer, model_scorers)
+        observe(sampler, scored, config)
         rounds += 1
     merged = ScoredGroups.concat(parts)
     merged = merged.keep(torch.arange(len(merged.prompts)) < alg.prompts_per_step, alg.group_size)
@@ -100,6 +102,21 @@ def collect_groups(generators, refs, prompts, sampler, config: Config, scorer, s
         "rollout/informative_groups": float(len(merged.prompts)),
     }
     return merged
+
+
+def observe(sampler: PromptSampler, scored: ScoredGroups, config: Config) -> None:
+    """Difficulty sampling (``data.difficulty_sampling``): each group's mean reward over the samples
+    that count, before any filter drops it (a group the policy always or never solves is the one
+    to know about)."""
+    if sampler.difficulty is None or not scored.prompts:
+        return
+    n = config.algorithm.group_size
+    counted = (
+        scored.valid() if config.reward.on_failure == "drop" else torch.ones(len(scored.completions)).bool()
+    )
+    rewards_Gn, counted_Gn = scored.rewards.double().view(-1, n), counted.view(-1, n)
+    sums, counts = (rewards_Gn * counted_Gn).sum(-1), counted_Gn.sum(-1)
+    sampler.observe(scored.prompts, [None if k == 0 else (t / k).item() for t, k in zip(sums, counts)])
 
 
 @dataclass
@@ -162,6 +179,8 @@ class Orchestrator:
                                 model_scores)  # fmt: skip
         # the learners hold version step - 1 (the weights after step - 1 updates)
         scored = drop_stale(scored, step - 1, cfg.rollout.max_staleness, cfg.algorithm.group_size)
+        if self.sampler.difficulty is not None:
+            scored.metrics = {**scored.metrics, **self.sampler.pool_sizes()}
         self._after = {s: v for s, v in self._after.items() if s >= step - 1}
         self._after[step] = (self.sampler.state(), list(self.ahead))
         return scored

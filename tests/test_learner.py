@@ -331,6 +331,17 @@ def test_gspo_under_sequence_parallelism_uses_each_whole_sequence_ratio(ray_loca
     assert diff < 1e-5, diff
 
 
+def off_policy_rollouts(model_path: str, seed: int) -> tuple[TrainBatch, torch.Tensor]:
+    """:func:`straddling_rollouts` (no old log-probs) sampled by an engine whose log-probs are the
+    learner's off by N(0, 0.8), and the learner's own."""
+    batch = straddling_rollouts().replace(old_logprobs=None)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    learner_logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
+    g = torch.Generator().manual_seed(seed)
+    noise = 0.8 * torch.randn(learner_logprobs.shape, generator=g)
+    return batch.replace(generator_logprobs=learner_logprobs + noise), learner_logprobs
+
+
 # rejecting rollout corrections through real learners: a token rule and a sequence rule (whose
 # straddling sequence is judged whole across the two sequence-parallel ranks)
 REJECTING = [
@@ -345,14 +356,8 @@ def test_rejected_tokens_leave_the_loss_and_the_token_totals_under_every_layout(
 ):
     from rltrain.loss.corrections import RolloutCorrection, correction_mask
 
-    batch = straddling_rollouts().replace(old_logprobs=None)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    learner_logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
-    g = torch.Generator().manual_seed(3)
     # an engine whose log-probs are off by N(0, 0.8): a token ratio leaves [0.5, 2] with chance ~0.4
-    batch = batch.replace(
-        generator_logprobs=learner_logprobs + 0.8 * torch.randn(learner_logprobs.shape, generator=g)
-    )
+    batch, learner_logprobs = off_policy_rollouts(tiny_model_path, seed=3)
     keep = batch.response_mask.bool() & batch.tool_mask.bool()
     accept = correction_mask(
         learner_logprobs, batch.generator_logprobs, keep, RolloutCorrection(**correction)
@@ -391,13 +396,7 @@ def test_dppo_in_token_mode_gives_one_learners_update_in_every_layout(divergence
     # 0), so 2 learners x 2 micro-batches under ZeRO-2 give one learner's single micro-batch update
     from rltrain.loss.dppo import dppo_mask
 
-    batch = straddling_rollouts().replace(old_logprobs=None)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    learner_logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
-    g = torch.Generator().manual_seed(5)
-    batch = batch.replace(
-        generator_logprobs=learner_logprobs + 0.8 * torch.randn(learner_logprobs.shape, generator=g)
-    )
+    batch, learner_logprobs = off_policy_rollouts(tiny_model_path, seed=5)
     # the tiny model's probabilities are ~1/260: bounds at that scale mask some tokens on each side
     delta = {"tv": 1e-3, "kl": 2e-4}[divergence]
     keep = batch.response_mask.bool() & batch.tool_mask.bool()

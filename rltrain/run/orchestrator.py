@@ -108,7 +108,7 @@ def observe(sampler: PromptSampler, scored: ScoredGroups, config: Config) -> Non
     """Difficulty sampling (``data.difficulty_sampling``): each group's mean reward over the samples
     that count, before any filter drops it (a group the policy always or never solves is the one
     to know about)."""
-    if sampler.difficulty is None or not scored.prompts:
+    if config.data.difficulty_sampling is None or not scored.prompts:
         return
     n = config.algorithm.group_size
     counted = (
@@ -179,7 +179,7 @@ class Orchestrator:
                                 model_scores)  # fmt: skip
         # the learners hold version step - 1 (the weights after step - 1 updates)
         scored = drop_stale(scored, step - 1, cfg.rollout.max_staleness, cfg.algorithm.group_size)
-        if self.sampler.difficulty is not None:
+        if cfg.data.difficulty_sampling is not None:
             scored.metrics = {**scored.metrics, **self.sampler.pool_sizes()}
         self._after = {s: v for s, v in self._after.items() if s >= step - 1}
         self._after[step] = (self.sampler.state(), list(self.ahead))

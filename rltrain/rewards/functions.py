@@ -7,7 +7,7 @@ A reward function has one of two forms, told apart by its signature:
   ``fn(prompts, completions, **kwargs) -> list[float]``, called once per step with every
   completion, keyword arguments ``prompts`` (each completion's prompt text), ``completions`` (their
   texts) and one list per other column of the data rows (``answer``, ...); ``None`` in the list
-  fails that completion.
+  means the function does not apply to that completion (below).
 
 Built-ins:
 
@@ -41,7 +41,6 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -368,12 +367,12 @@ def check_reward_functions(functions: dict[str, float], timeout_s: float, row: d
         fn = load_reward_fn(spec)
         if takes_batches(fn):
             columns = {k: [v] for k, v in row.items() if k not in ("prompt", "answer")}
-            call = partial(
+            call = functools.partial(
                 fn, prompts=[row.get("prompt", "")], completions=[answer], answer=[answer], **columns
             )
             form = "fn(prompts=[...], completions=[...], answer=[...], <other columns>=[...])"
         else:
-            call, form = partial(fn, answer, answer), "fn(completion, answer)"
+            call, form = functools.partial(fn, answer, answer), "fn(completion, answer)"
         try:
             value = with_deadline(timeout_s, call)
             if len(value if takes_batches(fn) else [value]) != 1:

@@ -21,12 +21,12 @@ test-fast: setup       ## unit and invariance tests only (seconds)
 	$(PY) -m pytest -m "not slow and not gpu"
 
 lint: setup
-	$(PY) -m ruff check rltrain tests benchmarks examples
-	$(PY) -m ruff format --check rltrain tests benchmarks examples
+	$(PY) -m ruff check rltrain tests benchmarks examples scripts
+	$(PY) -m ruff format --check rltrain tests benchmarks examples scripts
 
 format: setup
-	$(PY) -m ruff check --fix rltrain tests benchmarks examples
-	$(PY) -m ruff format rltrain tests benchmarks examples
+	$(PY) -m ruff check --fix rltrain tests benchmarks examples scripts
+	$(PY) -m ruff format rltrain tests benchmarks examples scripts
 
 bench: setup           ## every benchmark, each printing a small table (installs trl for the peer comparison)
 	@$(PY) -c "import trl" 2>/dev/null || $(PY) -m pip install -q -c constraints-cpu.txt "trl==1.16.0"

@@ -134,7 +134,9 @@ def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict
         if rng.random() < sft.tool_fraction:
             completion = f"<tool:calculator>{expression}</tool><result>{answer}</result> {answer}"
         else:
-            completion = answer
+            completion = (
+                f" {answer}"  # the answer as a calculator round trip ends: one first token for "answer now"
+            )
         examples.append({"prompt": row["prompt"], "completion": completion})
     return examples
 

@@ -436,48 +436,14 @@ def test_a_step_without_an_update_still_advances_the_engines_version(ray_local, 
     assert 0 <= masked <= 1 and rows[1]["train/clip_fraction"] == pytest.approx(masked)
 
 
-def test_a_ray_instance_something_else_started_and_a_port_in_use_are_left_alone(tmp_path):
-    # ray.init() alone joins a local instance it finds running (its address file under RAY_TMPDIR)
-    # and then refuses num_cpus: "When connecting to an existing cluster, num_cpus and num_gpus must
-    # not be provided". A run without RAY_ADDRESS starts its own instead.
-    venv_bin = Path(sys.executable).parent
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    head = subprocess.Popen([str(venv_bin / "ray"), "start", "--head", "--block", "--num-cpus=1", f"--port={free_port()}",
-                             "--include-dashboard=false"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    try:
-        address_file = Path(temp) / "ray" / "ray_current_cluster"
-        deadline = time.monotonic() + 120
-        while (
-            not (address_file.exists() and address_file.read_text().strip()) and time.monotonic() < deadline
-        ):
-            time.sleep(0.5)
-        theirs = address_file.read_text().strip()
-        # Ray's default port held by something else too (where it is free to hold): the run's own
-        # instance takes free ports
-        code = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-                "try:\n    s.bind(('0.0.0.0', 6379)); s.listen()\nexcept OSError:\n    pass\n"
-                "from rltrain.config import load_config; from rltrain.run.launch import connect_ray; import ray\n"
-                "connect_ray(load_config(None, ['run.ray_num_cpus=4'])); print(ray.get_runtime_context().gcs_address)")  # fmt: skip
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        ours = done.stdout.strip().splitlines()[-1]
-        assert ours and ours != theirs
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
-
-
-def test_ray_job_submit_against_a_local_head(tmp_path):
+def test_ray_job_submit_against_a_local_head_and_a_run_without_ray_address_leaves_that_head_alone(tmp_path):
     venv_bin = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled"}
+    temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # RAY_TMPDIR: where the head writes its address file, and where ray.init() looks for one
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
+           "RAY_TMPDIR": temp_dir}  # fmt: skip
     env.pop("RAY_ADDRESS", None)
     ray = str(Path(venv_bin) / "ray")
-    temp_dir = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     # Its own ports throughout: another Ray instance on this machine (this test session's) holds the
     # defaults, and a job agent that cannot bind its port never registers ("No available agent").
     ports = [
@@ -492,7 +458,7 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
     # (`ray stop` would kill every Ray process on the machine, other test clusters included)
     head = subprocess.Popen(
         [ray, "start", "--head", "--block", "--num-cpus=2", *port_args, "--dashboard-host=127.0.0.1",
-         "--include-dashboard=true", "--dashboard-port=8265", f"--temp-dir={temp_dir}"],
+         "--include-dashboard=true", "--dashboard-port=8265"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )  # fmt: skip
     try:
@@ -500,7 +466,7 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
         out = tmp_path / "job"
         submit = [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--",
                   "python", "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, "run.steps=2",
-                  f"run.output_dir={out}"]  # fmt: skip
+                  f"run.output_dir={out}", HF]  # fmt: skip
         for _attempt in range(30):  # the dashboard answers before its job agent has registered
             done = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             if "No available agent to submit job" not in done.stderr:
@@ -512,6 +478,22 @@ def test_ray_job_submit_against_a_local_head(tmp_path):
         said = re.search(r"rltrain: done; outputs in (\S+)/: ", done.stdout)
         assert said and Path(said.group(1)) == out, done.stdout[-3000:]
         assert (out / "final_model" / "config.json").exists()
+
+        # ray.init() alone joins a local instance it finds running (the head's address file under
+        # RAY_TMPDIR) and then refuses num_cpus: "When connecting to an existing cluster, num_cpus and
+        # num_gpus must not be provided". A run without RAY_ADDRESS starts its own instead, on free
+        # ports even where Ray's default port is held by something else too (where it is free to hold)
+        theirs = (Path(temp_dir) / "ray" / "ray_current_cluster").read_text().strip()
+        code = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                "try:\n    s.bind(('0.0.0.0', 6379)); s.listen()\nexcept OSError:\n    pass\n"
+                "from rltrain.config import load_config; from rltrain.run.launch import connect_ray; import ray\n"
+                "connect_ray(load_config(None, ['run.ray_num_cpus=4'])); print(ray.get_runtime_context().gcs_address)")  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        ours = done.stdout.strip().splitlines()[-1]
+        assert theirs and ours and ours != theirs
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)

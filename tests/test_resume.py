@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 # "grpo" resumes through vLLM, the others generate with the in-process engine (HF)
 RESUME_LAYOUTS = {
     "grpo": [],
-    # (synchronous dynamic sampling resumes in tests/test_faults.py: a killed learner's restart)
-    "dynamic sampling, async": [*REFILLING, "rollout.max_staleness=1", HF],
+    # (with a step generated ahead it resumes in tests/test_faults.py: the killed actors' restarts)
+    "dynamic sampling": [*REFILLING, HF],
     # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
     # normalized over the step's sequences (each split sequence counted once)
     "sequence parallel": ["learner.sequence_parallel_size=2", "loss.aggregation=seq-mean-token-mean", HF],
@@ -88,12 +88,10 @@ def stopped_after_step_2(run: Path, copy: Path) -> None:
         shutil.rmtree(copy / part, ignore_errors=True)
 
 
-# layouts a checkpoint of 2 learners with ZeRO-2 resumes on: from its layout-free state (1 learner,
-# ZeRO-3), and from DeepSpeed's own with each sequence split over both ranks
-ELASTIC = {
-    "1 learner zero-3": ["learner.num_learners=1", "learner.zero_stage=3"],
-    "2 learners sp=2": ["learner.sequence_parallel_size=2"],
-}
+# a layout a checkpoint of 2 learners with ZeRO-2 resumes on, from its layout-free state (1 learner,
+# ZeRO-3); DeepSpeed's own state on a sequence-parallel layout (ZeRO-1, sp=2) resumes in
+# tests/test_learner.py's checkpoint round trip
+ELASTIC = {"1 learner zero-3": ["learner.num_learners=1", "learner.zero_stage=3"]}
 
 
 # when the Ctrl-C comes: during a step (after the first row: step 2 generating or training), while

@@ -51,7 +51,8 @@ def test_warm_up_examples_and_their_tool_masks(tiny_model_path):
     calls = [e["completion"] for e in examples if e["completion"].startswith("<tool:")]
     assert 30 < len(calls) < 70  # ~25% of 200
     assert calls[0] == "<tool:calculator>12 + 30</tool><result>42</result> 42"
-    assert {e["completion"] for e in examples} - set(calls) == {"42"}
+    # a direct answer starts as the call's last words do: its first token (" ") says "answer now"
+    assert {e["completion"] for e in examples} - set(calls) == {" 42"}
     ids, mask = tokenize_completion(calls[0], tokenizer)
     # byte-level tokenizer: one token per character; tool mask 0 exactly on <result>42</result>
     call, result = len("<tool:calculator>12 + 30</tool>"), len("<result>42</result>")
@@ -317,7 +318,7 @@ def test_warm_start_then_held_out_evaluation_and_rltrain_eval(tmp_path, ray_clus
 
 def test_a_reasoning_gym_task_trains_and_is_evaluated_by_its_own_scorer(tmp_path, ray_cluster):
     out = tmp_path / "run"
-    done = run_trainer(out, "data.source=reasoning_gym:chain_sum", "data.size=64",
+    done = run_trainer(out, "data.source=reasoning_gym:chain_sum", "data.size=64", "rollout.backend=hf",
                        "data.task_config={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
                        "data.max_prompt_tokens=200", "reward.functions={reasoning_gym: 1.0}",
                        "rollout.tools.enabled=[]", "sft_warmup.steps=0", "run.steps=1", "run.eval_every=1",

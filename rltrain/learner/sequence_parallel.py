@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.attention import document_attention, register_attention
-from rltrain.loss.logprobs import Truncation, pack_sequences, token_logprobs_and_entropy
+from rltrain.loss.logprobs import Truncation, head_forward, pack_sequences, predicted_logprobs
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None
@@ -161,15 +161,15 @@ def sequence_logprobs(
     ids_1L, positions_1L = pack_sequences(input_ids_BT, attention_mask_BT)
     length = ids_1L.shape[1]
     local_ids, local_positions = shard_packed_row(ids_1L, positions_1L, sp, rank)
-    logits_1NV = model(
-        input_ids=local_ids, position_ids=local_positions, attention_mask=None, use_cache=False
-    ).logits
+    states_1N, head = head_forward(
+        model, input_ids=local_ids, position_ids=local_positions, attention_mask=None
+    )
     # targets: the next token of the whole row (the last local position predicts the first of the
     # next rank's slice); positions past the row predict padding and are dropped below
     part = row_slice(length, sp, rank)
     targets_1N = F.pad(ids_1L, (0, part.stop + 1 - length))[:, part.start + 1 : part.stop + 1]
-    logprobs_1N, entropy_1N = token_logprobs_and_entropy(
-        logits_1NV, targets_1N, temperature, with_entropy=with_entropy, truncation=truncation
+    logprobs_1N, entropy_1N = predicted_logprobs(
+        states_1N, head, targets_1N, temperature, with_entropy, truncation
     )
     # packed index j = part.start + 1 + n; a document's first token is predicted by the previous
     # document and gets 0, as in the single-rank packed layout

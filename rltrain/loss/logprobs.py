@@ -1,17 +1,24 @@
-"""Per-token log-probs and entropy from logits without a full float32 log-softmax (pure torch).
+"""Per-token log-probs and entropy without a full float32 log-softmax, and without the model's
+``[tokens, vocab]`` logits at all (pure torch).
 
 ``logits.float().log_softmax(-1)`` on ``[B*T, V]`` bf16 logits allocates 4 bytes per vocabulary
 entry per token (plus the same again for autograd), several GB at a 150k vocabulary. Here rows are
 processed in chunks whose float32 working set stays under ``max_chunk_bytes``, and the backward pass
 recomputes each chunk's softmax instead of saving it: the only extra memory autograd keeps is one
 float per token (the log-normalizer).
+
+A model's forward (:func:`sequence_logprobs`) goes further: it stops at the last hidden states and
+applies the output head chunk by chunk (:func:`head_logprobs_and_entropy`), so the logits of only one
+chunk of tokens exist at a time, in the forward and again in the backward, which recomputes them.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 
@@ -74,29 +81,32 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     and backward. Each chunk is upcast once and worked on in place."""
 
     @staticmethod
-    def forward(ctx, logits_NV, targets_N, temperature, rows_per_chunk, with_entropy, truncation):  # type: ignore[override]
+    def forward(ctx, logits_NV, targets_N, temperature, rows_per_chunk, with_entropy, truncation, lse_N=None):  # type: ignore[override]
+        # lse_N given: a recomputation (activation checkpointing) of a forward whose log-normalizers
+        # are known; only what the backward needs is saved, the outputs are not used
         n = logits_NV.shape[0]
-        logprobs_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
-        lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        logprobs_N = torch.zeros(n, dtype=torch.float32, device=logits_NV.device)
         entropy_N = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits_NV.device)
-        for start in range(0, n, rows_per_chunk):
-            rows = slice(start, start + rows_per_chunk)
-            z = _scaled(logits_NV[rows], targets_N[rows], temperature, truncation)  # [chunk, V]
-            lse = torch.logsumexp(z, dim=-1)
-            lse_N[rows] = lse
-            logprobs_N[rows] = z.gather(-1, targets_N[rows, None]).squeeze(-1) - lse
-            if with_entropy:
-                # H = lse - sum(softmax * z) (a truncated token: probability 0, its -inf made finite)
-                finite = z.clamp(min=torch.finfo(z.dtype).min)
-                entropy_N[rows] = lse - torch.exp(z - lse[:, None]).mul_(finite).sum(-1)
+        if lse_N is None:
+            lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+            for start in range(0, n, rows_per_chunk):
+                rows = slice(start, start + rows_per_chunk)
+                z = _scaled(logits_NV[rows], targets_N[rows], temperature, truncation)  # [chunk, V]
+                lse = torch.logsumexp(z, dim=-1)
+                lse_N[rows] = lse
+                logprobs_N[rows] = z.gather(-1, targets_N[rows, None]).squeeze(-1) - lse
+                if with_entropy:
+                    # H = lse - sum(softmax * z) (a truncated token: probability 0, its -inf made finite)
+                    finite = z.clamp(min=torch.finfo(z.dtype).min)
+                    entropy_N[rows] = lse - torch.exp(z - lse[:, None]).mul_(finite).sum(-1)
         ctx.save_for_backward(logits_NV, targets_N, lse_N)
         ctx.temperature, ctx.truncation = temperature, truncation
         ctx.rows_per_chunk = rows_per_chunk
-        ctx.mark_non_differentiable(entropy_N)
-        return logprobs_N, entropy_N
+        ctx.mark_non_differentiable(entropy_N, lse_N)
+        return logprobs_N, entropy_N, lse_N
 
     @staticmethod
-    def backward(ctx, grad_N, _grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_N, _grad_entropy, _grad_lse):  # type: ignore[override]
         logits_NV, targets_N, lse_N = ctx.saved_tensors
         t, step = ctx.temperature, ctx.rows_per_chunk
         grad_logits_NV = torch.empty_like(logits_NV)
@@ -109,7 +119,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             chunk = chunk.sub_(lse_N[rows, None]).exp_().mul_(-g)  # -g * softmax
             chunk.scatter_add_(-1, targets_N[rows, None], g)
             grad_logits_NV[rows] = chunk
-        return grad_logits_NV, None, None, None, None, None
+        return grad_logits_NV, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -145,7 +155,7 @@ def token_logprobs_and_entropy(
     logits_NV = logits_BTV.reshape(-1, vocab)
     targets_N = token_ids_BT.reshape(-1).long()
     rows = _rows_per_chunk(vocab, max_chunk_bytes)
-    logprobs, entropy = _SelectiveLogSoftmax.apply(
+    logprobs, entropy, _ = _SelectiveLogSoftmax.apply(
         logits_NV, targets_N, float(temperature), rows, with_entropy, truncation or None
     )
     return logprobs.reshape(lead), entropy.reshape(lead) if with_entropy else None
@@ -160,6 +170,109 @@ def token_entropy(
     return token_logprobs_and_entropy(logits_BTV, zeros, temperature, max_chunk_bytes)[1]
 
 
+# ---------------------------------------------------------------------------- from hidden states
+
+
+def head_logprobs_and_entropy(
+    head: torch.nn.Module,
+    hidden_BTH: torch.Tensor,
+    token_ids_BT: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    with_entropy: bool = True,
+    truncation: Truncation | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs_and_entropy` of ``head(hidden_BTH)`` without those logits: the head
+    runs on a chunk of tokens at a time, and under autograd each chunk is recomputed in the backward
+    (activation checkpointing) rather than kept. ``head`` is the model's output module itself (a
+    tied, LoRA-adapted or biased head computes as it does in the model's own forward, and its
+    parameters get their gradients through it)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    *lead, width = hidden_BTH.shape
+    hidden_NH, targets_N = hidden_BTH.reshape(-1, width), token_ids_BT.reshape(-1).long()
+    step = _rows_per_chunk(_head_outputs(head), max_chunk_bytes)
+    recompute = torch.is_grad_enabled() and (
+        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+
+    known: dict[int, torch.Tensor] = {}  # each chunk's log-normalizers, from its first forward
+
+    def chunk(start: int, h_nH: torch.Tensor, t_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # run again in the backward (recompute), it only rebuilds the logits the backward needs
+        lse = known.get(start)
+        logprobs, entropy, known[start] = _SelectiveLogSoftmax.apply(
+            head(h_nH), t_n, float(temperature), h_nH.shape[0], with_entropy and lse is None,
+            truncation or None, lse,
+        )  # fmt: skip
+        return logprobs, entropy
+
+    parts = []
+    for start in range(0, hidden_NH.shape[0], step):
+        rows = slice(start, start + step)
+        if recompute:
+            parts.append(checkpoint(chunk, start, hidden_NH[rows], targets_N[rows], use_reentrant=False))
+        else:
+            parts.append(chunk(start, hidden_NH[rows], targets_N[rows]))
+    if not parts:  # no tokens
+        empty = hidden_NH.new_zeros(lead, dtype=torch.float32)
+        return empty, empty if with_entropy else None
+    logprobs = torch.cat([p[0] for p in parts]).reshape(lead)
+    return logprobs, torch.cat([p[1] for p in parts]).reshape(lead) if with_entropy else None
+
+
+def _head_outputs(head: torch.nn.Module) -> int:
+    """The vocabulary size of an output head (its weight's rows; a ZeRO-3 partitioned weight keeps
+    its full shape in ``ds_shape``)."""
+    weight = head.weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
+def head_forward(
+    model: torch.nn.Module, from_hidden: bool = True, **inputs
+) -> tuple[torch.Tensor, torch.nn.Module | None]:
+    """The model's forward up to what the log-probs need: ``(last hidden states [B, T, H], the
+    output head)`` where the model's logits are its output head applied to its decoder's last hidden
+    state, or ``(logits [B, T, V], None)`` where they are not (a head with soft-capping or a logit
+    scale, a model without ``logits_to_keep``) or ``from_hidden`` is false.
+
+    ``model`` may be a DeepSpeed engine or a peft model around the causal LM: the call goes through
+    it as any forward does (its hooks run), asking the LM to keep no logits, while a hook on the
+    decoder takes its output."""
+    parts = _decoder_and_head(model) if from_hidden else None
+    if parts is None:
+        return model(**inputs, use_cache=False).logits, None
+    decoder, head = parts
+    taken: list[torch.Tensor] = []
+    hook = decoder.register_forward_hook(lambda _module, _args, out: taken.append(out[0]))
+    try:
+        none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+        model(**inputs, use_cache=False, logits_to_keep=none)
+    finally:
+        hook.remove()
+    return taken[-1], head
+
+
+UNFOLDED_HEADS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    lm = getattr(model, "module", model)  # a DeepSpeed engine's model
+    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a peft model's
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    config = getattr(lm, "config", None)
+    if (
+        head is None
+        or not hasattr(head, "weight")
+        or not hasattr(lm, "get_decoder")
+        or "logits_to_keep" not in inspect.signature(type(lm).forward).parameters
+        or any(getattr(config, name, None) not in (None, 1, 1.0) for name in UNFOLDED_HEADS)
+    ):
+        return None
+    decoder = lm.get_decoder()
+    return (decoder, head) if decoder is not lm else None
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids_BT: torch.Tensor,
@@ -168,6 +281,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     packed: bool = False,
     truncation: Truncation | None = None,
+    from_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0);
     with a ``truncation`` (the engine's top_k/top_p/min_p), of the distribution it sampled from.
@@ -177,20 +291,48 @@ def sequence_logprobs(
 
     ``packed=True`` runs the model on one padding-free row (:func:`packed_forward`) and scatters
     the result back to ``[B, T]``: the same values, without computing anything for padding.
+    ``from_hidden`` (where the model allows, :func:`head_forward`): from the last hidden states, the
+    head applied chunk by chunk; false: from the model's full logits.
     """
     if packed:
         return _packed_sequence_logprobs(
-            model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation
+            model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation, from_hidden
         )
-    logits_BTV = padded_forward(model, input_ids_BT, attention_mask_BT).logits
-    # logits at t predict token t+1
-    logprobs, entropy = token_logprobs_and_entropy(
-        logits_BTV[:, :-1], input_ids_BT[:, 1:], temperature, with_entropy=with_entropy, truncation=truncation
+    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    states, head = head_forward(
+        model,
+        from_hidden,
+        input_ids=input_ids_BT,
+        attention_mask=attention_mask_BT,
+        position_ids=position_ids,
+    )
+    # the prediction at t is for token t+1
+    logprobs, entropy = predicted_logprobs(
+        states[:, :-1], head, input_ids_BT[:, 1:], temperature, with_entropy, truncation
     )
     zero_col = logprobs.new_zeros(logprobs.shape[0], 1)
     logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
     entropy_BT = None if entropy is None else torch.cat([zero_col, entropy], dim=1)
     return logprobs_BT, entropy_BT
+
+
+def predicted_logprobs(
+    states: torch.Tensor,
+    head: torch.nn.Module | None,
+    token_ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    truncation: Truncation | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``token_ids`` from what :func:`head_forward` returned for the
+    positions that predict them: hidden states and the head, or logits (``head`` None)."""
+    if head is None:
+        return token_logprobs_and_entropy(
+            states, token_ids, temperature, with_entropy=with_entropy, truncation=truncation
+        )
+    return head_logprobs_and_entropy(
+        head, states, token_ids, temperature, with_entropy=with_entropy, truncation=truncation
+    )
 
 
 def padded_forward(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
@@ -243,13 +385,16 @@ def packed_forward(model: torch.nn.Module, input_ids_1L: torch.Tensor, position_
 
 
 def _packed_sequence_logprobs(
-    model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None
+    model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None, from_hidden=True
 ):
     keep_BT = attention_mask_BT.bool()
     input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
-    logits_1LV = packed_forward(model, input_ids_1L, position_ids_1L).logits
-    logprobs_1L, entropy_1L = token_logprobs_and_entropy(
-        logits_1LV[:, :-1], input_ids_1L[:, 1:], temperature, with_entropy=with_entropy, truncation=truncation
+    # (no attention mask: see packed_forward)
+    states, head = head_forward(
+        model, from_hidden, input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None
+    )
+    logprobs_1L, entropy_1L = predicted_logprobs(
+        states[:, :-1], head, input_ids_1L[:, 1:], temperature, with_entropy, truncation
     )
     # a document's first token would be "predicted" by the previous document's last one: it gets 0,
     # as position 0 does in the padded layout

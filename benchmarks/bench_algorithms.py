@@ -1,0 +1,119 @@
+"""The policy losses and prompt sampling on the demo: PPO's ratio clip (the demo's loss), DPPO with
+its Binary-TV and Binary-KL masks, and PPO with difficulty sampling, each over the same seeds, with
+the demo's warm start, reward, generation budget and evaluation. Prints held-out accuracy after the
+warm start, at the end and its best, the steps and wall time until it first reached 90%, and the whole
+run's time; plots held-out accuracy against wall time since the start of each run.
+
+    python benchmarks/bench_algorithms.py [--seeds 0 1 2] [--out docs/algorithms_demo.png] [overrides ...]
+
+Each run is `python -m rltrain.train --config configs/cpu_demo.yaml run.seed=S <the variant's keys>`,
+one after another. A held-out point's wall time is when its row was logged (the tensorboard event's
+time) less the run's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import table
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/cpu_demo.yaml"
+VARIANTS = {
+    "ppo clip": [],
+    "dppo tv": ["loss.kind=dppo", "loss.dppo_divergence=tv"],
+    "dppo kl": ["loss.kind=dppo", "loss.dppo_divergence=kl"],
+    "ppo + difficulty sampling": ["data.difficulty_sampling={}"],
+}
+TARGET = 0.9
+
+
+def held_out_curve(out: Path, started: float) -> list[tuple[int, float, float]]:
+    """(step, seconds since the run started, held-out accuracy) of every evaluation."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [(e.step, e.wall_time - started, e.value) for e in events.Scalars("eval/accuracy")]
+
+
+def run(variant: list[str], seed: int, overrides: list[str], out: Path) -> dict:
+    started = time.time()
+    subprocess.run(
+        [sys.executable, "-m", "rltrain.train", "--config", CONFIG, f"run.seed={seed}", f"run.output_dir={out}",
+         *overrides, *variant],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    wall = time.time() - started
+    curve = held_out_curve(out, started)
+    reached = next(((step, s) for step, s, acc in curve if acc >= TARGET), (None, None))
+    warm = out / "sft_model" / "rltrain_sft.json"
+    return {
+        "curve": curve,
+        "before": curve[0][2],
+        "after": curve[-1][2],
+        "best": max(acc for _, _, acc in curve[1:]),
+        "step at 90%": reached[0],
+        "s at 90%": reached[1],
+        "warm-up s": json.loads(warm.read_text())["seconds"] if warm.exists() else 0.0,
+        "run s": wall,
+    }
+
+
+def plot(results: dict[str, dict[int, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = dict(zip(results, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for name, seeds in results.items():
+        for i, r in enumerate(seeds.values()):
+            seconds, accuracy = [s for _, s, _ in r["curve"]], [a for _, _, a in r["curve"]]
+            ax.plot(seconds, accuracy, color=colors[name], alpha=0.8, marker=".",
+                    label=name if i == 0 else None)  # fmt: skip
+    ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("seconds since the run started (warm start, start-up, RL steps, evaluations)")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title(f"{CONFIG}, seeds {', '.join(map(str, next(iter(results.values()))))}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--out", default="algorithms_demo.png", help="the plot")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-algorithms-"))
+    results: dict[str, dict[int, dict]] = {}
+    rows = []
+    for name in args.variants:
+        results[name] = {}
+        for seed in args.seeds:
+            folder = tmp / f"{name.replace(' ', '-')}-seed{seed}"
+            r = results[name][seed] = run(VARIANTS[name], seed, args.overrides, folder)
+            print(f"done: {name} seed {seed}", file=sys.stderr, flush=True)
+            rows.append([name, seed, f"{r['before']:.1%}", f"{r['after']:.1%}", f"{r['best']:.1%}",
+                         "-" if r["step at 90%"] is None else r["step at 90%"],
+                         "-" if r["s at 90%"] is None else f"{r['s at 90%']:.0f}",
+                         f"{r['warm-up s']:.0f}", f"{r['run s']:.0f}"])  # fmt: skip
+    print(f"{CONFIG} {' '.join(args.overrides)}; held-out accuracy (greedy), 90% = the demo's goal")
+    print(table(["variant", "seed", "warm start", "end", "best", "step at 90%", "s at 90%", "warm-up s", "run s"],
+                rows))  # fmt: skip
+    plot(results, Path(args.out))
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

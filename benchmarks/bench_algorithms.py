@@ -6,9 +6,12 @@ run's time; plots held-out accuracy against wall time since the start of each ru
 
     python benchmarks/bench_algorithms.py [--seeds 0 1 2] [--out docs/algorithms_demo.png] [overrides ...]
 
-Each run is `python -m rltrain.train --config configs/cpu_demo.yaml run.seed=S <the variant's keys>`,
-one after another. A held-out point's wall time is when its row was logged (the tensorboard event's
-time) less the run's start.
+Each run is `python -m rltrain.train --config configs/cpu_demo.yaml run.seed=S learner.num_mini_batches=4
+<the variant's keys>`, one after another. Four optimizer steps a batch (PPO's usual setting) let the
+losses differ: with the demo's one step a batch the policy is exactly the one that sampled when the
+gradient is taken (the ratio is 1 up to the engine's rounding), and the clip and DPPO's mask never act.
+A held-out point's wall time is when its row was logged (the tensorboard event's time) less the
+run's start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ VARIANTS = {
     "ppo + difficulty sampling": ["data.difficulty_sampling={}"],
 }
 TARGET = 0.9
+COMMON = ["learner.num_mini_batches=4"]  # four optimizer steps a batch: the trust regions act
 
 
 def held_out_curve(out: Path, started: float) -> list[tuple[int, float, float]]:
@@ -47,14 +51,20 @@ def run(variant: list[str], seed: int, overrides: list[str], out: Path) -> dict:
     started = time.time()
     subprocess.run(
         [sys.executable, "-m", "rltrain.train", "--config", CONFIG, f"run.seed={seed}", f"run.output_dir={out}",
-         *overrides, *variant],
+         *COMMON, *overrides, *variant],
         cwd=REPO, check=True, capture_output=True,
     )  # fmt: skip
     wall = time.time() - started
     curve = held_out_curve(out, started)
     reached = next(((step, s) for step, s, acc in curve if acc >= TARGET), (None, None))
     warm = out / "sft_model" / "rltrain_sft.json"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "train/clip_fraction" in r]
+    # the share of tokens the trust region took out of the gradient: PPO's clip, or DPPO's mask
+    masked = [r.get("loss/dppo_masked_low", 0) + r.get("loss/dppo_masked_high", 0) if "loss/dppo_masked_low" in r
+              else r["train/clip_fraction"] for r in steps]  # fmt: skip
     return {
+        "masked": sum(masked) / len(masked),
         "curve": curve,
         "before": curve[0][2],
         "after": curve[-1][2],
@@ -106,10 +116,13 @@ def main() -> None:
             print(f"done: {name} seed {seed}", file=sys.stderr, flush=True)
             rows.append([name, seed, f"{r['before']:.1%}", f"{r['after']:.1%}", f"{r['best']:.1%}",
                          "-" if r["step at 90%"] is None else r["step at 90%"],
-                         "-" if r["s at 90%"] is None else f"{r['s at 90%']:.0f}",
+                         "-" if r["s at 90%"] is None else f"{r['s at 90%']:.0f}", f"{r['masked']:.2%}",
                          f"{r['warm-up s']:.0f}", f"{r['run s']:.0f}"])  # fmt: skip
-    print(f"{CONFIG} {' '.join(args.overrides)}; held-out accuracy (greedy), 90% = the demo's goal")
-    print(table(["variant", "seed", "warm start", "end", "best", "step at 90%", "s at 90%", "warm-up s", "run s"],
+    print(
+        f"{CONFIG} {' '.join([*COMMON, *args.overrides])}; held-out accuracy (greedy), 90% = the demo's goal"
+    )
+    print(table(["variant", "seed", "warm start", "end", "best", "step at 90%", "s at 90%", "tokens clipped or masked",
+                 "warm-up s", "run s"],
                 rows))  # fmt: skip
     plot(results, Path(args.out))
     print(f"plot: {args.out}")

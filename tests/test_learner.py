@@ -195,9 +195,10 @@ def test_several_optimizer_steps_per_batch_use_the_pre_update_policy_and_stay_in
 def test_packed_update_equals_padded_and_single_micro_batch_update(ray_local, tiny_model_path):
     # synthetic rollouts: 8 sequences of 4-14 tokens, tool tokens, one all-masked sequence; a budget
     # of 16 tokens gives one or two sequences per micro-batch, 200 puts each rank's share in one.
-    # Under ZeRO-0 one and two learners; under ZeRO-2 and 3 two (one rank partitions nothing)
+    # Under ZeRO-0 one and two learners; under ZeRO-2 and 3 two (one rank partitions nothing). Padded
+    # 2x3 under ZeRO-0 beside them (under ZeRO-2 and 3: test_token_mode_update_is_layout_invariant)
     batch = synthetic_rollouts()
-    layouts = {f"ZeRO-{stage} padded 2x3": layout_config(2, 3, stage) for stage in (0, 2, 3)}
+    layouts = {"ZeRO-0 padded 2x3": layout_config(2, 3, 0)}
     layouts |= {f"ZeRO-{stage} packed {learners} learners, budget {budget}":
                 layout_config(learners, 1, stage, max_tokens_per_micro_batch=budget)
                 for stage in (0, 2, 3) for learners in ((1, 2) if stage == 0 else (2,))

@@ -2,6 +2,7 @@
 uninterrupted run's weights and metric rows, on its own layout and others (elastic); Ctrl-C during a
 step, during a save and twice saves a checkpoint that resumes, every step's row once."""
 
+import math
 import os
 import shutil
 import signal
@@ -30,19 +31,15 @@ pytestmark = pytest.mark.slow
 # "grpo" resumes through vLLM, the others generate with the in-process engine (HF)
 RESUME_LAYOUTS = {
     "grpo": [],
-    # (with a step generated ahead it resumes in tests/test_faults.py: the killed actors' restarts)
-    "dynamic sampling": [*REFILLING, HF],
-    # the two learners share every packed row (data-parallel size 1), with a per-sequence mean
-    # normalized over the step's sequences (each split sequence counted once)
-    "sequence parallel": ["learner.sequence_parallel_size=2", "loss.aggregation=seq-mean-token-mean", HF],
-    # a critic with its own learner, checkpointed and restored beside the policy; its value loss and
-    # the policy loss in Dr. GRPO's per-sequence sum over a constant
-    "ppo with a critic": [
+    # dynamic sampling refilling the batch (with a step generated ahead it resumes in
+    # tests/test_faults.py: the killed actors' restarts), on two learners that share every packed
+    # row (data-parallel size 1), with a per-sequence mean normalized over the step's sequences
+    # (each split sequence counted once)
+    "dynamic sampling, sequence parallel": [
+        *REFILLING,
+        "learner.sequence_parallel_size=2",
+        "loss.aggregation=seq-mean-token-mean",
         HF,
-        "algorithm.advantage=gae",
-        "critic.learners.lr=1e-3",
-        "loss.aggregation=seq-mean-token-sum-norm",
-        "loss.aggregation_norm=16",
     ],
 }
 
@@ -60,11 +57,6 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout,
     straight, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)
-    if "critic" in layout:
-        critic = {run: AutoModelForTokenClassification.from_pretrained(tmp_path / run / "final_critic").state_dict()
-                  for run in ("straight", "resumed")}  # fmt: skip
-        for name in critic["straight"]:
-            torch.testing.assert_close(critic["resumed"][name], critic["straight"][name], rtol=0, atol=1e-6)
     rows = {run: logged_rows(tmp_path / run) for run in ("straight", "resumed")}
     assert [r["step"] for r in rows["resumed"]] == [1, 2, 3]  # step 3's first row replaced, not kept
     assert_same_rows(rows["resumed"][2:], rows["straight"][2:])  # the step after the checkpoint
@@ -81,11 +73,61 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, layout,
 
 def stopped_after_step_2(run: Path, copy: Path) -> None:
     """``copy``: the folder of ``run`` as a run stopped (killed, preempted) after step 2's
-    checkpoint and step 3's metrics left it: no step 3 checkpoint, no exported model."""
+    checkpoint and the later steps' metrics left it: no later checkpoint, no exported model."""
     shutil.copytree(run, copy)
-    (copy / "checkpoints" / "latest").write_text("step_2")
-    for part in ("checkpoints/step_3", "final_model", "final_critic"):
-        shutil.rmtree(copy / part, ignore_errors=True)
+    as_stopped_after_step_2(copy)
+
+
+def as_stopped_after_step_2(run: Path) -> None:
+    """:func:`stopped_after_step_2` in the run's own folder."""
+    (run / "checkpoints" / "latest").write_text("step_2")
+    later = [p for p in (run / "checkpoints").glob("step_*") if int(p.name.removeprefix("step_")) > 2]
+    for part in [*later, run / "final_model", run / "final_critic"]:
+        shutil.rmtree(part, ignore_errors=True)
+
+
+def test_the_ppo_config_waits_for_its_critic_exports_both_models_and_resumes_as_an_uninterrupted_run(
+    tmp_path, ray_cluster
+):
+    # configs/cpu_ppo.yaml (vLLM; a critic with its own learner, checkpointed and restored beside the
+    # policy) with a short warm start and 4 steps, its value loss and policy loss in Dr. GRPO's
+    # per-sequence sum over a constant (that it learns the task is measured by
+    # benchmarks/bench_demo.py; that the critic learns values by tests/test_critic.py)
+    ppo = ["sft_warmup.steps=100", "run.steps=4", "run.eval_every=0", "run.ray_num_cpus=2",
+           "loss.aggregation=seq-mean-token-sum-norm", "loss.aggregation_norm=16"]  # fmt: skip
+
+    def run_ppo(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_ppo.yaml", f"run.output_dir={out}",
+             *ppo, *overrides],
+            cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, **ray_cluster},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    out = tmp_path / "run"
+    run_ppo(out, "run.checkpoint_every=2")
+    rows = logged_rows(out)
+    assert "train/pg_loss" not in rows[2] and "train/pg_loss" in rows[3]  # the policy waits 3 steps
+    assert all(math.isfinite(r["critic/value_loss"]) and r["critic/tokens"] > 0 for r in rows)
+    # what benchmarks/critic_variance.py reads: the critic at the question, and every step's rollouts
+    assert all("critic/question_explained_variance" in r for r in rows)
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == [f"step_{s}.jsonl" for s in range(1, 5)]
+    models = (("final_model", AutoModelForCausalLM), ("final_critic", AutoModelForTokenClassification))
+    want = {folder: auto.from_pretrained(out / folder).state_dict() for folder, auto in models}
+
+    # the same folder as a stop after step 2's checkpoint leaves it, resumed: the same policy, critic
+    # and rows (the resumed step 3 still waits for the critic), and the warmed-up model reused
+    as_stopped_after_step_2(out)
+    done = run_ppo(out, "run.resume=true")
+    assert "sft warm-up" not in done.stdout + done.stderr
+    for folder, auto in models:
+        got = auto.from_pretrained(out / folder).state_dict()
+        for name in want[folder]:
+            torch.testing.assert_close(got[name], want[folder][name], rtol=0, atol=1e-6)
+    resumed = logged_rows(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert_same_rows(resumed[2:], rows[2:])
 
 
 # a layout a checkpoint of 2 learners with ZeRO-2 resumes on, from its layout-free state (1 learner,

@@ -192,8 +192,13 @@ def head_logprobs_and_entropy(
     *lead, width = hidden_BTH.shape
     hidden_NH, targets_N = hidden_BTH.reshape(-1, width), token_ids_BT.reshape(-1).long()
     step = _rows_per_chunk(_head_outputs(head), max_chunk_bytes)
-    recompute = torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
+    params = list(head.parameters())
+    recompute = (
+        torch.is_grad_enabled()
+        and (hidden_NH.requires_grad or any(p.requires_grad for p in params))
+        # DeepSpeed ZeRO-3 does not gather a frozen parameter (a LoRA model's head) for a
+        # recomputation in the backward: there each chunk's logits are kept, as the logits path does
+        and not any(hasattr(p, "ds_id") and not p.requires_grad for p in params)
     )
 
     known: dict[int, torch.Tensor] = {}  # each chunk's log-normalizers, from its first forward

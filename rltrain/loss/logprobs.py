@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+HEAD_MIN_CHUNK_ROWS = 1024  # tokens of a chunk of the head's logits, at the least
 
 
 @dataclass(frozen=True)
@@ -181,17 +182,22 @@ def head_logprobs_and_entropy(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     with_entropy: bool = True,
     truncation: Truncation | None = None,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs_and_entropy` of ``head(hidden_BTH)`` without those logits: the head
     runs on a chunk of tokens at a time, and under autograd each chunk is recomputed in the backward
     (activation checkpointing) rather than kept. ``head`` is the model's output module itself (a
     tied, LoRA-adapted or biased head computes as it does in the model's own forward, and its
-    parameters get their gradients through it)."""
+    parameters get their gradients through it).
+
+    A chunk holds ``chunk_rows`` tokens; by default as many as ``max_chunk_bytes`` of float32 logits
+    hold, and at least :data:`HEAD_MIN_CHUNK_ROWS`: each chunk's backward adds a gradient the size of
+    the head's whole weight, a cost that fewer, larger chunks share."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     *lead, width = hidden_BTH.shape
     hidden_NH, targets_N = hidden_BTH.reshape(-1, width), token_ids_BT.reshape(-1).long()
-    step = _rows_per_chunk(_head_outputs(head), max_chunk_bytes)
+    step = chunk_rows or max(_rows_per_chunk(_head_outputs(head), max_chunk_bytes), HEAD_MIN_CHUNK_ROWS)
     params = list(head.parameters())
     recompute = (
         torch.is_grad_enabled()

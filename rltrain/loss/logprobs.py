@@ -197,7 +197,8 @@ def head_logprobs_and_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     *lead, width = hidden_BTH.shape
     hidden_NH, targets_N = hidden_BTH.reshape(-1, width), token_ids_BT.reshape(-1).long()
-    step = chunk_rows or max(_rows_per_chunk(_head_outputs(head), max_chunk_bytes), HEAD_MIN_CHUNK_ROWS)
+    softmax_rows = _rows_per_chunk(_head_outputs(head), max_chunk_bytes)  # float32 working set
+    step = chunk_rows or max(softmax_rows, HEAD_MIN_CHUNK_ROWS)
     params = list(head.parameters())
     recompute = (
         torch.is_grad_enabled()
@@ -213,7 +214,7 @@ def head_logprobs_and_entropy(
         # run again in the backward (recompute), it only rebuilds the logits the backward needs
         lse = known.get(start)
         logprobs, entropy, known[start] = _SelectiveLogSoftmax.apply(
-            head(h_nH), t_n, float(temperature), h_nH.shape[0], with_entropy and lse is None,
+            head(h_nH), t_n, float(temperature), softmax_rows, with_entropy and lse is None,
             truncation or None, lse,
         )  # fmt: skip
         return logprobs, entropy

@@ -9,7 +9,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
 
-from rltrain.loss.logprobs import Truncation, head_forward, head_logprobs_and_entropy, sequence_logprobs
+from rltrain.loss.logprobs import (
+    Truncation,
+    head_forward,
+    head_logprobs_and_entropy,
+    padded_forward,
+    sequence_logprobs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -19,6 +25,11 @@ def tiny_lm(tied: bool = False, vocab: int = 97) -> torch.nn.Module:
     config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)  # fmt: skip
     return AutoModelForCausalLM.from_config(config).float()
+
+
+def forward_of(model, ids: torch.Tensor):
+    """The model's padded forward on unpadded rows, as head_forward calls it."""
+    return lambda **extra: padded_forward(model, ids, torch.ones_like(ids), **extra)
 
 
 def batch(vocab: int = 97) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +86,7 @@ def test_lora_on_the_head_trains_its_adapters_as_the_full_logits_path_does():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
-    states, head = head_forward(model, input_ids=batch()[0])
+    states, head = head_forward(model, forward_of(model, batch()[0]))
     assert head is not None and states.shape[-1] == 32 and "lora" in type(head).__module__
     (hidden, _, h_grads), (full, _, f_grads) = both_paths(model, False, 1.0, None)
     torch.testing.assert_close(hidden, full, rtol=0, atol=1e-5)
@@ -116,7 +127,8 @@ def test_a_model_whose_logits_are_more_than_its_head_keeps_the_logits_path():
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
     ids = torch.randint(0, 64, (2, 5))
-    out, head = head_forward(model, input_ids=ids)
+    out, head = head_forward(model, forward_of(model, ids))
     assert head is None and out.shape == (2, 5, 64)
-    states, head = head_forward(tiny_lm(), input_ids=ids)
+    lm = tiny_lm()
+    states, head = head_forward(lm, forward_of(lm, ids))
     assert head is not None and states.shape == (2, 5, 32)

@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.attention import document_attention, register_attention
-from rltrain.loss.logprobs import Truncation, head_forward, pack_sequences, predicted_logprobs
+from rltrain.loss.logprobs import Truncation, head_forward, pack_sequences, packed_forward, predicted_logprobs
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None
@@ -162,7 +162,7 @@ def sequence_logprobs(
     length = ids_1L.shape[1]
     local_ids, local_positions = shard_packed_row(ids_1L, positions_1L, sp, rank)
     states_1N, head = head_forward(
-        model, input_ids=local_ids, position_ids=local_positions, attention_mask=None
+        model, lambda **extra: packed_forward(model, local_ids, local_positions, **extra)
     )
     # targets: the next token of the whole row (the last local position predicts the first of the
     # next rank's slice); positions past the row predict padding and are dropped below

@@ -14,8 +14,11 @@ chunk of tokens exist at a time, in the forward and again in the backward, which
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -241,9 +244,10 @@ def _head_outputs(head: torch.nn.Module) -> int:
 
 
 def head_forward(
-    model: torch.nn.Module, from_hidden: bool = True, **inputs
+    model: torch.nn.Module, forward: Callable[..., Any], from_hidden: bool = True
 ) -> tuple[torch.Tensor, torch.nn.Module | None]:
-    """The model's forward up to what the log-probs need: ``(last hidden states [B, T, H], the
+    """``forward(**extra)`` (the model's padded or packed forward, :func:`padded_forward`,
+    :func:`packed_forward`) up to what the log-probs need: ``(last hidden states [B, T, H], the
     output head)`` where the model's logits are its output head applied to its decoder's last hidden
     state, or ``(logits [B, T, V], None)`` where they are not (a head with soft-capping or a logit
     scale, a model without ``logits_to_keep``) or ``from_hidden`` is false.
@@ -253,13 +257,12 @@ def head_forward(
     decoder takes its output."""
     parts = _decoder_and_head(model) if from_hidden else None
     if parts is None:
-        return model(**inputs, use_cache=False).logits, None
+        return forward().logits, None
     decoder, head = parts
     taken: list[torch.Tensor] = []
     hook = decoder.register_forward_hook(lambda _module, _args, out: taken.append(out[0]))
     try:
-        none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
-        model(**inputs, use_cache=False, logits_to_keep=none)
+        forward(logits_to_keep=torch.zeros(0, dtype=torch.long, device=head.weight.device))
     finally:
         hook.remove()
     return taken[-1], head
@@ -277,12 +280,18 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
         head is None
         or not hasattr(head, "weight")
         or not hasattr(lm, "get_decoder")
-        or "logits_to_keep" not in inspect.signature(type(lm).forward).parameters
+        or not _keeps_logits_on_request(type(lm))
         or any(getattr(config, name, None) not in (None, 1, 1.0) for name in UNFOLDED_HEADS)
     ):
         return None
     decoder = lm.get_decoder()
     return (decoder, head) if decoder is not lm else None
+
+
+@functools.cache
+def _keeps_logits_on_request(lm_class: type) -> bool:
+    """Whether the model class's forward takes ``logits_to_keep`` (read once per class)."""
+    return "logits_to_keep" in inspect.signature(lm_class.forward).parameters
 
 
 def sequence_logprobs(
@@ -310,13 +319,8 @@ def sequence_logprobs(
         return _packed_sequence_logprobs(
             model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation, from_hidden
         )
-    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
     states, head = head_forward(
-        model,
-        from_hidden,
-        input_ids=input_ids_BT,
-        attention_mask=attention_mask_BT,
-        position_ids=position_ids,
+        model, lambda **extra: padded_forward(model, input_ids_BT, attention_mask_BT, **extra), from_hidden
     )
     # the prediction at t is for token t+1
     logprobs, entropy = predicted_logprobs(
@@ -347,12 +351,16 @@ def predicted_logprobs(
     )
 
 
-def padded_forward(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
-    """The model's output for padded rows (left-padded prompts: positions count attended tokens)."""
+def padded_forward(
+    model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, **extra
+):
+    """The model's output for padded rows (left-padded prompts: positions count attended tokens);
+    ``extra``: more keyword arguments of the model's forward."""
     position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
     return model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False
-    )
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False,
+        **extra,
+    )  # fmt: skip
 
 
 def token_outputs(
@@ -385,15 +393,20 @@ def pack_sequences(
     return input_ids_BT[keep_BT][None], position_ids_BT[keep_BT][None]
 
 
-def packed_forward(model: torch.nn.Module, input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor):
+def packed_forward(
+    model: torch.nn.Module, input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor, **extra
+):
     """The model's output for a packed row, every document attending only to itself.
 
     transformers builds the block-diagonal causal mask from position ids that restart at 0, but only
     when it is given **no attention mask and no KV cache**: a 2-D mask (even all ones) or a cache
     object (Qwen2's config turns ``use_cache`` on) makes it fall back to one causal mask over the
     whole row, and documents silently attend to each other. Hence both are passed explicitly here.
+    ``extra``: more keyword arguments of the model's forward.
     """
-    return model(input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False)
+    return model(
+        input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False, **extra
+    )
 
 
 def _packed_sequence_logprobs(
@@ -401,9 +414,8 @@ def _packed_sequence_logprobs(
 ):
     keep_BT = attention_mask_BT.bool()
     input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
-    # (no attention mask: see packed_forward)
     states, head = head_forward(
-        model, from_hidden, input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None
+        model, lambda **extra: packed_forward(model, input_ids_1L, position_ids_1L, **extra), from_hidden
     )
     logprobs_1L, entropy_1L = predicted_logprobs(
         states[:, :-1], head, input_ids_1L[:, 1:], temperature, with_entropy, truncation

@@ -242,7 +242,11 @@ def plan_micro_batches(
 
 
 def plan_packed_micro_batches(
-    lengths: torch.Tensor, world_size: int, num_mini_batches: int, max_tokens: int
+    lengths: torch.Tensor,
+    world_size: int,
+    num_mini_batches: int,
+    max_tokens: int,
+    shared: list[int] | None = None,
 ) -> MicroBatchPlan:
     """Like :func:`plan_micro_batches`, but micro-batches are bounded by tokens, not sequences.
 
@@ -253,6 +257,12 @@ def plan_packed_micro_batches(
     sequence longer than ``max_tokens`` gets a micro-batch of its own (counted in ``oversized``),
     never cut. Every rank gets the number of micro-batches of the busiest rank in that group,
     padded with empty ones, so collectives stay in lockstep. Nothing is dropped or repeated.
+
+    ``shared[i]``: the leading tokens sequence i shares with sequence i - 1 (a prefix-tree
+    forward computes them once, :func:`shared_prefix_lengths`). Consecutive sequences sharing a
+    prefix then travel together, as one tree of ``lengths[first] + sum(lengths[i] - shared[i])``
+    tokens; a tree over the budget splits into sub-trees that fit, each with its own copy of the
+    prefix.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -260,24 +270,58 @@ def plan_packed_micro_batches(
     if num_sequences < num_mini_batches:
         raise ValueError(f"{num_sequences} sequences cannot fill {num_mini_batches} mini-batches")
     lengths = [int(x) for x in lengths]
+    shared = [0] * num_sequences if shared is None else [int(x) for x in shared]
     plan: list[list[list[torch.Tensor]]] = [[] for _ in range(world_size)]
     oversized = 0
     for group in torch.arange(num_sequences).tensor_split(num_mini_batches):
-        longest_first = sorted(group.tolist(), key=lambda i: (-lengths[i], i))
+        trees = _trees(group.tolist(), lengths, shared, max_tokens)
+        cost = [lengths[t[0]] + sum(lengths[i] - shared[i] for i in t[1:]) for t in trees]
+        longest_first = sorted(range(len(trees)), key=lambda u: (-cost[u], trees[u][0]))
         shares: list[list[int]] = [[] for _ in range(world_size)]
         loads = [0] * world_size
-        for i in longest_first:
+        for u in longest_first:
             rank = min(range(world_size), key=lambda r: (loads[r], len(shares[r]), r))
-            shares[rank].append(i)
-            loads[rank] += lengths[i]
-        packed = [_first_fit_decreasing(share, lengths, max_tokens) for share in shares]
+            shares[rank].append(u)
+            loads[rank] += cost[u]
+        packed = [_first_fit_decreasing(share, cost, max_tokens) for share in shares]
         oversized += sum(lengths[i] > max_tokens for i in group.tolist())
         steps = max(1, max(len(bins) for bins in packed))
         for rank, bins in enumerate(packed):
-            micro = [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+            micro = [torch.tensor(sorted(i for u in b for i in trees[u]), dtype=torch.long) for b in bins]
             micro += [torch.zeros(0, dtype=torch.long)] * (steps - len(micro))
             plan[rank].append(micro)
     return MicroBatchPlan(plan, oversized)
+
+
+def _trees(group: list[int], lengths: list[int], shared: list[int], budget: int) -> list[list[int]]:
+    """Runs of consecutive sequences sharing a prefix, each cut where it would pass ``budget``
+    tokens (a cut's first sequence carries the prefix again)."""
+    trees: list[list[int]] = []
+    size = 0
+    for i in group:
+        extra = lengths[i] - shared[i]
+        if trees and shared[i] > 0 and trees[-1][-1] == i - 1 and size + extra <= budget:
+            trees[-1].append(i)
+            size += extra
+        else:
+            trees.append([i])
+            size = lengths[i]
+    return trees
+
+
+def shared_prefix_lengths(batch: TrainBatch) -> list[int]:
+    """For each sequence, the leading tokens it shares with the one before it, among the tokens
+    neither trains on (its prompt: what a prefix-tree forward may compute once)."""
+    keep = batch.attention_mask.bool()
+    sequences = [row[k].tolist() for row, k in zip(batch.input_ids, keep)]
+    leads = (keep & ~batch.response_mask.bool()).sum(-1).tolist()
+    out = [0] * len(sequences)
+    for i in range(1, len(sequences)):
+        n = min(leads[i - 1], leads[i])
+        a, b = np.asarray(sequences[i - 1][:n]), np.asarray(sequences[i][:n])
+        differ = np.flatnonzero(a != b)
+        out[i] = int(differ[0]) if len(differ) else n
+    return out
 
 
 def _first_fit_decreasing(share: list[int], lengths: list[int], capacity: int) -> list[list[int]]:

@@ -21,7 +21,9 @@ ends, so a part that hangs or fails leaves the earlier ones. A part's ``ok`` is 
 - ``packed``: packed rows against padded ones (log-probs and gradient), fp32 and bf16.
 - ``moe_aux``: the load-balancing loss at step scope summed over micro-batches against transformers'
   own on the whole batch, in bf16 (value and router gradient).
-- ``prefix_tree``: a group's prompt computed once against unshared rows (not built yet: reported so).
+- ``prefix_tree``: a group's prompt computed once (rltrain.learner.prefix_tree) against the unshared
+  packed row: log-probs and gradient in fp32 and bf16, and the time of forward + backward in bf16
+  by prompt:completion ratio and group size.
 
 docs/gpu.md says what each figure means and keeps the table of every run on a lent GPU.
 """
@@ -54,13 +56,15 @@ TINY = (64, 2, 2, 1, 128)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 
 
-def qwen2(shape: tuple[int, ...], vocab: int, dtype: torch.dtype, device: str, seed: int = 0):
+def qwen2(
+    shape: tuple[int, ...], vocab: int, dtype: torch.dtype, device: str, seed: int = 0, attn: str = "sdpa"
+):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, layers, heads, kv, inter = shape
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, intermediate_size=inter, tie_word_embeddings=True,
-                         max_position_embeddings=32768, attn_implementation="sdpa")  # fmt: skip
+                         max_position_embeddings=32768, attn_implementation=attn)  # fmt: skip
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
 
@@ -188,6 +192,20 @@ def part_logprobs(args) -> dict:
     out["time hidden/naive"] = out["hidden s"] / out["naive s"]
     if args.device == "cuda":
         out["peak hidden/naive"] = out["hidden peak GiB"] / out["naive peak GiB"]
+    # the chunking's two sizes: tokens whose logits exist at once, float32 bytes of a softmax piece
+    for rows, mib in ((1024, 256), (2048, 64), (2048, 256), (4096, 256), (4096, 1024)):
+
+        def sized(rows=rows, mib=mib):
+            states.grad, head.weight.grad = None, None
+            logprobs, _ = head_logprobs_and_entropy(
+                head, states, ids, max_chunk_bytes=mib * 2**20, chunk_rows=rows
+            )
+            (logprobs * weights).sum().backward()
+
+        seconds, peak = measure(args.device, sized)
+        out[f"chunk {rows} rows, {mib} MiB: time/naive"] = seconds / out["naive s"]
+        if args.device == "cuda":
+            out[f"chunk {rows} rows, {mib} MiB: peak/naive"] = peak / out["naive peak GiB"]
     names = ("logprobs", "entropy", "hidden-state grad", "head grad")
     diffs = {n: relative(h.float(), v.float()) for n, h, v in zip(names, results["hidden"], results["naive"])}
     out.update({f"{n} rel. diff": d for n, d in diffs.items()})
@@ -201,8 +219,11 @@ def part_step(args) -> dict:
     peak = next((f for name, f in PEAK_BF16.items() if args.device == "cuda"
                  and name in torch.cuda.get_device_name()), None)  # fmt: skip
     out = {"tokens per micro-batch": tokens, "peak FLOP/s": peak}
+    from rltrain.learner import attention as packed_attention
+
     for name, shape in shapes.items():
-        model = qwen2(shape, vocab, args.dtype, args.device)
+        # the packed row on the trainer's own attention (document by document, no [L, L] mask)
+        model = qwen2(shape, vocab, args.dtype, args.device, attn=packed_attention.register())
         n = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         lengths = [tokens // 16] * 16  # 16 sequences in one packed row
@@ -305,13 +326,89 @@ def part_moe_aux(args) -> dict:
     return out
 
 
+def grouped(vocab: int, groups: int, size: int, prompt: int, completion: int, device: str):
+    """``groups`` prompts of ``prompt`` tokens with ``size`` completions each (of ``completion``
+    tokens give or take a quarter): (ids, attention, response mask) for a tree and a packed row."""
+    g = torch.Generator().manual_seed(0)
+    n, width = groups * size, prompt + completion + completion // 4
+    ids = torch.randint(3, vocab, (n, width), generator=g)
+    attention, response = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i in range(n):
+        ids[i, :prompt] = ids[i - i % size, :prompt]
+        end = (
+            prompt + completion + int(torch.randint(-completion // 4, completion // 4 + 1, (1,), generator=g))
+        )
+        attention[i, :end], response[i, prompt:end] = 1, 1
+    return ids.to(device), attention.to(device), response.to(device)
+
+
 def part_prefix_tree(args) -> dict:
-    return {"ok": None, "note": "the prefix-tree forward is not built yet"}
+    from rltrain.learner import attention as tree_attention
+    from rltrain.learner.prefix_tree import build_tree, tree_logprobs
+
+    shape, vocab = (TINY, 512) if args.cpu else (SHAPES["0.5B"], VOCAB)
+    name = tree_attention.register()
+    out = {}
+
+    def both(model, ids, mask, response, tree, weights):
+        """(log-probs, gradient) unshared (one packed row) and through the tree."""
+        results = []
+        for shared in (False, True):
+            model.zero_grad(set_to_none=True)
+            if shared:
+                logprobs, _ = tree_logprobs(model, tree, ids)
+            else:
+                logprobs, _ = sequence_logprobs(model, ids, mask, packed=True)
+            (logprobs * weights * response).sum().backward()
+            results.append(((logprobs * response).detach().float(), gradient(model)))
+        return results
+
+    small = (2, 4, 48, 16) if args.cpu else (2, 8, 1200, 300)
+    for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 1e-1)):
+        model = qwen2(shape, vocab, dtype, args.device, attn=name)
+        ids, mask, response = grouped(vocab, *small, args.device)
+        tree = build_tree(ids, mask, ~response.bool())
+        weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1)).to(args.device)
+        (values, grads), (tree_values, tree_grads) = both(model, ids, mask, response, tree, weights)
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        out[f"{label} log-probs max abs diff"] = (values - tree_values).abs().max().item()
+        out[f"{label} gradient rel. diff"] = relative(tree_grads, grads)
+        out[f"{label} ok"] = out[f"{label} gradient rel. diff"] < bound
+        del model
+    # time, bf16: forward + backward of one micro-batch, tree over unshared
+    model = qwen2(shape, vocab, torch.bfloat16, args.device, attn=name)
+    total = 240 if args.cpu else 2400  # prompt + completion
+    cases = [(8, 4, 1), (8, 1, 1), (8, 1, 4), (16, 4, 1)]
+    for size, p, c in cases:
+        groups = max(1, (4 if args.cpu else 16) // size)
+        ids, mask, response = grouped(
+            vocab, groups, size, total * p // (p + c), total * c // (p + c), args.device
+        )
+        tree = build_tree(ids, mask, ~response.bool())
+        weights = torch.ones(ids.shape, device=args.device)
+
+        def run(shared, model=model, ids=ids, mask=mask, response=response, tree=tree):
+            model.zero_grad(set_to_none=True)
+            if shared:
+                logprobs, _ = tree_logprobs(model, tree, ids)
+            else:
+                logprobs, _ = sequence_logprobs(model, ids, mask, packed=True)
+            (logprobs * response).sum().backward()
+
+        unshared_s, unshared_peak = measure(args.device, lambda run=run: run(False))
+        shared_s, shared_peak = measure(args.device, lambda run=run: run(True))
+        key = f"G{size} {p}:{c}"
+        out[f"{key} shared fraction"] = tree.shared_fraction
+        out[f"{key} time shared/unshared"] = shared_s / unshared_s
+        if unshared_peak:
+            out[f"{key} peak shared/unshared"] = shared_peak / unshared_peak
+    out["ok"] = out["fp32 ok"] and out["bf16 ok"]
+    return out
 
 
 PARTS = {"token_mode": part_token_mode, "logprobs": part_logprobs, "step": part_step, "packed": part_packed,
          "moe_aux": part_moe_aux, "prefix_tree": part_prefix_tree}  # fmt: skip
-LIMIT_S = {"token_mode": 90, "logprobs": 60, "step": 180, "packed": 60, "moe_aux": 60, "prefix_tree": 5}
+LIMIT_S = {"token_mode": 90, "logprobs": 60, "step": 180, "packed": 60, "moe_aux": 60, "prefix_tree": 90}
 
 
 class PartTimeout(Exception):

@@ -121,12 +121,16 @@ def test_token_mode_update_on_episodes_is_layout_invariant(episodes, guessing_mo
     assert len(batch) == 32 + sum(len(c.earlier) for c in gateway.completions)  # split: 2 sequences
     assert (batch.response_mask * (1 - batch.tool_mask)).sum() > 0  # masked tokens inside completions
 
-    def update(learners, micro_batch, zero, denominator="token", budget=None):
-        raw = layout_config(learners, micro_batch, zero, denominator, budget).model_dump()
+    def update(learners, micro_batch, zero, denominator="token", budget=None, sharing=True):
+        raw = layout_config(
+            learners, micro_batch, zero, denominator, budget, prefix_sharing=sharing
+        ).model_dump()
         raw["data"]["max_prompt_tokens"], raw["rollout"]["max_new_tokens"] = 64, 120
         return update_after_one_step(Config.model_validate(raw), guessing_model, batch)
 
-    reference = update(1, 16, 0)
+    # the reference computes each sequence in its own row; the layouts share each micro-batch's
+    # common prompts (learner.prefix_sharing=true: a group's 4 episodes, a split episode's parts)
+    reference = update(1, 16, 0, sharing=False)
     diffs = {
         "2 ranks x micro-batches of 3, ZeRO-2": relative_difference(update(2, 3, 2), reference),
         "2 ranks packed (budget 400), ZeRO-3": relative_difference(update(2, 1, 3, budget=400), reference),

@@ -29,15 +29,20 @@ SPLITS = {"2x2": (2, 2), "2x3+1": (2, 3)}
 
 
 def test_token_mode_update_is_layout_invariant(ray_local, tiny_model_path):
-    # the reference: 1 learner x 4 micro-batches of 2; every split under every ZeRO stage gives its
-    # update, and the per-micro-batch mean does not (1x4 against 2x3+1; 1x4 and 2x2 hold the same
-    # pairs of sequences per micro-batch, so the naive mean would agree there)
-    batch = synthetic_rollouts()
-    layouts = {f"ZeRO-{stage} {name}": layout_config(*split, stage)
+    # the reference: 1 learner x 4 micro-batches of 2, each sequence's prompt computed in its own
+    # row; every split under every ZeRO stage gives its update with each micro-batch's shared
+    # prompts computed once (groups of 4 share a prompt; learner.prefix_sharing=true), and the
+    # per-micro-batch mean does not (1x4 against 2x3+1; 1x4 and 2x2 hold the same pairs of
+    # sequences per micro-batch, so the naive mean would agree there)
+    batch = synthetic_rollouts(group_size=4)
+    layouts = {f"ZeRO-{stage} {name}": layout_config(*split, stage, prefix_sharing=True)
                for stage in (0, 2, 3) for name, split in SPLITS.items()}  # fmt: skip
-    naive = [layout_config(1, 2, 0, None), layout_config(2, 3, 2, None)]
+    naive = [
+        layout_config(1, 2, 0, None, prefix_sharing=True),
+        layout_config(2, 3, 2, None, prefix_sharing=True),
+    ]
     reference, *updates, naive_one, naive_split = updates_after_one_step(
-        [layout_config(1, 2, 0), *layouts.values(), *naive], tiny_model_path, batch
+        [layout_config(1, 2, 0, prefix_sharing=False), *layouts.values(), *naive], tiny_model_path, batch
     )
     token_diffs = {name: relative_difference(update, reference) for name, update in zip(layouts, updates)}
     naive_diff = relative_difference(naive_split, naive_one)
@@ -196,16 +201,17 @@ def test_packed_update_equals_padded_and_single_micro_batch_update(ray_local, ti
     # synthetic rollouts: 8 sequences of 4-14 tokens, tool tokens, one all-masked sequence; a budget
     # of 16 tokens gives one or two sequences per micro-batch, 200 puts each rank's share in one.
     # Under ZeRO-0 one and two learners; under ZeRO-2 and 3 two (one rank partitions nothing). Padded
-    # 2x3 under ZeRO-0 beside them (under ZeRO-2 and 3: test_token_mode_update_is_layout_invariant)
-    batch = synthetic_rollouts()
-    layouts = {"ZeRO-0 padded 2x3": layout_config(2, 3, 0)}
+    # 2x3 under ZeRO-0 beside them (under ZeRO-2 and 3: test_token_mode_update_is_layout_invariant).
+    # Groups of 4 share a prompt: budget 200 packs them as prefix trees (learner.prefix_sharing=true)
+    batch = synthetic_rollouts(group_size=4)
+    layouts = {"ZeRO-0 padded 2x3": layout_config(2, 3, 0, prefix_sharing=False)}
     layouts |= {f"ZeRO-{stage} packed {learners} learners, budget {budget}":
-                layout_config(learners, 1, stage, max_tokens_per_micro_batch=budget)
+                layout_config(learners, 1, stage, max_tokens_per_micro_batch=budget, prefix_sharing=budget > 16)
                 for stage in (0, 2, 3) for learners in ((1, 2) if stage == 0 else (2,))
                 for budget in (16, 200)}  # fmt: skip
-    # the reference: one learner, all 8 sequences in one padded micro-batch
+    # the reference: one learner, all 8 sequences in one padded micro-batch, unshared
     reference, *updates = updates_after_one_step(
-        [layout_config(1, 8, 0), *layouts.values()], tiny_model_path, batch
+        [layout_config(1, 8, 0, prefix_sharing=False), *layouts.values()], tiny_model_path, batch
     )
     diffs = {name: relative_difference(update, reference) for name, update in zip(layouts, updates)}
     print(f"relative update differences {diffs}")

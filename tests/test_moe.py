@@ -45,17 +45,19 @@ def test_load_balancing_loss_is_exact_over_the_step_under_every_layout(ray_local
     # step's loss and transformers' per-forward loss are the same). Every split of the same batch
     # over ranks x micro-batches x ZeRO stage, packed rows and sequence parallelism gives its update
     # at step scope; micro_batch scope (transformers' loss per forward, averaged) does not
-    batch = synthetic_rollouts()
+    # Groups of 4 share a prompt: the reference computes each sequence in its own row, the layouts
+    # (but sequence parallelism's) each micro-batch's shared prompt once (learner.prefix_sharing)
+    batch = synthetic_rollouts(group_size=4)
     layouts = {
-        "ZeRO-0 2x2": moe_config(2, 2, 0),
-        "ZeRO-2 2x3+1": moe_config(2, 3, 2),
-        "ZeRO-3 2x3+1": moe_config(2, 3, 3),
-        "ZeRO-2 packed, budget 16": moe_config(2, 1, 2, max_tokens_per_micro_batch=16),
+        "ZeRO-0 2x2": moe_config(2, 2, 0, prefix_sharing=True),
+        "ZeRO-2 2x3+1": moe_config(2, 3, 2, prefix_sharing=True),
+        "ZeRO-3 2x3+1": moe_config(2, 3, 3, prefix_sharing=True),
+        "ZeRO-2 packed, budget 16": moe_config(2, 1, 2, max_tokens_per_micro_batch=16, prefix_sharing=True),
         "ZeRO-3 sp2 packed, budget 30": moe_config(2, 1, 3, max_tokens_per_micro_batch=30, sequence_parallel_size=2),
     }  # fmt: skip
-    controls = [moe_config(1, 8, 0, scope="micro_batch"), moe_config(2, 3, 2, scope="micro_batch")]
+    controls = [moe_config(1, 8, 0, scope="micro_batch", prefix_sharing=False), moe_config(2, 3, 2, scope="micro_batch")]
     reference, *updates, one_forward, split = updates_after_one_step(
-        [moe_config(1, 8, 0), *layouts.values(), *controls], moe_path, batch
+        [moe_config(1, 8, 0, prefix_sharing=False), *layouts.values(), *controls], moe_path, batch
     )
     diffs = {name: relative_difference(u, reference) for name, u in zip(layouts, updates)}
     router_diffs = {
@@ -116,19 +118,21 @@ def test_a_moe_run_through_the_cli_syncs_exactly_and_its_update_is_the_layout_s_
     # micro_batch scope in the run's layout differs
     sgd = ["learner.optimizer=sgd", "learner.lr=0.5", "learner.max_grad_norm=0", "learner.warmup_steps=0",
            "learner.micro_batch_size=3", "run.checkpoint_every=1"]  # fmt: skip
-    rows = run_moe(tmp_path / "run", *sgd, "run.steps=2", env=ray_cluster)
+    rows = run_moe(tmp_path / "run", *sgd, "run.steps=2", "learner.prefix_sharing=true", env=ray_cluster)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["sync/probe_gap"] < 1e-3  # the first sync's check (a reload left as it was: 0.056)
     for row in rows:  # step 2 samples from the synced weights
         assert row["rollout/mismatch_max"] < 1e-3, row
         assert row["moe/aux_loss"] > 0 and row["moe/expert_load_max"] >= 1.0 and row["moe/router_entropy"] > 0
-    # the reference run replays vLLM's routes (recorded by its routers' hooks, through the tool
+    assert rows[0]["perf/prefix_shared_fraction"] > 0.3  # each group's prompt computed once
+    # the reference run (each sequence in its own row) replays vLLM's routes (recorded by its routers' hooks, through the tool
     # loop, in the learner's forward): the engine and the learner route alike here (fp32, the same
     # weights), so replay changes nothing, while a route landing on another token would show as a
     # mismatch and a different update
     one = tmp_path / "one"
     (replayed,) = run_moe(one, *sgd, "run.steps=1", "learner.num_learners=1", "learner.zero_stage=0",
-                          "learner.micro_batch_size=16", "rollout.routing_replay=true", env=ray_cluster)  # fmt: skip
+                          "learner.micro_batch_size=16", "rollout.routing_replay=true", "learner.prefix_sharing=false",
+                          env=ray_cluster)  # fmt: skip
     assert replayed["moe/routing_mismatch"] == 0.0 and replayed["rollout/mismatch_max"] < 1e-3
     assert 0.9 < replayed["moe/routes_replayed"] < 1.0  # all but each sequence's last token
     # 16 sequences x (prompt + completion) positions x 2 layers x top-2, one byte each

@@ -214,6 +214,11 @@ class Config(Section):
         lc, sp = self.learner, self.learner.sequence_parallel_size
         if sp == 1:
             return
+        if lc.prefix_sharing is True:
+            raise ValueError(
+                f"learner.prefix_sharing=true does not run with learner.sequence_parallel_size={sp}: "
+                "set one of them off (auto shares only without sequence parallelism)"
+            )
         if lc.num_learners % sp:
             raise ValueError(
                 f"learner.sequence_parallel_size={sp} does not divide learner.num_learners={lc.num_learners}"

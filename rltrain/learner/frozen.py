@@ -16,7 +16,6 @@ from rltrain.batch import TrainBatch, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
-from rltrain.loss.logprobs import token_outputs
 
 
 class FrozenLearner(EngineLearner):
@@ -89,7 +88,7 @@ class RewardModelLearner(FrozenLearner):
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
-        return token_outputs(self.engine, mb.input_ids, mb.attention_mask, self.lc.packing)[..., 0].float()
+        return self._outputs(self.engine, mb)[..., 0].float()
 
 
 def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

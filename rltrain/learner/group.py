@@ -12,7 +12,13 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain.batch import MicroBatchPlan, TrainBatch, plan_micro_batches, plan_packed_micro_batches
+from rltrain.batch import (
+    MicroBatchPlan,
+    TrainBatch,
+    plan_micro_batches,
+    plan_packed_micro_batches,
+    shared_prefix_lengths,
+)
 from rltrain.config import Config
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
@@ -74,8 +80,11 @@ class LearnerGroup:
         data_parallel = lc.num_learners // lc.sequence_parallel_size
         if lc.packing:
             budget = self.config.token_budget(lc)
+            # a group's prefix tree travels whole (learner.prefix_sharing)
+            sharing = lc.prefix_sharing is not False and lc.sequence_parallel_size == 1
+            shared = shared_prefix_lengths(batch) if sharing else None
             return plan_packed_micro_batches(
-                batch.sequence_lengths(), data_parallel, num_mini_batches, budget
+                batch.sequence_lengths(), data_parallel, num_mini_batches, budget, shared
             )
         return plan_micro_batches(len(batch), data_parallel, num_mini_batches, lc.micro_batch_size)
 

@@ -9,15 +9,25 @@ import torch
 
 from rltrain.batch import ROUTE_UNKNOWN, TrainBatch
 from rltrain.learner import sequence_parallel
+from rltrain.learner.prefix_tree import PrefixTree
 from rltrain.loss.moe import expert_load_max
 
 
 def in_forward_order(
-    values_BT: torch.Tensor, attention_BT: torch.Tensor, packed: bool, sp: int, sp_rank: int, fill
+    values_BT: torch.Tensor,
+    attention_BT: torch.Tensor,
+    packed: bool,
+    sp: int,
+    sp_rank: int,
+    fill,
+    tree: PrefixTree | None = None,
 ) -> torch.Tensor:
     """``[B, T, ...]`` per-token values as the rows of a forward on the micro-batch: padded, every
-    cell; packed, the attended tokens in one row; sequence-parallel, this rank's slice of that
-    row, padded with ``fill`` to a multiple of ``sp``."""
+    cell; packed, the attended tokens in one row; a prefix tree, its row's tokens (a shared token
+    takes its first member's); sequence-parallel, this rank's slice of that row, padded with
+    ``fill`` to a multiple of ``sp``."""
+    if tree is not None:
+        return tree.in_row_order(values_BT)
     if not packed and sp == 1:
         return values_BT.reshape(-1, *values_BT.shape[2:])
     real = values_BT[attention_BT.bool()]  # the packed row's tokens, in order
@@ -28,21 +38,29 @@ def in_forward_order(
     return torch.cat([real, padding])[part]
 
 
-def router_rows(mb: TrainBatch, packed: bool, sp: int, sp_rank: int) -> torch.Tensor:
+def router_rows(
+    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None
+) -> torch.Tensor:
     """Which rows of a forward on ``mb`` the router sees are real tokens: ``[N]`` bool, in the
-    forward's order (:func:`in_forward_order`). An empty micro-batch's stand-in row (``mb.blank``)
-    has none."""
+    forward's order (:func:`in_forward_order`); through a prefix ``tree``, ``[N]`` int64, how many
+    sequences each row stands for (a shared prompt token counts once per member, as in the
+    unshared forward). An empty micro-batch's stand-in row (``mb.blank``) has none."""
     keep_BT = mb.attention_mask.bool()
     if mb.blank is not None:
         keep_BT = keep_BT & ~mb.blank.bool()[:, None]
+    if tree is not None:
+        return torch.bincount(tree.cell_BT[keep_BT], minlength=tree.tokens)
     return in_forward_order(keep_BT, mb.attention_mask, packed, sp, sp_rank, False)
 
 
-def replayed_routes(mb: TrainBatch, packed: bool, sp: int, sp_rank: int) -> torch.Tensor | None:
-    """``mb.routes`` as the rows of its forward, ``[N, L, k]`` int64 (None: no routes)."""
+def replayed_routes(
+    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None
+) -> torch.Tensor | None:
+    """``mb.routes`` as the rows of its forward, ``[N, L, k]`` int64 (None: no routes); a shared
+    prompt token takes its first member's routes."""
     if mb.routes is None:
         return None
-    return in_forward_order(mb.routes, mb.attention_mask, packed, sp, sp_rank, ROUTE_UNKNOWN).long()
+    return in_forward_order(mb.routes, mb.attention_mask, packed, sp, sp_rank, ROUTE_UNKNOWN, tree).long()
 
 
 def moe_metrics(

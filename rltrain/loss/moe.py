@@ -25,7 +25,9 @@ loss: the ``micro_batch`` scope, kept as the control.
 
 Which rows count: a row is one token in one layer; every attended token of a real sequence (its
 prompt and its completion) counts, padding and the empty micro-batches that keep ranks in step do
-not. ``rows_N`` says which of a forward's router rows those are.
+not. ``rows_N`` says which of a forward's router rows those are: bool, or an int64 count of the
+sequences a row stands for (a prompt token computed once for the G members sharing it, in a
+prefix-tree forward, counts G times, as its G copies do in the unshared forward).
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def expert_counts(
     """Top-``top_k`` assignments of every expert in every layer over the counted rows: int64
     ``[L, E]`` (no gradient). ``router_logits``: one ``[N, E]`` tensor per layer; ``chosen``: the
     ``[N, k]`` experts each row went to where they are not the logits' top-k (routing replay)."""
-    keep = rows_N.bool()
+    keep, uses = rows_N.bool(), rows_N.long()
     counts = []
     for layer, logits_NE in enumerate(router_logits):
         picked = None if chosen is None else chosen[layer]
         if picked is None:
             picked = torch.topk(logits_NE.detach(), top_k, dim=-1).indices  # softmax keeps the order
-        counts.append(torch.bincount(picked[keep].reshape(-1), minlength=logits_NE.shape[-1]))
+        picked = picked[keep].repeat_interleave(uses[keep], dim=0)  # a row per sequence it stands for
+        counts.append(torch.bincount(picked.reshape(-1), minlength=logits_NE.shape[-1]))
     return torch.stack(counts).long()
 
 
@@ -70,7 +73,10 @@ def load_balancing_loss(
     if rows == 0:
         return router_logits[0].new_zeros(()) * router_logits[0].sum()  # keeps the graph
     keep = rows_N.bool()
-    prob_sum_E = sum(torch.softmax(logits_NE[keep].float(), dim=-1).sum(0) for logits_NE in router_logits)
+    uses = rows_N[keep].float()[:, None]
+    prob_sum_E = sum(
+        (torch.softmax(logits_NE[keep].float(), dim=-1) * uses).sum(0) for logits_NE in router_logits
+    )
     weights_E = (counts_E * num_experts / rows**2).to(prob_sum_E.dtype)
     return (weights_E * prob_sum_E).sum()
 
@@ -78,10 +84,11 @@ def load_balancing_loss(
 def router_entropy_sum(router_logits: Sequence[torch.Tensor], rows_N: torch.Tensor) -> torch.Tensor:
     """The entropy of the router's distribution (nats) summed over the counted rows of every layer."""
     keep = rows_N.bool()
+    uses = rows_N[keep].float()[:, None]
     total = torch.zeros((), dtype=torch.float64)
     for logits_NE in router_logits:
         logp = torch.log_softmax(logits_NE.detach()[keep].float(), dim=-1)
-        total += -(logp.exp() * logp).sum().double().cpu()
+        total += -(logp.exp() * logp * uses).sum().double().cpu()
     return total
 
 

@@ -44,13 +44,19 @@ def count_collectives() -> Iterator[dict[str, int]]:
 SYNTHETIC_PROMPT_TOKENS, SYNTHETIC_COMPLETION_TOKENS = 5, 9
 
 
-def synthetic_rollouts(n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0) -> TrainBatch:
+def synthetic_rollouts(
+    n: int = 8, t: int = 14, vocab: int = 256, seed: int = 0, group_size: int = 1
+) -> TrainBatch:
     """Left-padded prompts (columns 0-4), uneven completions (columns 5 to t-1), tool tokens, one
-    all-masked sequence (index 3)."""
+    all-masked sequence (index 3); ``group_size`` consecutive sequences share their prompt (GRPO
+    groups, whose prompt a prefix-tree forward computes once)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n, t), generator=g)
     pos = torch.arange(t)[None, :]
     prompt_start = torch.randint(0, 3, (n, 1), generator=g)
+    first = torch.arange(n) // group_size * group_size  # each sequence's group's first
+    ids[:, :SYNTHETIC_PROMPT_TOKENS] = ids[first, :SYNTHETIC_PROMPT_TOKENS]
+    prompt_start = prompt_start[first]
     completion_end = torch.randint(6, t + 1, (n, 1), generator=g)
     attention = (pos >= prompt_start) & (pos < completion_end)
     response = attention & (pos >= SYNTHETIC_PROMPT_TOKENS)

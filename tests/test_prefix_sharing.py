@@ -1,0 +1,313 @@
+"""Prefix-tree forwards (rltrain.learner.prefix_tree): a micro-batch's shared prompts computed once.
+Log-probs, entropies, values and every parameter's gradient equal the unshared forward's to fp32
+rounding; the attention reads the tree from the position ids alone; the planner keeps a group's
+tree whole within the token budget; the load-balancing loss counts a shared token once per member;
+learner.prefix_sharing's auto shares where it pays and turns itself off where the forward differs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config, Qwen3MoeConfig
+
+from rltrain.batch import TrainBatch, plan_packed_micro_batches, shared_prefix_lengths
+from rltrain.config import load_config
+from rltrain.learner import attention
+from rltrain.learner.attention import document_attention
+from rltrain.learner.prefix_tree import build_tree, tree_logprobs, tree_outputs
+from rltrain.loss.logprobs import sequence_logprobs, token_outputs
+from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
+from rltrain.models.routers import RouterTap
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+VOCAB = 97
+
+
+def tiny(cls=AutoModelForCausalLM, config=None, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = config or Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, **kwargs)  # fmt: skip
+    return cls.from_config(config, attn_implementation=attention.register()).float().eval()
+
+
+def rows(prompts: list[list[int]], completions: list[list[int]]) -> TrainBatch:
+    """Left-padded prompts, right-padded completions (the collate layout); response = completion."""
+    p, c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), p + c, dtype=torch.long)
+    mask, response = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids[i, p - len(prompt) : p] = torch.tensor(prompt)
+        ids[i, p : p + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        mask[i, p - len(prompt) : p + len(completion)] = 1
+        response[i, p : p + len(completion)] = 1
+    return TrainBatch(ids, mask, response, torch.ones_like(ids), torch.zeros(len(prompts)))
+
+
+def mixed_batch() -> TrainBatch:
+    """Two groups (prompts of 9 and 6 tokens) with a duplicate completion; a multi-turn group whose
+    members share a prompt and, two of them, an environment's opening turn too (a tree that
+    branches twice: its shareable lead is longer than its prompt); a row sharing nothing; an
+    empty row."""
+    g = torch.Generator().manual_seed(1)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(1, VOCAB, (n,), generator=g).tolist()
+
+    p1, p2, p3, turn = draw(9), draw(6), draw(5), draw(4)
+    c = [draw(n) for n in (6, 3, 4, 5, 1, 7, 2, 3, 5)]
+    prompts = [p1, p1, p1, p1, p2, p2, p3 + turn, p3 + turn, p3, draw(4), [1]]
+    completions = [c[0], c[1], c[2], c[2], c[3], c[4], c[5], c[6], c[7], c[8], [1]]
+    batch = rows(prompts, completions)
+    batch.attention_mask[-1] = 0  # an empty row (a padded micro-batch's filler)
+    batch.response_mask[-1] = 0
+    return batch
+
+
+def shared_and_unshared(model, batch: TrainBatch, temperature: float = 1.0):
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(2))
+    out = []
+    for shared in (True, False):
+        model.zero_grad()
+        if shared:
+            logprobs, entropy = tree_logprobs(model, tree, batch.input_ids, temperature, True)
+        else:
+            logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature, True,
+                                                  packed=True)  # fmt: skip
+        (logprobs * weights * batch.attention_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((logprobs.detach(), entropy, grads))
+    return tree, out
+
+
+def test_tree_logprobs_entropies_and_gradients_equal_the_unshared_forward():
+    model = tiny()
+    batch = mixed_batch()
+    tree, ((logprobs, entropy, grads), (want, want_entropy, want_grads)) = shared_and_unshared(
+        model, batch, 0.7
+    )
+    # unshared packed: 4 x 9 + (6+3+4+4) + 2 x 6 + (5+1) + 9 + 7 + 9 + 2 + 5 + 4 + 3 + 5 + 1 + 1 tokens;
+    # the tree runs each group's prompt once and the multi-turn group's shared turn once
+    assert tree.unshared_tokens == int(batch.attention_mask.sum())
+    assert tree.tokens == tree.unshared_tokens - 3 * 9 - 6 - (9 + 5)  # 3 prompt copies, 1, and 9 + 5 saved
+    torch.testing.assert_close(logprobs, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
+    assert torch.isfinite(logprobs).all() and (logprobs[-1] == 0).all()  # the empty row: 0, no NaN
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():  # a shared token's gradient: the sum over its copies
+        assert (grad - want_grads[name]).norm() <= 1e-5 * want_grads[name].norm(), name
+
+
+def test_each_member_keeps_the_positions_of_its_own_row():
+    batch = mixed_batch()
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+    positions, ids = tree.position_ids_1L[0], tree.input_ids_1L[0]
+    for b in range(len(batch)):
+        keep = batch.attention_mask[b].bool()
+        cells = tree.cell_BT[b][keep]
+        # every token at its own position (RoPE continues from the prompt's end) and id
+        assert positions[cells].tolist() == list(range(int(keep.sum())))
+        assert ids[cells].tolist() == batch.input_ids[b][keep].tolist()
+    # the first group's 4 members share one copy of their 9 prompt tokens
+    assert (tree.cell_BT[:4, 0:9] == tree.cell_BT[0, 0:9]).all() and tree.uses_L[tree.cell_BT[0, 0]] == 4
+    # no completion token is shared, even the duplicate completion's (rows 2 and 3)
+    completion = batch.response_mask.bool()
+    assert (tree.uses_L[tree.cell_BT[completion]] == 1).all()
+
+
+def test_tree_attention_is_each_branch_over_its_ancestors():
+    # a root of 3 tokens, a branch continuing it (2), a sibling branch at position 3 (2 tokens), a
+    # branch at position 1 (1 token: its ancestor is token 0 only), then a document of 2
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 10, 4), torch.randn(1, 1, 10, 4), torch.randn(1, 1, 10, 4)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 1, 0, 1]])
+    sees = {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 2, 3, 4], 5: [0, 1, 2, 5],
+            6: [0, 1, 2, 5, 6], 7: [0, 7], 8: [8], 9: [8, 9]}  # fmt: skip
+    allowed = torch.zeros(10, 10, dtype=torch.bool)
+    for i, js in sees.items():
+        allowed[i, js] = True
+    expected = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), attn_mask=allowed)
+    torch.testing.assert_close(document_attention(q, k, v, positions), expected)
+
+
+def test_values_through_the_tree_equal_the_unshared_forward():
+    model = tiny(AutoModelForTokenClassification, num_labels=1)
+    batch = mixed_batch()
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+    with torch.no_grad():
+        shared = tree_outputs(model, tree)
+        unshared = token_outputs(model, batch.input_ids, batch.attention_mask, packed=True)
+    torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-5)
+
+
+def test_a_padded_batch_on_the_tree_attention_runs_as_on_sdpa():
+    # a model loaded for trees still runs left-padded rows under their mask (transformers' sdpa)
+    model = tiny()
+    sdpa = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").float()
+    sdpa.load_state_dict(model.state_dict())
+    batch = mixed_batch()
+    with torch.no_grad():
+        ours, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+        theirs, _ = sequence_logprobs(sdpa, batch.input_ids, batch.attention_mask)
+    keep = batch.attention_mask.bool()
+    torch.testing.assert_close(ours[keep], theirs[keep], rtol=0, atol=1e-6)
+
+
+def test_the_load_balancing_loss_counts_a_shared_token_once_per_member():
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=1)  # fmt: skip
+    model = tiny(config=config)
+    tap = RouterTap(model)
+    batch = mixed_batch()
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+    uses = torch.bincount(tree.cell_BT[batch.attention_mask.bool()], minlength=tree.tokens)
+    from rltrain.loss.logprobs import pack_sequences, packed_forward
+
+    results = []
+    for shared in (True, False):
+        model.zero_grad()
+        with tap.capture() as (routed, chosen):
+            if shared:
+                tree_logprobs(model, tree, batch.input_ids)
+                rows = uses
+            else:
+                packed_forward(model, *pack_sequences(batch.input_ids, batch.attention_mask))
+                rows = torch.ones(int(batch.attention_mask.sum()), dtype=torch.bool)
+        counts = expert_counts(routed, rows, 2, chosen)
+        loss = load_balancing_loss(routed, rows, counts, 2)
+        loss.backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+        results.append((counts, loss.detach(), router_entropy_sum(routed, rows), grads))
+    (counts, loss, entropy, grads), (want_counts, want_loss, want_entropy, want_grads) = results
+    assert torch.equal(counts, want_counts)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-6, atol=0)
+    for grad, want in zip(grads, want_grads):
+        assert (grad - want).norm() <= 1e-5 * want.norm()
+
+
+def test_the_planner_keeps_a_groups_tree_whole_and_splits_one_over_the_budget():
+    # 3 groups of 4 (prompt 10, completions 2-5 tokens) and 2 sequences sharing nothing
+    prompts = [[g + 1] * 10 for g in range(3) for _ in range(4)] + [[50] * 10, [60] * 10]
+    completions = [[70] * (2 + i % 4) for i in range(14)]
+    batch = rows(prompts, completions)
+    shared = shared_prefix_lengths(batch)
+    assert shared == [0, 10, 10, 10] * 3 + [0, 0]
+    lengths = batch.sequence_lengths()
+    # a tree: 10 + (2 + 3 + 4 + 5) = 24 tokens, unshared 54; budget 24 holds one tree a micro-batch
+    plan = plan_packed_micro_batches(lengths, 1, 1, 24, shared)
+    micro = [m.tolist() for m in plan.groups[0][0]]
+    for g in range(3):
+        assert [4 * g, 4 * g + 1, 4 * g + 2, 4 * g + 3] in micro
+    assert sorted(i for m in micro for i in m) == list(range(14))  # nothing dropped or repeated
+    # budget 20: each tree splits into sub-trees of members 0-2 (10 + 2 + 3 + 4 = 19) and member 3
+    # (its own copy of the prompt: 15)
+    split = [m.tolist() for m in plan_packed_micro_batches(lengths, 1, 1, 20, shared).groups[0][0]]
+    assert [0, 1, 2] in split and not any(3 in m and 0 in m for m in split)
+    assert sorted(i for m in split for i in m) == list(range(14))
+    # without sharing the same budget (24) fits fewer sequences per micro-batch
+    assert len(plan_packed_micro_batches(lengths, 1, 1, 24).groups[0][0]) > len(micro)
+
+
+def test_prefix_sharing_with_sequence_parallelism_is_refused_in_one_line():
+    with pytest.raises(Exception) as error:
+        load_config(
+            "configs/cpu_demo.yaml", ["learner.prefix_sharing=true", "learner.sequence_parallel_size=2"]
+        )
+    assert "learner.prefix_sharing" in str(error.value) and "sequence_parallel_size=2" in str(error.value)
+    config = load_config("configs/cpu_demo.yaml", ["learner.sequence_parallel_size=2"])
+    assert config.learner.prefix_sharing == "auto"  # auto shares only without sequence parallelism
+
+
+@pytest.fixture
+def one_rank():
+    """A torch.distributed group of one process (the check's all-reduce)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def policy_rank(model_path: str, sharing, attn: str):
+    """A policy learner's rank around a plain model (no DeepSpeed engine: the sharing logic only)."""
+    from rltrain.learner.policy import PolicyLearner
+
+    config = load_config("configs/cpu_demo.yaml", [f"learner.prefix_sharing={str(sharing).lower()}"])
+    learner = PolicyLearner(config, model_path, 0, 1)
+    learner.engine = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attn).float().eval()
+    learner.bf16 = False
+    return learner
+
+
+def test_auto_shares_where_it_saves_tokens_and_true_and_false_force_it(tiny_model_path):
+    grouped = rows([[5] * 20] * 4, [[6], [7, 8], [9], [10, 11, 12]])  # 4 x 20 prompt tokens, 20 once
+    distinct = rows([[5] * 20, [6] * 20], [[7], [8]])  # nothing in common
+    auto, true, false = (policy_rank(tiny_model_path, s, attention.register()) for s in ("auto", True, False))
+    assert auto._tree(grouped) is not None and auto._tree(distinct) is None
+    assert true._tree(distinct) is not None and false._tree(grouped) is None
+    # the metrics' counts (packed rows): 4 x 20 + 7 tokens unshared, 20 + 7 through the tree
+    assert auto._forward_tokens(grouped) == 4 * 20 + 7 and auto._tokens_forwarded(grouped) == 20 + 7
+
+
+def test_autos_check_turns_sharing_off_in_one_line_where_the_shared_forward_differs(
+    tiny_model_path, one_rank, capsys
+):
+    batch = rows([[5, 9, 13] * 7] * 4, [[6, 1], [7, 8, 2], [9], [10, 11, 12]])
+    # the tree attention: the check passes and sharing stays on
+    right = policy_rank(tiny_model_path, "auto", attention.register())
+    right._check_sharing(batch)
+    assert right.prefix_sharing == "auto" and capsys.readouterr().out == ""
+    # sdpa reads the tree row as one causal sequence: completions see their siblings
+    wrong = policy_rank(tiny_model_path, "auto", "sdpa")
+    wrong._check_sharing(batch)
+    assert wrong.prefix_sharing is False and wrong._tree(batch) is None
+    out = capsys.readouterr().out.strip()
+    assert "learner.prefix_sharing: auto" in out and "going on unshared" in out and "\n" not in out
+
+
+@pytest.mark.slow
+def test_an_environment_configs_step_is_the_same_with_and_without_sharing_through_the_cli(
+    tmp_path, ray_cluster
+):
+    # configs/cpu_env.yaml (the built-in model, a system turn with tool schemas, episodes on the chat
+    # template): one step with plain SGD, sharing forced on and off, gives the same update; the
+    # shared run computes each group's prompt once (4 prompts x 4 episodes)
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rltrain.run.diagnostics import relative_difference
+
+    repo = Path(__file__).resolve().parents[1]
+    common = ["algorithm.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=24",
+              "sft_warmup.steps=0", "run.eval_every=0", "run.steps=1", "run.checkpoint_every=0",
+              "rollout.backend=hf", "learner.optimizer=sgd", "learner.lr=0.5", "learner.max_grad_norm=0",
+              "learner.warmup_steps=0", "reward.functions={env: 1.0, digits: 1.0}", "run.ray_num_cpus=2"]  # fmt: skip
+    runs = {}
+    for sharing in ("true", "false"):
+        out = tmp_path / sharing
+        done = subprocess.run(
+            [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_env.yaml", *common,
+             f"run.output_dir={out}", f"learner.prefix_sharing={sharing}"],
+            cwd=repo, capture_output=True, text=True, timeout=600, env={**os.environ, **ray_cluster},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        start = AutoModelForCausalLM.from_pretrained(out / "tiny_model").state_dict()
+        final = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
+        metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        runs[sharing] = {k: final[k] - start[k] for k in start}, metrics
+    (shared, on), (unshared, off) = runs["true"], runs["false"]
+    assert relative_difference(shared, unshared) < 1e-5
+    assert off["perf/tokens_forwarded"] == off["perf/forward_tokens"]
+    # the prompt (system turn with the calculator's schema, the question) is most of each sequence
+    assert on["perf/prefix_shared_fraction"] > 0.5 and off["perf/prefix_shared_fraction"] == 0.0
+    assert on["perf/tokens_forwarded"] < 0.5 * off["perf/tokens_forwarded"]
+    assert on["time/train_s"] > 0

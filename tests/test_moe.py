@@ -55,7 +55,10 @@ def test_load_balancing_loss_is_exact_over_the_step_under_every_layout(ray_local
         "ZeRO-2 packed, budget 16": moe_config(2, 1, 2, max_tokens_per_micro_batch=16, prefix_sharing=True),
         "ZeRO-3 sp2 packed, budget 30": moe_config(2, 1, 3, max_tokens_per_micro_batch=30, sequence_parallel_size=2),
     }  # fmt: skip
-    controls = [moe_config(1, 8, 0, scope="micro_batch", prefix_sharing=False), moe_config(2, 3, 2, scope="micro_batch")]
+    controls = [
+        moe_config(1, 8, 0, scope="micro_batch", prefix_sharing=False),
+        moe_config(2, 3, 2, scope="micro_batch"),
+    ]
     reference, *updates, one_forward, split = updates_after_one_step(
         [moe_config(1, 8, 0, prefix_sharing=False), *layouts.values(), *controls], moe_path, batch
     )

@@ -76,7 +76,9 @@ def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_lo
     ]
     one, two, naive_one, naive_two = updates_after_one_step(configs, smollm2["folder"], batch)
     token_diff, naive_diff = relative_difference(two, one), relative_difference(naive_two, naive_one)
-    print(f"SmolLM2 token-mode 2x(3+1) shared vs 1 packed: {token_diff:.2e}; per-micro-batch: {naive_diff:.2e}")
+    print(
+        f"SmolLM2 token-mode 2x(3+1) shared vs 1 packed: {token_diff:.2e}; per-micro-batch: {naive_diff:.2e}"
+    )
     assert token_diff < 1e-5
     assert naive_diff > 1e-2
     assert torch.count_nonzero(one["model.embed_tokens.weight"]) > 0

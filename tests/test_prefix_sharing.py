@@ -13,7 +13,7 @@ from rltrain.batch import TrainBatch, plan_packed_micro_batches, shared_prefix_l
 from rltrain.config import load_config
 from rltrain.learner import attention
 from rltrain.learner.attention import document_attention
-from rltrain.learner.prefix_tree import build_tree, tree_logprobs, tree_outputs
+from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs, tree_outputs
 from rltrain.loss.logprobs import sequence_logprobs, token_outputs
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models.routers import RouterTap
@@ -219,54 +219,41 @@ def test_prefix_sharing_with_sequence_parallelism_is_refused_in_one_line():
     assert config.learner.prefix_sharing == "auto"  # auto shares only without sequence parallelism
 
 
-@pytest.fixture
-def one_rank():
-    """A torch.distributed group of one process (the check's all-reduce)."""
-    import socket
+def model_forward(model_path: str, attn: str):
+    """Per-token log-probs of a plain model (no learner), through the tree ``sharing`` picks."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attn).float().eval()
 
-    import torch.distributed as dist
+    def forward(sharing: PrefixSharing, batch: TrainBatch) -> torch.Tensor:
+        tree = sharing.tree(batch)
+        if tree is not None:
+            return tree_logprobs(model, tree, batch.input_ids)[0]
+        return sequence_logprobs(model, batch.input_ids, batch.attention_mask, packed=True)[0]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    return forward
 
 
-def policy_rank(model_path: str, sharing, attn: str):
-    """A policy learner's rank around a plain model (no DeepSpeed engine: the sharing logic only)."""
-    from rltrain.learner.policy import PolicyLearner
-
-    config = load_config("configs/cpu_demo.yaml", [f"learner.prefix_sharing={str(sharing).lower()}"])
-    learner = PolicyLearner(config, model_path, 0, 1)
-    learner.engine = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attn).float().eval()
-    learner.bf16 = False
-    return learner
-
-
-def test_auto_shares_where_it_saves_tokens_and_true_and_false_force_it(tiny_model_path):
+def test_auto_shares_where_it_saves_tokens_and_true_and_false_force_it():
     grouped = rows([[5] * 20] * 4, [[6], [7, 8], [9], [10, 11, 12]])  # 4 x 20 prompt tokens, 20 once
     distinct = rows([[5] * 20, [6] * 20], [[7], [8]])  # nothing in common
-    auto, true, false = (policy_rank(tiny_model_path, s, attention.register()) for s in ("auto", True, False))
-    assert auto._tree(grouped) is not None and auto._tree(distinct) is None
-    assert true._tree(distinct) is not None and false._tree(grouped) is None
-    # the metrics' counts (packed rows): 4 x 20 + 7 tokens unshared, 20 + 7 through the tree
-    assert auto._forward_tokens(grouped) == 4 * 20 + 7 and auto._tokens_forwarded(grouped) == 20 + 7
+    auto, true, false = PrefixSharing("auto"), PrefixSharing(True), PrefixSharing(False)
+    assert auto.tree(grouped) is not None and auto.tree(distinct) is None
+    assert true.tree(distinct) is not None and false.tree(grouped) is None
+    # the metrics' counts: 4 x 20 + 7 tokens unshared (one packed row), 20 + 7 through the tree
+    assert auto.tokens_forwarded(grouped, 4 * 20 + 7) == 20 + 7 and false.tokens_forwarded(grouped, 87) == 87
+    assert auto.tree(grouped) is auto.tree(grouped)  # one tree per micro-batch within a call
 
 
-def test_autos_check_turns_sharing_off_in_one_line_where_the_shared_forward_differs(
-    tiny_model_path, one_rank, capsys
-):
+def test_autos_check_turns_sharing_off_in_one_line_where_the_shared_forward_differs(tiny_model_path, capsys):
     batch = rows([[5, 9, 13] * 7] * 4, [[6, 1], [7, 8, 2], [9], [10, 11, 12]])
     # the tree attention: the check passes and sharing stays on
-    right = policy_rank(tiny_model_path, "auto", attention.register())
-    right._check_sharing(batch)
-    assert right.prefix_sharing == "auto" and capsys.readouterr().out == ""
+    right, forward = PrefixSharing("auto"), model_forward(tiny_model_path, attention.register())
+    right.check(lambda: forward(right, batch), batch, bf16=False, rank=0)
+    assert right.setting == "auto" and right.checked and right.tree(batch) is not None
+    assert capsys.readouterr().out == ""
     # sdpa reads the tree row as one causal sequence: completions see their siblings
-    wrong = policy_rank(tiny_model_path, "auto", "sdpa")
-    wrong._check_sharing(batch)
-    assert wrong.prefix_sharing is False and wrong._tree(batch) is None
+    wrong, forward = PrefixSharing("auto"), model_forward(tiny_model_path, "sdpa")
+    wrong.check(lambda: forward(wrong, batch), batch, bf16=False, rank=0)
+    assert wrong.setting is False and wrong.tree(batch) is None
     out = capsys.readouterr().out.strip()
     assert "learner.prefix_sharing: auto" in out and "going on unshared" in out and "\n" not in out
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config, LearnerConfig
-from rltrain.learner.engine import EngineLearner
+from rltrain.learner.engine import EngineLearner, load_scalar_head
+from rltrain.learner.prefix_tree import outputs
 from rltrain.loss.losses import question_sums, value_loss
 
 
@@ -44,16 +45,12 @@ class CriticLearner(EngineLearner):
 
     def _build_model(self) -> torch.nn.Module:
         # a new value head starts at 0: every state's value is 0 until the critic has learned
-        return self._load_scalar_head(self.config.critic.model)[0]
+        return load_scalar_head(self._load_model, self.config.critic.model)[0]
 
-    def values(self, model: torch.nn.Module, mb: TrainBatch, shared: bool | None = None) -> torch.Tensor:
-        """``[B, T]``: position ``t`` holds the value of the state before token ``t`` (through a
-        prefix tree where ``learner.prefix_sharing`` says, or ``shared`` forces it)."""
-        out_BT = self._outputs(model, mb, shared)[..., 0].float()
+    def values(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
+        """``[B, T]``: position ``t`` holds the value of the state before token ``t``."""
+        out_BT = outputs(model, mb, self.sharing.tree(mb), self.lc.packing)[..., 0].float()
         return F.pad(out_BT[:, :-1], (1, 0))
-
-    def _compared_outputs(self, mb: TrainBatch, shared: bool) -> torch.Tensor:
-        return self.values(self.engine, mb, shared)
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         return self.values(self.engine, mb)

@@ -37,20 +37,14 @@ import torch
 from rltrain.batch import TrainBatch, nonempty
 from rltrain.config import Config, LearnerConfig
 from rltrain.learner import attention, sequence_parallel
-from rltrain.learner.prefix_tree import PrefixTree, build_tree, tree_outputs
+from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.state import LearnerState
-from rltrain.loss.logprobs import token_outputs
 from rltrain.loss.masked_mean import step_totals
 from rltrain.remote import where
 
 # counted once per step (not per PPO epoch): tokens the unshared layout runs on (padding included),
 # real ones, and tokens the model ran on (a shared prefix once)
 TOKEN_COUNTS = ["forward_tokens", "sequence_tokens", "tokens_forwarded"]
-# learner.prefix_sharing auto: a micro-batch runs as a prefix tree where that saves this share of
-# its tokens (against one packed row); the first shared micro-batch's outputs must match the unshared forward's
-# to this (absolute, log-probs or values; by precision), or sharing goes off for the run
-AUTO_MIN_SAVING = 0.1
-SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
 
 
 def peak_memory_mib(use_cuda: bool) -> float:
@@ -105,6 +99,20 @@ class StepMetrics:
         return means, maxes, totals, self.values[n : n + t].tolist()
 
 
+def load_scalar_head(load_model, path: str | None) -> tuple[torch.nn.Module, set[str]]:
+    """A model with one output per position (token classification) from ``path``, loaded by a
+    learner's ``_load_model``; the weights the folder lacks (a new head) start at 0. Returns the
+    model and their names."""
+    from transformers import AutoModelForTokenClassification
+
+    model, info = load_model(AutoModelForTokenClassification, path, num_labels=1, output_loading_info=True)
+    missing = set(info["missing_keys"])
+    for name, param in model.named_parameters():
+        if name in missing:
+            torch.nn.init.zeros_(param)
+    return model, missing
+
+
 class EngineLearner(LearnerState):
     """One data-parallel rank owning a DeepSpeed engine: set-up, the accumulation loop (explicit
     boundaries, the one token-total collective, one metrics all-reduce), checkpoints and export.
@@ -140,11 +148,9 @@ class EngineLearner(LearnerState):
         self.sp = self.lc.sequence_parallel_size
         self.sp_rank = rank % self.sp
         self.attn_implementation = None
-        # learner.prefix_sharing ("auto", True, False); off under sequence parallelism, and for the
-        # rest of the run where auto's check finds the shared forward differing
-        self.prefix_sharing = self.lc.prefix_sharing if self.sp == 1 else False
-        self._sharing_checked = False
-        self._trees: dict[int, tuple[torch.Tensor, PrefixTree]] = {}  # this call's, by input_ids
+        self.sharing = PrefixSharing(
+            self.lc.prefix_sharing if self.sp == 1 else False
+        )  # learner.prefix_sharing
         self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
 
     def node_address(self) -> tuple[str, int]:
@@ -211,7 +217,7 @@ class EngineLearner(LearnerState):
         deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
         if self.sp > 1:
             self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
-        elif lc.packing or self.prefix_sharing is not False:
+        elif lc.packing or self.sharing.setting is not False:
             # document by document and branch by branch (prefix trees): no [L, L] mask, attention
             # work grows with each sequence, not the row; padded batches run on sdpa
             self.attn_implementation = attention.register()
@@ -235,20 +241,6 @@ class EngineLearner(LearnerState):
             **extra, **kwargs,
         )  # fmt: skip
 
-    def _load_scalar_head(self, path: str | None) -> tuple[torch.nn.Module, set[str]]:
-        """A model with one output per position (token classification) from ``path``; the
-        weights the folder lacks (a new head) start at 0. Returns the model and their names."""
-        from transformers import AutoModelForTokenClassification
-
-        model, info = self._load_model(
-            AutoModelForTokenClassification, path, num_labels=1, output_loading_info=True
-        )
-        missing = set(info["missing_keys"])
-        for name, param in model.named_parameters():
-            if name in missing:
-                torch.nn.init.zeros_(param)
-        return model, missing
-
     # ------------------------------------------------------------------ training
 
     def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
@@ -266,9 +258,11 @@ class EngineLearner(LearnerState):
             ]
             for group in groups
         ]
-        self._trees.clear()
-        if self.prefix_sharing == "auto" and not self._sharing_checked:
-            self._check_sharing(groups[0][0])
+        self.sharing.clear()
+        if not self.sharing.checked:  # auto: the first micro-batch shared and unshared, once a run
+            self.sharing.check(
+                lambda: self._per_token(groups[0][0], own=True), groups[0][0], self.bf16, self.rank
+            )
         groups = self._before_training(groups)
         flat = [mb for group in groups for mb in group]
         totals, extra = None, self._step_counts(flat)
@@ -281,7 +275,8 @@ class EngineLearner(LearnerState):
         step = StepMetrics(self.METRIC_SUMS, self.METRIC_MAXES, self.METRIC_TOTALS)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
         step.token_counts[:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens,
-                                             sum(self._tokens_forwarded(mb) for mb in flat)])  # fmt: skip
+                                             sum(self.sharing.tokens_forwarded(mb, self._forward_tokens(mb))
+                                                 for mb in flat)])  # fmt: skip
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):
@@ -307,7 +302,6 @@ class EngineLearner(LearnerState):
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     grad_norms.append(float(norm))
-        self._trees.clear()
         means, maxes, totals, (forward_tokens, sequence_tokens, forwarded) = step.reduce()
         p, tokens = self.PREFIX, step.tokens
         out = self._finish_metrics({f"{p}/{k}": v for k, v in (means | maxes).items()})
@@ -352,11 +346,8 @@ class EngineLearner(LearnerState):
         """:meth:`_per_token` of each micro-batch (``[B, T]`` each, on the CPU); every rank runs its
         micro-batches at the same time (ZeRO-3 gathers are collectives). ``own``: the trained
         model's output where a role has another (the policy's log-probs, not its reference's)."""
-        micro_batches = [self._to_device(nonempty(mb)) for mb in micro_batches]
-        try:
-            return [self._per_token(mb, own).cpu() for mb in micro_batches]
-        finally:
-            self._trees.clear()
+        self.sharing.clear()
+        return [self._per_token(self._to_device(nonempty(mb)), own).cpu() for mb in micro_batches]
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         raise NotImplementedError
@@ -367,62 +358,6 @@ class EngineLearner(LearnerState):
         if not self.lc.packing:
             return mb.input_ids.numel()
         return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
-
-    def _tokens_forwarded(self, mb: TrainBatch) -> float:
-        """Tokens the model runs on for this micro-batch on this rank (a shared prefix once)."""
-        tree = self._tree(mb)
-        return self._forward_tokens(mb) if tree is None else tree.tokens
-
-    # ------------------------------------------------------------------ prefix sharing
-
-    def _tree(self, mb: TrainBatch, shared: bool | None = None) -> PrefixTree | None:
-        """The prefix tree a forward on ``mb`` runs as, or None (the unshared layout), per
-        ``learner.prefix_sharing``; ``shared`` forces it either way. The same micro-batch always
-        gets the same answer within a call, so the old log-probs and the update take one path."""
-        if shared is False or (shared is None and self.prefix_sharing is False):
-            return None
-        ids = mb.input_ids
-        cached = self._trees.get(id(ids))
-        if cached is None or cached[0] is not ids:  # (the tensor is kept: its id is not reused)
-            cached = self._trees[id(ids)] = ids, build_tree(ids, mb.attention_mask, ~mb.response_mask.bool())
-        tree = cached[1]
-        if shared or self.prefix_sharing is True:
-            return tree
-        # auto: where sharing itself saves (a padded layout's padding alone does not count)
-        return tree if tree.shared_fraction >= AUTO_MIN_SAVING else None
-
-    def _check_sharing(self, mb: TrainBatch) -> None:
-        """``auto``'s one check, on every rank at once: the first micro-batch's outputs shared and
-        unshared; where any rank's differ beyond rounding, sharing goes off for the run."""
-        import torch.distributed as dist
-
-        self._sharing_checked = True
-        with torch.no_grad():
-            shared, unshared = self._compared_outputs(mb, True), self._compared_outputs(mb, False)
-        if shared is None:
-            return
-        keep = mb.response_mask.bool()
-        difference = torch.tensor([float((shared - unshared)[keep].abs().max()) if keep.any() else 0.0])
-        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-        tolerance = SHARING_TOLERANCE[torch.bfloat16 if self.bf16 else torch.float32]
-        if difference.item() > tolerance:
-            self.prefix_sharing = False
-            if self.rank == 0:
-                print(f"learner.prefix_sharing: auto: the shared forward differs from the unshared one by "
-                      f"{difference.item():.3g} (> {tolerance:g}) on the first micro-batch; going on unshared",
-                      flush=True)  # fmt: skip
-
-    def _outputs(self, model: torch.nn.Module, mb: TrainBatch, shared: bool | None = None) -> torch.Tensor:
-        """The model's per-position ``logits`` ``[B, T, C]`` for a head with few outputs (a value or
-        score head): padded, packed or through the prefix tree (:meth:`_tree`)."""
-        tree = self._tree(mb, shared)
-        if tree is not None:
-            return tree_outputs(model, tree)
-        return token_outputs(model, mb.input_ids, mb.attention_mask, self.lc.packing)
-
-    def _compared_outputs(self, mb: TrainBatch, shared: bool) -> torch.Tensor | None:
-        """``[B, T]`` outputs ``auto``'s check compares with and without sharing (None: none)."""
-        return None
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
         device = self.engine.device

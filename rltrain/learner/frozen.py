@@ -14,8 +14,9 @@ import torch
 
 from rltrain.batch import TrainBatch, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
-from rltrain.learner.engine import EngineLearner
+from rltrain.learner.engine import EngineLearner, load_scalar_head
 from rltrain.learner.policy import PolicyLearner
+from rltrain.learner.prefix_tree import outputs
 
 
 class FrozenLearner(EngineLearner):
@@ -76,7 +77,7 @@ class RewardModelLearner(FrozenLearner):
         return config.reward.model_learners
 
     def _build_model(self) -> torch.nn.Module:
-        model, missing = self._load_scalar_head(self.config.reward.model)
+        model, missing = load_scalar_head(self._load_model, self.config.reward.model)
         # the token classifier's head has a bias where the sequence classifier's has none: it is 0
         untrained = {n for n in missing if not (n.endswith(".bias") and n[:-5] + ".weight" not in missing)}
         if untrained:
@@ -88,7 +89,7 @@ class RewardModelLearner(FrozenLearner):
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
-        return self._outputs(self.engine, mb)[..., 0].float()
+        return outputs(self.engine, mb, self.sharing.tree(mb), self.lc.packing)[..., 0].float()
 
 
 def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

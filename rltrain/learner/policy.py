@@ -108,7 +108,7 @@ class PolicyLearner(EngineLearner):
             self.METRIC_TOTALS["routing_mismatch"] = 2  # (rows the router would send elsewhere, rows)
 
     def _rows(self, mb: TrainBatch) -> torch.Tensor:
-        return router_rows(mb, self.lc.packing, self.sp, self.sp_rank, self._tree(mb))
+        return router_rows(mb, self.lc.packing, self.sp, self.sp_rank, self.sharing.tree(mb))
 
     def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs: the frozen copy's, or with LoRA the policy's own with
@@ -118,19 +118,16 @@ class PolicyLearner(EngineLearner):
         with self.engine.module.disable_adapter():
             return self._logprobs(self.engine, mb)[0]
 
-    def _logprobs(
-        self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None,
-        shared: bool | None = None,
-    ):  # fmt: skip
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, temperature: float | None = None):
         """Per-token log-probs ``[B, T]`` of a micro-batch: padded, packed, as a prefix tree
-        (``learner.prefix_sharing``; ``shared`` forces it either way) or this rank's share of a
-        sequence-parallel packed row. Without an explicit ``temperature``, of the distribution the
-        engine sampled from (``rollout.temperature`` and its top_k/top_p/min_p)."""
+        (``learner.prefix_sharing``) or this rank's share of a sequence-parallel packed row. Without
+        an explicit ``temperature``, of the distribution the engine sampled from
+        (``rollout.temperature`` and its top_k/top_p/min_p)."""
         sampling = temperature is None and self.TEMPERATURE is None  # the engine's distribution
         temperature = temperature or self.TEMPERATURE or self.config.rollout.temperature
         rc = self.config.rollout
         truncation = Truncation(rc.top_k, rc.top_p, rc.min_p) if sampling else None
-        packed, tree = self.lc.packing, self._tree(mb, shared)
+        packed, tree = self.lc.packing, self.sharing.tree(mb)
         if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
@@ -144,9 +141,6 @@ class PolicyLearner(EngineLearner):
         return sequence_logprobs(
             model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed, truncation
         )
-
-    def _compared_outputs(self, mb: TrainBatch, shared: bool) -> torch.Tensor:
-        return self._logprobs(self.engine, mb, shared=shared)[0]
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's

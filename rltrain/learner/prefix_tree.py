@@ -18,11 +18,13 @@ its copies, as in the unshared forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from rltrain.loss.logprobs import Truncation, head_forward, packed_forward, predicted_logprobs
+from rltrain.batch import TrainBatch
+from rltrain.loss.logprobs import Truncation, head_forward, packed_forward, predicted_logprobs, token_outputs
 
 
 @dataclass
@@ -177,3 +179,77 @@ def tree_outputs(model: torch.nn.Module, tree: PrefixTree) -> torch.Tensor:
     """:func:`rltrain.loss.logprobs.token_outputs` through the tree: the model's per-position
     ``logits`` (a value head's few outputs) ``[B, T, C]``, 0 on padding."""
     return tree.gather(tree_forward(model, tree).logits)
+
+
+def outputs(model: torch.nn.Module, mb: TrainBatch, tree: PrefixTree | None, packed: bool) -> torch.Tensor:
+    """The model's per-position ``logits`` ``[B, T, C]`` for a head with few outputs (a value or
+    score head): through ``tree`` where given, else padded or packed."""
+    if tree is not None:
+        return tree_outputs(model, tree)
+    return token_outputs(model, mb.input_ids, mb.attention_mask, packed)
+
+
+# learner.prefix_sharing auto: a micro-batch runs as a prefix tree where that saves this share of
+# its tokens (against one packed row); the first shared micro-batch's outputs must match the
+# unshared forward's to this (absolute, log-probs or values; by precision), or sharing goes off
+AUTO_MIN_SAVING = 0.1
+SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+
+
+class PrefixSharing:
+    """One rank's ``learner.prefix_sharing``: which micro-batches run as prefix trees (the same
+    answer for the same micro-batch within a call, so the old log-probs and the update take one
+    path), and ``auto``'s one check against the unshared forward."""
+
+    def __init__(self, setting: str | bool):
+        self.setting = setting  # "auto", True or False (False for the rest of a run auto's check failed)
+        self.force: bool | None = None  # set by the check: every tree on, or off
+        self.checked = setting != "auto"
+        self._trees: dict[int, tuple[torch.Tensor, PrefixTree]] = {}  # by input_ids (kept: ids not reused)
+
+    def clear(self) -> None:
+        """Forget the trees of the last call's micro-batches."""
+        self._trees.clear()
+
+    def tree(self, mb: TrainBatch) -> PrefixTree | None:
+        """The prefix tree a forward on ``mb`` runs as, or None (the unshared layout)."""
+        if self.force is False or (self.force is None and self.setting is False):
+            return None
+        ids = mb.input_ids
+        cached = self._trees.get(id(ids))
+        if cached is None or cached[0] is not ids:
+            cached = self._trees[id(ids)] = ids, build_tree(ids, mb.attention_mask, ~mb.response_mask.bool())
+        tree = cached[1]
+        if self.force or self.setting is True:
+            return tree
+        # auto: where sharing itself saves (a padded layout's padding alone does not count)
+        return tree if tree.shared_fraction >= AUTO_MIN_SAVING else None
+
+    def tokens_forwarded(self, mb: TrainBatch, unshared: float) -> float:
+        """Tokens a forward on ``mb`` runs on: the tree's, or ``unshared``."""
+        tree = self.tree(mb)
+        return unshared if tree is None else tree.tokens
+
+    @torch.no_grad()
+    def check(self, forward: Callable[[], torch.Tensor], mb: TrainBatch, bf16: bool, rank: int) -> None:
+        """``auto``'s one check, on every rank at once: ``forward()``'s ``[B, T]`` outputs on
+        ``mb`` shared and unshared; where any rank's differ beyond rounding on the response
+        tokens, sharing goes off for the run, said in one line."""
+        import torch.distributed as dist
+
+        self.checked = True
+        outs = []
+        for self.force in (True, False):
+            outs.append(forward())
+        self.force = None
+        keep = mb.response_mask.bool()
+        difference = torch.tensor([float((outs[0] - outs[1])[keep].abs().max()) if keep.any() else 0.0])
+        if dist.is_initialized():  # (every rank decides alike: one all-reduce)
+            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+        tolerance = SHARING_TOLERANCE[torch.bfloat16 if bf16 else torch.float32]
+        if difference.item() > tolerance:
+            self.setting = False
+            if rank == 0:
+                print(f"learner.prefix_sharing: auto: the shared forward differs from the unshared one by "
+                      f"{difference.item():.3g} (> {tolerance:g}) on the first micro-batch; going on unshared",
+                      flush=True)  # fmt: skip

@@ -31,8 +31,7 @@ from common import REPO, model_folder, table
 
 from rltrain.batch import TrainBatch
 from rltrain.learner import attention
-from rltrain.learner.engine import AUTO_MIN_SAVING
-from rltrain.learner.prefix_tree import build_tree, tree_logprobs
+from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs
 from rltrain.loss.logprobs import sequence_logprobs
 
 RATIOS = {"4:1": (4, 1), "1:1": (1, 1), "1:4": (1, 4)}
@@ -84,11 +83,6 @@ def learner_work(model, batch: TrainBatch, shared: bool) -> tuple[float, float]:
     return time.perf_counter() - start, saved[0] / 2**20
 
 
-def auto_shares(batch: TrainBatch) -> bool:
-    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
-    return tree.shared_fraction >= AUTO_MIN_SAVING
-
-
 def grid(name: str, path: str, cases: list[tuple[str, int, int, int, int]], repeats: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -108,8 +102,8 @@ def grid(name: str, path: str, cases: list[tuple[str, int, int, int, int]], repe
                 seconds, memory[shared] = learner_work(model, batch, shared)
                 times[shared].append(seconds)
         unshared, shared = statistics.median(times[False]), statistics.median(times[True])
-        auto = auto_shares(batch)
         tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+        auto = PrefixSharing("auto").tree(batch) is not None  # the learners' own rule
         rows.append({
             "model": name, "case": label, "group": group_size, "sequences": len(batch),
             "prompt": prompt, "completion": completion, "shared_fraction": round(tree.shared_fraction, 3),

@@ -147,10 +147,10 @@ class LearnerConfig(Section):
     prefix_sharing: Literal["auto"] | bool = "auto"
     """Compute a group's shared prompt once: each micro-batch runs as one prefix-tree row (the
     shared prefix once, then each member's completion, positions continuing from the prompt's
-    end), in every forward that reads it. `auto`: where it saves at least 10% of the forward's
-    tokens, with the run's first shared micro-batch checked once against the unshared forward
-    (a difference beyond rounding turns it off, in one logged line); true/false force it on or
-    off. Not with sequence parallelism."""
+    end), in every forward that reads it. `auto`: where it saves at least 10% of the micro-batch's
+    tokens against one packed row, with the run's first shared micro-batch checked once against
+    the unshared forward (a difference beyond rounding turns it off, in one logged line);
+    true/false force it on or off. Not with sequence parallelism."""
     num_mini_batches: int = Field(1, ge=1)
     """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
     ppo_epochs: int = Field(1, ge=1)
@@ -197,7 +197,7 @@ class FrozenLearnerConfig(Section):
     """Token budget of one packed forward; null: micro_batch_size x the longest sequence."""
     prefix_sharing: Literal["auto"] | bool = "auto"
     """Compute a group's shared prompt once (a prefix-tree forward), as `learner.prefix_sharing`:
-    `auto` where it saves at least 10% of the forward's tokens; true/false force it."""
+    `auto` where it saves at least 10% of the micro-batch's tokens; true/false force it."""
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """Ray placement of the actors (as `learner.placement`)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"

@@ -274,9 +274,9 @@ class EngineLearner(LearnerState):
                                  [mb.loss_tool_mask() for mb in flat], counted, extra=extra)  # fmt: skip
         step = StepMetrics(self.METRIC_SUMS, self.METRIC_MAXES, self.METRIC_TOTALS)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
-        step.token_counts[:] = torch.tensor([sum(self._forward_tokens(mb) for mb in flat), real_tokens,
-                                             sum(self.sharing.tokens_forwarded(mb, self._forward_tokens(mb))
-                                                 for mb in flat)])  # fmt: skip
+        unshared = [self._forward_tokens(mb) for mb in flat]
+        forwarded = [self.sharing.tokens_forwarded(mb, n) for mb, n in zip(flat, unshared)]
+        step.token_counts[:] = torch.tensor([sum(unshared), real_tokens, sum(forwarded)])
         grad_norms, lrs = [], []
         for _epoch in range(lc.ppo_epochs):
             for g, group in enumerate(groups):

@@ -32,13 +32,11 @@ class PrefixTree:
     """One row holding a micro-batch's sequences as a prefix tree.
 
     ``cell_BT``: the row index of the token at each attended cell of the micro-batch (-1 on
-    padding); ``uses_L``: how many sequences each row token stands for (1 unshared, G for a prefix
-    shared by G members)."""
+    padding)."""
 
     input_ids_1L: torch.Tensor
     position_ids_1L: torch.Tensor
     cell_BT: torch.Tensor
-    uses_L: torch.Tensor
 
     @property
     def tokens(self) -> int:
@@ -46,9 +44,15 @@ class PrefixTree:
         return int(self.input_ids_1L.shape[1])
 
     @property
+    def uses_L(self) -> torch.Tensor:
+        """How many sequences each row token stands for (1 unshared, G for a prefix shared by G
+        members)."""
+        return torch.bincount(self.cell_BT[self.cell_BT >= 0], minlength=self.tokens)
+
+    @property
     def unshared_tokens(self) -> int:
-        """Tokens a padding-free forward without sharing runs on."""
-        return int(self.uses_L.sum())
+        """Tokens a padding-free forward without sharing runs on: the micro-batch's attended cells."""
+        return int((self.cell_BT >= 0).sum())
 
     @property
     def shared_fraction(self) -> float:
@@ -66,11 +70,14 @@ class PrefixTree:
         """``[B, T, ...]`` values as the tree row's tokens (a shared token takes its first
         member's)."""
         keep_BT = self.cell_BT >= 0
-        out = values_BT.new_zeros(self.tokens, *values_BT.shape[2:])
-        cells, values = self.cell_BT[keep_BT], values_BT[keep_BT]
-        first = torch.full((self.tokens,), len(cells), dtype=torch.long, device=cells.device)
-        first = first.scatter_reduce(0, cells, torch.arange(len(cells), device=cells.device), "amin")
-        return out.copy_(values[first])
+        return values_BT[keep_BT][first_index(self.cell_BT[keep_BT], self.tokens)]
+
+
+def first_index(group_N: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[groups]``: for each group id in ``0..groups-1``, the first position of ``group_N`` that
+    holds it (every id must occur)."""
+    first = torch.full((groups,), len(group_N), dtype=torch.long, device=group_N.device)
+    return first.scatter_reduce(0, group_N, torch.arange(len(group_N), device=group_N.device), "amin")
 
 
 def build_tree(
@@ -124,12 +131,10 @@ def build_tree(
     cell_BT = torch.full(input_ids_BT.shape, -1, dtype=torch.long)
     for b, row in enumerate(cells):
         cell_BT[b, keep_cpu[b]] = torch.tensor(row, dtype=torch.long)
-    uses = torch.bincount(cell_BT[cell_BT >= 0], minlength=len(ids))
     return PrefixTree(
         torch.tensor([ids], dtype=torch.long, device=device),
         torch.tensor([positions], dtype=torch.long, device=device),
         cell_BT.to(device),
-        uses.to(device),
     )
 
 
@@ -162,8 +167,7 @@ def tree_logprobs(
     target = input_ids_BT[predicted_BT]
     key = source * (int(input_ids_BT.max()) + 1) + target
     unique, inverse = torch.unique(key, return_inverse=True)
-    first = torch.full((len(unique),), len(key), dtype=torch.long, device=key.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device), "amin")
+    first = first_index(inverse, len(unique))
     logprobs_K, entropy_K = predicted_logprobs(
         states[0, source[first]][None], head, target[first][None], temperature, with_entropy, truncation
     )

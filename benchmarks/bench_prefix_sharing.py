@@ -148,7 +148,7 @@ def demo(steps: int) -> list[dict]:
         later = metrics[1:] or metrics
         rows.append({
             "prefix_sharing": sharing,
-            "train_s": round(statistics.mean(m["time/train_s"] for m in later), 2),
+            "train_s": round(statistics.mean(m["time/train_s"] for m in later), 3),
             "step_s": round(statistics.mean(m["time/step_s"] for m in later), 2),
             "shared_fraction": round(statistics.mean(m["perf/prefix_shared_fraction"] for m in later), 3),
             "tokens_forwarded": round(statistics.mean(m["perf/tokens_forwarded"] for m in later)),

@@ -5,6 +5,7 @@ Pure torch: no ray, no deepspeed.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -262,7 +263,8 @@ def plan_packed_micro_batches(
     forward computes them once, :func:`shared_prefix_lengths`). Consecutive sequences sharing a
     prefix then travel together, as one tree of ``lengths[first] + sum(lengths[i] - shared[i])``
     tokens; a tree over the budget splits into sub-trees that fit, each with its own copy of the
-    prefix.
+    prefix. Trees also split where one would leave ranks idle (a system prompt that every group
+    shares makes the whole batch one tree): see :func:`_balanced`.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -274,15 +276,9 @@ def plan_packed_micro_batches(
     plan: list[list[list[torch.Tensor]]] = [[] for _ in range(world_size)]
     oversized = 0
     for group in torch.arange(num_sequences).tensor_split(num_mini_batches):
-        trees = _trees(group.tolist(), lengths, shared, max_tokens)
-        cost = [lengths[t[0]] + sum(lengths[i] - shared[i] for i in t[1:]) for t in trees]
-        longest_first = sorted(range(len(trees)), key=lambda u: (-cost[u], trees[u][0]))
-        shares: list[list[int]] = [[] for _ in range(world_size)]
-        loads = [0] * world_size
-        for u in longest_first:
-            rank = min(range(world_size), key=lambda r: (loads[r], len(shares[r]), r))
-            shares[rank].append(u)
-            loads[rank] += cost[u]
+        trees = _balanced(_trees(group.tolist(), lengths, shared, max_tokens), lengths, shared, world_size)
+        cost = [_tree_cost(t, lengths, shared) for t in trees]
+        shares, _ = _greedy_shares(trees, cost, world_size)
         packed = [_first_fit_decreasing(share, cost, max_tokens) for share in shares]
         oversized += sum(lengths[i] > max_tokens for i in group.tolist())
         steps = max(1, max(len(bins) for bins in packed))
@@ -306,6 +302,57 @@ def _trees(group: list[int], lengths: list[int], shared: list[int], budget: int)
         else:
             trees.append([i])
             size = lengths[i]
+    return trees
+
+
+def _tree_cost(tree: list[int], lengths: list[int], shared: list[int]) -> int:
+    """Tokens a tree's forward runs: its first sequence whole, the others past what they share."""
+    return lengths[tree[0]] + sum(lengths[i] - shared[i] for i in tree[1:])
+
+
+def _greedy_shares(
+    trees: list[list[int]], cost: list[int], world_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """Trees (indices into ``trees``) for each rank, longest first to the least loaded rank; and
+    each rank's load."""
+    longest_first = sorted(range(len(trees)), key=lambda u: (-cost[u], trees[u][0]))
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for u in longest_first:
+        rank = min(range(world_size), key=lambda r: (loads[r], len(shares[r]), r))
+        shares[rank].append(u)
+        loads[rank] += cost[u]
+    return shares, loads
+
+
+BALANCE_SLACK = 0.05  # the busiest rank may carry this much over an even share before trees split
+
+
+def _balanced(
+    trees: list[list[int]], lengths: list[int], shared: list[int], world_size: int
+) -> list[list[int]]:
+    """``trees``, the largest split in two while the ranks' greedy shares are uneven (the busiest
+    over an even share by more than :data:`BALANCE_SLACK`) and a split can help. A tree splits
+    where the fewest tokens are computed again (a boundary between groups that share only a system
+    prompt before one inside a group), the two halves as even as possible among such cuts."""
+    trees = list(trees)
+    while world_size > 1:
+        cost = [_tree_cost(t, lengths, shared) for t in trees]
+        _, loads = _greedy_shares(trees, cost, world_size)
+        excess = max(loads) - sum(cost) / world_size
+        splittable = [u for u in range(len(trees)) if len(trees[u]) > 1]
+        if excess <= BALANCE_SLACK * sum(cost) / world_size or not splittable:
+            return trees
+        u = max(splittable, key=lambda u: (cost[u], -trees[u][0]))
+        if cost[u] <= excess:  # the excess is a sequence too long to share out, not a tree
+            return trees
+        tree = trees[u]
+        # left = tree[:m] = sum(before[: m]) + shared[tree[0]], right = tree[m:] = the rest + shared[tree[m]]
+        before = list(itertools.accumulate(lengths[i] - shared[i] for i in tree))
+        cut = min(range(1, len(tree)), key=lambda m: (
+            shared[tree[m]], abs(2 * before[m - 1] + shared[tree[0]] - shared[tree[m]] - before[-1]),
+        ))  # fmt: skip
+        trees[u : u + 1] = [tree[:cut], tree[cut:]]
     return trees
 
 

@@ -209,6 +209,31 @@ def test_the_planner_keeps_a_groups_tree_whole_and_splits_one_over_the_budget():
     assert len(plan_packed_micro_batches(lengths, 1, 1, 24).groups[0][0]) > len(micro)
 
 
+def test_the_planner_spreads_a_tree_every_group_shares_over_the_ranks():
+    # 4 groups of 4 whose prompts all open with the same 6-token system turn, then a 4-token
+    # question: consecutive sequences share 10 tokens in a group and 6 across a group boundary, so
+    # the whole batch chains into one tree (what left one learner idle in the demo)
+    prompts = [[9] * 6 + [g + 1] * 4 for g in range(4) for _ in range(4)]
+    completions = [[70] * 5 for _ in range(16)]
+    batch = rows(prompts, completions)
+    shared = shared_prefix_lengths(batch)
+    assert shared == [0, 10, 10, 10] + [6, 10, 10, 10] * 3
+    lengths = batch.sequence_lengths()  # 15 each
+    # one tree: 6 + 4 * (4 + 4 * 5) = 102 tokens; the budget holds it all
+    plan = plan_packed_micro_batches(lengths, 2, 1, 200, shared)
+    shares = [sorted(i for m in plan.groups[rank][0] for i in m.tolist()) for rank in range(2)]
+    # each rank two whole groups (cut at a group boundary, repeating only the system turn):
+    # each half 6 + 2 * (4 + 4 * 5) = 54 tokens
+    assert sorted(shares) == [list(range(8)), list(range(8, 16))]
+    # one group alone over 2 ranks splits in the middle, each half with its own prompt copy
+    alone = plan_packed_micro_batches(lengths[:4], 2, 1, 200, shared[:4])
+    assert sorted(m.tolist() for rank in alone.groups for m in rank[0]) == [[0, 1], [2, 3]]
+    # one rank: nothing to balance, the tree stays whole
+    assert [m.tolist() for m in plan_packed_micro_batches(lengths, 1, 1, 200, shared).groups[0][0]] == [
+        list(range(16))
+    ]
+
+
 def test_prefix_sharing_with_sequence_parallelism_is_refused_in_one_line():
     with pytest.raises(Exception) as error:
         load_config(

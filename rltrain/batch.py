@@ -263,8 +263,7 @@ def plan_packed_micro_batches(
     forward computes them once, :func:`shared_prefix_lengths`). Consecutive sequences sharing a
     prefix then travel together, as one tree of ``lengths[first] + sum(lengths[i] - shared[i])``
     tokens; a tree over the budget splits into sub-trees that fit, each with its own copy of the
-    prefix. Trees also split where one would leave ranks idle (a system prompt that every group
-    shares makes the whole batch one tree): see :func:`_balanced`.
+    prefix. Trees also split where they would leave ranks idle (:func:`_balanced`).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -310,38 +309,27 @@ def _tree_cost(tree: list[int], lengths: list[int], shared: list[int]) -> int:
     return lengths[tree[0]] + sum(lengths[i] - shared[i] for i in tree[1:])
 
 
-def _greedy_shares(
-    trees: list[list[int]], cost: list[int], world_size: int
-) -> tuple[list[list[int]], list[int]]:
-    """Trees (indices into ``trees``) for each rank, longest first to the least loaded rank; and
-    each rank's load."""
+def _greedy_shares(trees: list[list[int]], cost: list[int], ranks: int) -> tuple[list[list[int]], list[int]]:
+    """Each rank's trees (indices), longest first to the least loaded rank, and each rank's load."""
     longest_first = sorted(range(len(trees)), key=lambda u: (-cost[u], trees[u][0]))
-    shares: list[list[int]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
     for u in longest_first:
-        rank = min(range(world_size), key=lambda r: (loads[r], len(shares[r]), r))
+        rank = min(range(ranks), key=lambda r: (loads[r], len(shares[r]), r))
         shares[rank].append(u)
         loads[rank] += cost[u]
     return shares, loads
 
 
-BALANCE_SLACK = 0.05  # the busiest rank may carry this much over an even share before trees split
-
-
-def _balanced(
-    trees: list[list[int]], lengths: list[int], shared: list[int], world_size: int
-) -> list[list[int]]:
-    """``trees``, the largest split in two while the ranks' greedy shares are uneven (the busiest
-    over an even share by more than :data:`BALANCE_SLACK`) and a split can help. A tree splits
-    where the fewest tokens are computed again (a boundary between groups that share only a system
-    prompt before one inside a group), the two halves as even as possible among such cuts."""
+def _balanced(trees: list[list[int]], lengths: list[int], shared: list[int], ranks: int) -> list[list[int]]:
+    """``trees``, the largest split in two while the busiest rank's share is 5% over an even one and a split
+    can help, at the cut that repeats the fewest tokens (between groups first), halves as even as can be."""
     trees = list(trees)
-    while world_size > 1:
+    while ranks > 1:
         cost = [_tree_cost(t, lengths, shared) for t in trees]
-        _, loads = _greedy_shares(trees, cost, world_size)
-        excess = max(loads) - sum(cost) / world_size
+        excess = max(_greedy_shares(trees, cost, ranks)[1]) - sum(cost) / ranks
         splittable = [u for u in range(len(trees)) if len(trees[u]) > 1]
-        if excess <= BALANCE_SLACK * sum(cost) / world_size or not splittable:
+        if excess <= 0.05 * sum(cost) / ranks or not splittable:
             return trees
         u = max(splittable, key=lambda u: (cost[u], -trees[u][0]))
         if cost[u] <= excess:  # the excess is a sequence too long to share out, not a tree

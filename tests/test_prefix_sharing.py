@@ -290,32 +290,15 @@ def test_an_environment_configs_step_is_the_same_with_and_without_sharing_throug
     # configs/cpu_env.yaml (the built-in model, a system turn with tool schemas, episodes on the chat
     # template): one step with plain SGD, sharing forced on and off, gives the same update; the
     # shared run computes each group's prompt once (4 prompts x 4 episodes)
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from model_utils import updates_with_and_without_sharing
 
     from rltrain.run.diagnostics import relative_difference
 
-    repo = Path(__file__).resolve().parents[1]
     common = ["algorithm.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=24",
               "sft_warmup.steps=0", "run.eval_every=0", "run.steps=1", "run.checkpoint_every=0",
               "rollout.backend=hf", "learner.optimizer=sgd", "learner.lr=0.5", "learner.max_grad_norm=0",
               "learner.warmup_steps=0", "reward.functions={env: 1.0, digits: 1.0}", "run.ray_num_cpus=2"]  # fmt: skip
-    runs = {}
-    for sharing in ("true", "false"):
-        out = tmp_path / sharing
-        done = subprocess.run(
-            [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_env.yaml", *common,
-             f"run.output_dir={out}", f"learner.prefix_sharing={sharing}"],
-            cwd=repo, capture_output=True, text=True, timeout=600, env={**os.environ, **ray_cluster},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        start = AutoModelForCausalLM.from_pretrained(out / "tiny_model").state_dict()
-        final = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
-        metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-        runs[sharing] = {k: final[k] - start[k] for k in start}, metrics
+    runs = updates_with_and_without_sharing("configs/cpu_env.yaml", common, tmp_path, ray_cluster)
     (shared, on), (unshared, off) = runs["true"], runs["false"]
     assert relative_difference(shared, unshared) < 1e-5
     assert off["perf/tokens_forwarded"] == off["perf/forward_tokens"]

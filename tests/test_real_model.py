@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import updates_with_and_without_sharing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.run.diagnostics import (
@@ -97,19 +98,8 @@ def test_one_steps_update_is_the_same_with_and_without_prefix_sharing_through_th
               "run.steps=1", "run.eval_every=0", "run.checkpoint_every=0", "run.layout_free_checkpoints=false",
               "reward.functions={math: 1.0, digits: 1.0}", "run.ray_num_cpus=2"]  # fmt: skip
     start = AutoModelForCausalLM.from_pretrained(smollm2["folder"]).state_dict()
-    runs = {}
-    for sharing in ("true", "false"):
-        out = tmp_path / sharing
-        done = subprocess.run(
-            [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *common,
-             f"run.output_dir={out}", f"learner.prefix_sharing={sharing}"],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
-            env={**os.environ, **ray_cluster, "RLTRAIN_CACHE": smollm2["cache"]},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        final = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
-        metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-        runs[sharing] = {k: final[k] - start[k] for k in start}, metrics
+    env = {**ray_cluster, "RLTRAIN_CACHE": smollm2["cache"]}
+    runs = updates_with_and_without_sharing("configs/cpu_demo.yaml", common, tmp_path, env, start)
     (shared, on), (unshared, off) = runs["true"], runs["false"]
     diff = relative_difference(shared, unshared)
     print(f"SmolLM2 through the CLI, shared vs unshared update: {diff:.2e}, shared fraction "

@@ -24,6 +24,7 @@ from rltrain.episodes.tools import ToolRunner
 
 CALL = "<tool:calculator>"
 CALLED = re.compile(r"(.*?)</tool>", re.DOTALL)
+BOTH = ("call right", "answer copied")
 
 
 def greedy(model, tokenizer, ids: list[int], stop: str, limit: int) -> tuple[list[int], str]:
@@ -69,13 +70,8 @@ def main() -> None:
     for folder in args.models:
         counts = copying(folder, args.config)
         n = sum(counts.values())
-        both = counts[("call right", "answer copied")]
-        rest = ", ".join(
-            f"{c} / {a}: {k}"
-            for (c, a), k in sorted(counts.items())
-            if (c, a) != ("call right", "answer copied")
-        )
-        print(f"{folder}: both copies right on {both / n:.1%} of {n} ({rest})")
+        rest = ", ".join(f"{c} / {a}: {k}" for (c, a), k in sorted(counts.items()) if (c, a) != BOTH)
+        print(f"{folder}: both copies right on {counts[BOTH] / n:.1%} of {n} ({rest})")
 
 
 if __name__ == "__main__":

@@ -117,8 +117,8 @@ def test_a_moe_run_through_the_cli_syncs_exactly_and_its_update_is_the_layout_s_
     # cpu_moe.yaml (2 learners, ZeRO-2, vLLM) for 2 steps: the engine's log-probs equal the
     # learners' after every sync (the run's own check, on by default, stops a run where they do
     # not; the CPU experts need their weights re-laid after a reload), and every step logs the
-    # routers. With plain SGD its first update equals that of one learner in one micro-batch, and
-    # micro_batch scope in the run's layout differs
+    # routers. With plain SGD its first update equals that of one learner in one micro-batch (that
+    # micro_batch scope differs in such a layout: test_load_balancing_loss_is_exact_over_the_step_under_every_layout)
     sgd = ["learner.optimizer=sgd", "learner.lr=0.5", "learner.max_grad_norm=0", "learner.warmup_steps=0",
            "learner.micro_batch_size=3", "run.checkpoint_every=1"]  # fmt: skip
     rows = run_moe(tmp_path / "run", *sgd, "run.steps=2", "learner.prefix_sharing=true", env=ray_cluster)
@@ -140,14 +140,11 @@ def test_a_moe_run_through_the_cli_syncs_exactly_and_its_update_is_the_layout_s_
     assert 0.9 < replayed["moe/routes_replayed"] < 1.0  # all but each sequence's last token
     # 16 sequences x (prompt + completion) positions x 2 layers x top-2, one byte each
     assert replayed["perf/routes_bytes"] >= 16 * 2 * 2 * 10
-    control = tmp_path / "control"
-    run_moe(control, *sgd, "run.steps=1", "loss.moe_aux_scope=micro_batch", env=ray_cluster)
     step_1 = AutoModelForCausalLM.from_pretrained(
         tmp_path / "run" / "checkpoints" / "step_1" / "hf"
     ).state_dict()
     start = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "tiny_moe_model").state_dict()
     update = {k: step_1[k] - start[k] for k in start}
     reference = {k: v - start[k] for k, v in final_weights(one).items()}
-    naive = {k: v - start[k] for k, v in final_weights(control).items()}
     assert relative_difference(update, reference) < 1e-5
-    assert relative_difference(routers(naive), routers(reference)) > 1e-2
+    assert any(v.abs().max() > 0 for v in routers(update).values())  # the routers moved

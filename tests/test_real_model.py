@@ -68,20 +68,17 @@ def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_lo
     # packed row, the split computes each micro-batch's shared prompt once (learner.prefix_sharing
     # =true; tied head). (Padded rows round differently at this depth: 2x(3+1) padded unshared is
     # 2.3e-5 from the packed reference, shared 4e-6.)
+    # (The per-micro-batch control, which differs, runs on the tiny model in tests/test_learner.py:
+    # here the two layouts' updates are the point, at a real model's depth and vocabulary.)
     batch = synthetic_rollouts(vocab=49152, group_size=4)
     configs = [
         layout_config(1, 8, 2, prefix_sharing=False, max_tokens_per_micro_batch=200),  # 1 packed micro-batch
         layout_config(2, 3, 2, prefix_sharing=True),  # 2 learners x micro-batches of 3 and 1
-        layout_config(1, 2, 2, None),  # the per-micro-batch mean, both layouts
-        layout_config(2, 3, 2, None),
     ]
-    one, two, naive_one, naive_two = updates_after_one_step(configs, smollm2["folder"], batch)
-    token_diff, naive_diff = relative_difference(two, one), relative_difference(naive_two, naive_one)
-    print(
-        f"SmolLM2 token-mode 2x(3+1) shared vs 1 packed: {token_diff:.2e}; per-micro-batch: {naive_diff:.2e}"
-    )
+    one, two = updates_after_one_step(configs, smollm2["folder"], batch)
+    token_diff = relative_difference(two, one)
+    print(f"SmolLM2 token-mode 2x(3+1) shared vs 1 packed: {token_diff:.2e}")
     assert token_diff < 1e-5
-    assert naive_diff > 1e-2
     assert torch.count_nonzero(one["model.embed_tokens.weight"]) > 0
 
 

@@ -112,9 +112,14 @@ def split_held_out(rows: list[dict], data: DataConfig, ev: EvalConfig) -> tuple[
     return rows, held
 
 
+CALL_TAG = "<tool:calculator>"
+
+
 def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict[str, str]]:
     """Warm-up examples ``{"prompt", "completion"}``: from a .jsonl file, or, for the built-in task,
-    its training questions answered directly or (``tool_fraction`` of them) through the calculator."""
+    its training questions answered directly or (``tool_fraction`` of them) through the calculator;
+    ``copy_fraction`` of them instead are given the call's opening tag (``given``: the assistant
+    turn's untrained start) and train the rest of the call and the answer copied from its result."""
     if sft.source != BUILTIN_TASK:
         examples = load_rows(
             DataConfig(
@@ -131,13 +136,13 @@ def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict
                 "sft_warmup.source: builtin:arithmetic needs the built-in task's prompts (data.source)"
             )
         expression, answer = " ".join(match.groups()), row["answer"]
-        if rng.random() < sft.tool_fraction:
-            completion = f"<tool:calculator>{expression}</tool><result>{answer}</result> {answer}"
-        else:
-            completion = (
-                f" {answer}"  # the answer as a calculator round trip ends: one first token for "answer now"
-            )
-        examples.append({"prompt": row["prompt"], "completion": completion})
+        call = f"{expression}</tool><result>{answer}</result> {answer}"
+        if sft.copy_fraction and rng.random() < sft.copy_fraction:  # the first token's choice untrained
+            examples.append({"prompt": row["prompt"], "given": CALL_TAG, "completion": call})
+        elif rng.random() < sft.tool_fraction:
+            examples.append({"prompt": row["prompt"], "completion": CALL_TAG + call})
+        else:  # the answer as a calculator round trip ends: one first token for "answer now"
+            examples.append({"prompt": row["prompt"], "completion": f" {answer}"})
     return examples
 
 
@@ -178,16 +183,16 @@ def _conversation(where: str, record: dict) -> Conversation:
     return messages, tools or None
 
 
-def tokenize_completion(text: str, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids of a written completion (EOS appended) and its tool mask: 0 on ``<result>...</result>``
-    spans (tool output, encoded apart as the rollout loop does), 1 elsewhere."""
+def tokenize_completion(text: str, tokenizer, eos: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of a written completion (EOS appended unless ``eos`` is false) and its tool mask: 0
+    on ``<result>...</result>`` spans (tool output, encoded apart as the rollout loop does), 1 elsewhere."""
     ids, mask = [], []
     for piece in RESULT.split(text):
         if piece:
             piece_ids = tokenizer.encode(piece, add_special_tokens=False)
             ids += piece_ids
             mask += [0 if RESULT.fullmatch(piece) else 1] * len(piece_ids)
-    return ids + [tokenizer.eos_token_id], mask + [1]
+    return (ids + [tokenizer.eos_token_id], mask + [1]) if eos else (ids, mask)
 
 
 def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:

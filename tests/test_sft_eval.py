@@ -63,6 +63,29 @@ def test_warm_up_examples_and_their_tool_masks(tiny_model_path):
     )
 
 
+def test_copy_examples_are_given_the_calls_opening_tag_and_leave_the_first_token_untrained(tiny_model_path):
+    from rltrain.run.warm_start import encode_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = [{"prompt": "What is 12 + 30? Answer with the number.", "answer": "42"}] * 400
+    sft = SFTWarmupConfig(tool_fraction=0.25, copy_fraction=0.5)
+    examples = sft_examples(sft, rows, seed=0)
+    given = [e for e in examples if "given" in e]
+    trained_first = [e["completion"][0] for e in examples if "given" not in e]
+    assert 160 < len(given) < 240  # ~50% of 400
+    # the others split as without copy examples: ~25% calls, so the first token's choice is unmoved
+    assert 0.15 < trained_first.count("<") / len(trained_first) < 0.35
+    assert given[0] == {"prompt": rows[0]["prompt"], "given": "<tool:calculator>",
+                        "completion": "12 + 30</tool><result>42</result> 42"}  # fmt: skip
+    config = Config(data=DataConfig(source="builtin:arithmetic"))
+    (prompt, ids, mask), (plain, _, _) = encode_examples([given[0], {"prompt": rows[0]["prompt"],
+                                                          "completion": " 42"}], tokenizer, config)  # fmt: skip
+    # byte-level: the tag's 17 characters end the prompt (untrained); the completion starts after it
+    assert prompt == plain + tokenizer.encode("<tool:calculator>", add_special_tokens=False)
+    assert len("<tool:calculator>") == len(prompt) - len(plain) == 17
+    assert tokenizer.decode(ids[:7]) == "12 + 30" and mask.count(0) == len("<result>42</result>")
+
+
 def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_demonstrates(tmp_path):
     import importlib.util
 

@@ -347,6 +347,12 @@ class SFTWarmupConfig(Section):
     """Shape of the warm-up's learning rate over its steps (no warm-up of the rate)."""
     tool_fraction: float = Field(0.5, ge=0, le=1)
     """`builtin:arithmetic` only: the share of generated examples that call the calculator."""
+    copy_fraction: float = Field(0.0, ge=0, le=1)
+    """`builtin:arithmetic` only: the share of generated examples that are given the calculator call's
+    opening tag (untrained, as if the prompt) and train the rest of the call and the answer copied
+    from its result: practice at copying the question into the call and the result into the answer
+    that leaves the first token's choice between calling and answering alone (tool_fraction applies
+    to the other examples)."""
     lora: bool = True
     """With model.lora.rank: the warm start trains the adapters (true; RL then starts from their
     merged result with fresh adapters) or every weight (false: the full fine-tuning warm start, as

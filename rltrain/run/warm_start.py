@@ -54,9 +54,7 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
         except ValueError as e:
             raise BadExamples(f"sft_warmup.source {sft.source!r}: {e}") from None
     else:
-        examples = sft_examples(sft, rows, config.run.seed)
-        prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)
-        encoded = [(p, *tokenize_completion(e["completion"], tokenizer)) for p, e in zip(prompts, examples)]
+        encoded = encode_examples(sft_examples(sft, rows, config.run.seed), tokenizer, config)
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
@@ -87,6 +85,15 @@ def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]
     schemas = tool_schemas(env_class(**kwargs).tools)
     written = [(env_class(**kwargs).demonstration(row), schemas) for row in rows]
     return render_conversations(written, tokenizer, config.env.render)
+
+
+def encode_examples(examples: list[dict[str, str]], tokenizer, config: Config) -> list[Encoded]:
+    """``{"prompt", "completion"}`` examples as (prompt ids, completion ids, tool mask): the prompt
+    in the chat format, followed by an example's ``given`` start of the assistant turn (untrained,
+    as the prompt is), if it has one."""
+    prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)
+    return [(prompt + tokenize_completion(e.get("given", ""), tokenizer, eos=False)[0],
+             *tokenize_completion(e["completion"], tokenizer)) for prompt, e in zip(prompts, examples)]  # fmt: skip
 
 
 def _batch(chosen: list[Encoded], pad_id: int) -> TrainBatch:

@@ -47,10 +47,11 @@ def test_the_adapters_update_is_the_same_over_layouts_and_zero_stages_in_token_m
     ray_local, tiny_model_path
 ):
     # 1 learner x 4 micro-batches of 2 (ZeRO-0) against 2 learners x micro-batches of 3 and 1 under
-    # ZeRO 0, 2 and 3, and packed (the tiny model's attention heads and projections carry adapters);
-    # the per-micro-batch mean over the same two layouts (ZeRO-2) is the control
+    # ZeRO 2 and 3 (the stages that partition), and packed (the tiny model's attention heads and
+    # projections carry adapters); the per-micro-batch mean over the same two layouts (ZeRO-2) is
+    # the control
     configs = [with_lora(layout_config(1, 2, 0, "token"))]
-    configs += [with_lora(layout_config(2, 3, stage, "token")) for stage in (0, 2, 3)]
+    configs += [with_lora(layout_config(2, 3, stage, "token")) for stage in (2, 3)]
     # and packed: 2 learners, rows of whole sequences under a 28-token budget (ZeRO-2)
     configs += [with_lora(layout_config(2, 1, 2, "token", max_tokens_per_micro_batch=28))]
     configs += [with_lora(layout_config(*lay, 2, None)) for lay in [(1, 2), (2, 3)]]
@@ -58,7 +59,7 @@ def test_the_adapters_update_is_the_same_over_layouts_and_zero_stages_in_token_m
         (one, merged), *token, (naive_one, _), (naive_two, _) = pool.map(
             lambda c: adapter_update(c, tiny_model_path), configs
         )
-    layouts = ["ZeRO-0", "ZeRO-2", "ZeRO-3", "packed, ZeRO-2"]
+    layouts = ["ZeRO-2", "ZeRO-3", "packed, ZeRO-2"]
     token_diffs = {name: relative_difference(two, one) for name, (two, _) in zip(layouts, token)}
     naive_diff = relative_difference(naive_two, naive_one)
     print(f"adapters, token mode 2x(3+1) vs 1x4: {token_diffs}; per-micro-batch {naive_diff:.2e}")

@@ -19,10 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import load_config
-from rltrain.data import ARITHMETIC, arithmetic_rows, chat_prompts, split_held_out
+from rltrain.data import ARITHMETIC, CALL_TAG, arithmetic_rows, chat_prompts, split_held_out
 from rltrain.episodes.tools import ToolRunner
 
-CALL = "<tool:calculator>"
 CALLED = re.compile(r"(.*?)</tool>", re.DOTALL)
 BOTH = ("call right", "answer copied")
 
@@ -46,7 +45,7 @@ def copying(folder: str, config_path: str) -> Counter:
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     _, held = split_held_out(arithmetic_rows(), config.data, config.eval)
     tools = ToolRunner.from_config(config.rollout.tools)  # the run's calculator, wrapped as the loop does
-    forced = tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    forced = tokenizer(CALL_TAG, add_special_tokens=False)["input_ids"]
     counts = Counter()
     for row, prompt in zip(held, chat_prompts([r["prompt"] for r in held], tokenizer, config.data)):
         ids, text = greedy(model, tokenizer, [*prompt, *forced], "</tool>", 40)

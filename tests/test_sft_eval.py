@@ -84,9 +84,6 @@ def test_copy_examples_are_given_the_calls_opening_tag_and_leave_the_first_token
     assert prompt == plain + tokenizer.encode("<tool:calculator>", add_special_tokens=False)
     assert len("<tool:calculator>") == len(prompt) - len(plain) == 17
     assert tokenizer.decode(ids[:7]) == "12 + 30" and mask.count(0) == len("<result>42</result>")
-    # a written source has no calls to give: the key is refused, naming itself
-    with pytest.raises(ValueError, match="copy_fraction=0.5: only source builtin:arithmetic"):
-        SFTWarmupConfig(source="warmup.jsonl", copy_fraction=0.5)
 
 
 def test_a_file_of_openai_format_conversations_warms_up_on_what_the_environment_demonstrates(tmp_path):

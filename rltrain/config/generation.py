@@ -358,13 +358,6 @@ class SFTWarmupConfig(Section):
     merged result with fresh adapters) or every weight (false: the full fine-tuning warm start, as
     when a model is made from scratch, such as the demo's)."""
 
-    @model_validator(mode="after")
-    def _copies_generated(self) -> SFTWarmupConfig:
-        if self.copy_fraction and self.source != BUILTIN_TASK:
-            raise ValueError(f"copy_fraction={self.copy_fraction}: only source {BUILTIN_TASK} generates "
-                             f"copy examples (source is {self.source!r}); set it to 0")  # fmt: skip
-        return self
-
 
 class EvalConfig(Section):
     num_prompts: int = Field(64, ge=1)

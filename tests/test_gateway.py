@@ -272,6 +272,50 @@ def test_a_long_history_is_rendered_off_the_servers_loop(monkeypatch):
     assert len(seconds) == 4 and max(seconds) < 1.0, seconds
 
 
+def test_an_episode_closed_during_a_slow_render_keeps_its_sequences_as_they_were_handed_on(monkeypatch):
+    # the agent times out while its call's prompt renders (a long history, a slow template): close
+    # hands the episode's sequences on, and the render finishing afterwards must not change them
+    # (it opened the episode's first sequence after the close); the call is refused as late
+    import threading
+
+    from rltrain.episodes.gateway import Refused
+
+    runner = AgentRunner(load_config(None, AGENT), TOKENIZER)
+    gateway, rendering, release = runner.gateway, threading.Event(), threading.Event()
+    opening = ChatRenderer.opening
+
+    def slow(self, messages):
+        rendering.set()
+        release.wait(10)
+        return opening(self, messages)
+
+    monkeypatch.setattr(ChatRenderer, "opening", slow)
+    e = gateway.open({"id": "slow"}, seed=0)
+    outcome: list = []
+
+    def call() -> None:
+        try:
+            outcome.append(
+                gateway.begin(
+                    e.id, e.key, {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+                )
+            )
+        except Refused as refused:
+            outcome.append(refused)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert rendering.wait(10)
+    gateway.close(e)  # the agent's timeout
+    handed_on = [list(c.token_ids) for c in e.sequences()]
+    release.set()
+    caller.join(10)
+    assert e.sequences() == [] and handed_on == []  # nothing opened after the close
+    (refused,) = outcome
+    assert isinstance(refused, Refused) and refused.status == 410 and refused.kind == "late"
+    assert e.counts == {"late": 1} and not e.busy
+
+
 @pytest.mark.parametrize(
     "entrypoint, expected",
     {

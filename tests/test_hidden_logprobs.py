@@ -1,4 +1,4 @@
-"""Log-probs from hidden states (rltrain.loss.logprobs.head_forward / head_logprobs_and_entropy): the
+"""Log-probs from hidden states (rltrain.loss.forwards.head_forward / head_logprobs_and_entropy): the
 model stops at its last hidden states and the head runs chunk by chunk, recomputed in the backward.
 Values, entropies and every parameter's gradient equal the full-logits path's to fp32 rounding,
 padded and packed, with temperature, the engine's truncation, a tied head, a biased head and LoRA on

@@ -444,3 +444,44 @@ def test_reference_logprobs_under_sequence_parallelism_cover_every_rank_s_tokens
         group.shutdown()
     # every predicted token (from position 1 on) of all 5 rows is the model's, on both ranks' halves
     torch.testing.assert_close(got[:, 1:], expected[:, 1:], rtol=0, atol=1e-5)
+
+
+def test_zero3_heads_with_a_real_vocabulary_gather_alike_on_ranks_with_uneven_rows(ray_local, tmp_path):
+    # a 32,768-token vocabulary: log-probs from hidden states run the head on chunks of 1,024
+    # tokens (64 MiB of float32 logits hold 512; HEAD_MIN_CHUNK_ROWS), and under ZeRO-3 each head
+    # call gathers its weight, a collective. One group of 4 shares a 5-token prompt: its long
+    # sequence (1,400 tokens: two chunks) goes to one rank, the three short ones (one chunk) to the
+    # other, as packed rows and as a prefix tree. Both ranks must run as many chunks (an uneven
+    # count left them waiting on each other's gathers until run.actor_timeout_s), and the update
+    # is one ZeRO-0 learner's
+    from transformers import Qwen2Config
+
+    vocab, lengths = 32_768, [1_400, 40, 30, 20]
+    path = tmp_path / "vocab32k"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=2048,
+    )).save_pretrained(path)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (len(lengths), max(lengths)), generator=g)
+    ids[:, :5] = ids[0, :5]
+    cols = torch.arange(max(lengths))[None, :]
+    attention = (cols < torch.tensor(lengths)[:, None]).long()
+    response = attention * (cols >= 5)
+    batch = TrainBatch(ids, attention, response, torch.ones_like(ids), torch.randn(len(lengths), generator=g))
+
+    def config(learners: int, stage: int, **learner) -> Config:
+        raw = layout_config(learners, 4, stage, **learner).model_dump()
+        raw["data"]["max_prompt_tokens"], raw["rollout"]["max_new_tokens"] = 5, max(lengths) - 5
+        raw["rollout"]["max_model_len"] = max(lengths)
+        raw["run"]["actor_timeout_s"] = 90
+        return Config.model_validate(raw)
+
+    packed = {"packing": True, "max_tokens_per_micro_batch": max(lengths)}
+    reference, rows, tree = updates_after_one_step(
+        [config(1, 0, prefix_sharing=False), config(2, 3, **packed, prefix_sharing=False),
+         config(2, 3, **packed, prefix_sharing=True)], str(path), batch,
+    )  # fmt: skip
+    assert relative_difference(rows, reference) < 1e-5
+    assert relative_difference(tree, reference) < 1e-5

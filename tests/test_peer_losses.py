@@ -14,7 +14,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from rltrain.loss.dppo import dppo_loss
+from rltrain.loss.corrections import RolloutCorrection
+from rltrain.loss.dppo import dppo_loss, dppo_mask
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
 
 PEERS = Path(sys.prefix) / "peers"
@@ -37,7 +38,14 @@ def peer_functions(wheel: str, member: str, names: list[str], namespace: dict) -
 def verl() -> dict:
     helpers = peer_functions("verl-*.whl", "verl/utils/torch_functional.py", ["masked_mean", "masked_sum"],
                              {"torch": torch})  # fmt: skip
-    return peer_functions(
+    # its rollout correction's weights (rollout_is_weights), without the metrics beside them
+    corrections = peer_functions(
+        "verl-*.whl", "verl/trainer/ppo/rollout_corr_helper.py",
+        ["compute_rollout_correction_weights", "_parse_rollout_is_threshold"],
+        {"torch": torch, "Optional": Optional, "SAFETY_BOUND": 20.0, "verl_F": SimpleNamespace(**helpers),
+         "compute_is_metrics": lambda **kwargs: {}},
+    )  # fmt: skip
+    return corrections | peer_functions(
         "verl-*.whl", "verl/trainer/ppo/core_algos.py",
         ["agg_loss", "compute_policy_loss_dppo_tv", "compute_policy_loss_dppo_kl"],
         {"torch": torch, "Optional": Optional, "Any": Any, "ActorConfig": Any, "AlgoConfig": type("AlgoConfig", (), {}),
@@ -133,3 +141,67 @@ def test_dppo_with_the_rollout_anchor_is_skyrls(seed, shape, divergence):
     torch.testing.assert_close(mine_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-7)
     share = ((masked_low | masked_high).float() * mask).sum() / mask.sum()
     assert share.item() == pytest.approx(metrics["clip_ratio"], abs=1e-6)
+
+
+@pytest.mark.parametrize("seed, shape, divergence", CASES[:4])
+def test_dppo_against_the_engine_corrects_for_it_once_and_against_the_old_policy_as_verl(
+    seed, shape, divergence
+):
+    # The engine's log-probs differ from the old policy's (N(0, 0.5) per token); rltrain's default
+    # correction (truncated weights min(pi_old / pi_rollout, 2)) is on. Against the rollout anchor
+    # the ratio p / p_rollout is the whole importance weight: the loss is SkyRL's with no
+    # correction (its default), not that times the weight again. Against the old anchor the weight
+    # corrects for the engine: the loss is verl's with its rollout_is_weights ("token", threshold 2)
+    logprobs, old, advantages, mask = random_case(seed, shape)
+    rollout = old + 0.5 * torch.randn(shape, generator=torch.Generator().manual_seed(seed + 100))
+    rollout = rollout.clamp(max=-1e-4)
+    low, high = (0.15, 0.2) if divergence == "tv" else (0.05, 0.08)
+    correction = RolloutCorrection("tis", cap=2.0)
+
+    def mine(anchor: str, cap: float | None = None):
+        lp = logprobs.clone().requires_grad_()
+        settings = PolicyLossSettings(kind="dppo", dppo_divergence=divergence, dppo_delta_low=low, dppo_delta_high=high,
+                                      dppo_anchor=anchor, dppo_ratio_cap=cap, correction=correction)  # fmt: skip
+        loss, _ = policy_loss(lp, old, advantages, mask, mask.sum(), settings, generator_logprobs_BT=rollout)
+        loss.backward()
+        return loss, lp.grad
+
+    advantages_BT = advantages[:, None].expand(shape).contiguous()
+    config = SimpleNamespace(dppo=SimpleNamespace(dppo_type=f"binary_{divergence}", delta_low=low, delta_high=high),
+                             off_policy_correction=None)  # fmt: skip
+    theirs_lp = logprobs.clone().requires_grad_()
+    theirs, _ = skyrl()["dppo_policy_loss"](theirs_lp, old, advantages_BT, config, mask, rollout)
+    (theirs / mask.sum()).backward()
+    loss, grad = mine("rollout")
+    torch.testing.assert_close(loss, theirs / mask.sum(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, theirs_lp.grad, rtol=1e-5, atol=1e-7)
+
+    peers = verl()
+    weights, _ = peers["compute_rollout_correction_weights"](old - rollout, mask, "token", 2.0)
+    theirs_lp = logprobs.clone().requires_grad_()
+    theirs, _ = peers[f"compute_policy_loss_dppo_{divergence}"](
+        old,
+        theirs_lp,
+        advantages_BT,
+        mask,
+        "token-mean",
+        VerlConfig(low, high, 3.0),
+        rollout_is_weights=weights,
+    )
+    theirs.backward()
+    _, grad = mine("old", cap=3.0)
+    torch.testing.assert_close(grad, theirs_lp.grad, rtol=1e-5, atol=1e-7)  # (verl's value is log p-weighted)
+    assert (weights[mask.bool()] != 1).float().mean() > 0.5  # the weights do change the loss
+
+
+def test_dppo_with_one_bound_set_uses_it_on_both_sides():
+    # delta_high unset is delta_low (the config's help), not the divergence's default (0.15):
+    # p_a = 0.5; a token moved up to 0.6 (+0.1) with A > 0 is masked by a bound of 0.05 on both
+    # sides, as is one moved down to 0.4 with A < 0
+    anchor = torch.tensor([[0.5, 0.5]]).log()
+    logprobs = torch.tensor([[0.6, 0.4]]).log()
+    advantages = torch.tensor([[1.0, -1.0]])
+    low, high = dppo_mask(logprobs, anchor, advantages, "tv", delta_low=0.05)
+    assert low.tolist() == [[False, True]] and high.tolist() == [[True, False]]
+    low, high = dppo_mask(logprobs, anchor, advantages, "tv", delta_low=0.12)  # 0.1 within both
+    assert not low.any() and not high.any()

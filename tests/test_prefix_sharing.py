@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config, Qwen3MoeConfig
 
 from rltrain.batch import TrainBatch, plan_packed_micro_batches, shared_prefix_lengths
-from rltrain.config import load_config
+from rltrain.config import Config, load_config
 from rltrain.learner import attention
 from rltrain.learner.attention import document_attention
 from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs, tree_outputs
@@ -186,6 +186,49 @@ def test_the_load_balancing_loss_counts_a_shared_token_once_per_member():
         assert (grad - want).norm() <= 1e-5 * want.norm()
 
 
+def test_replayed_routes_and_their_mismatches_count_a_shared_token_once_per_member():
+    # routing replay's counts (moe/routes_replayed, moe/routing_mismatch): through the tree a shared
+    # prompt token's row is replayed once, and counts once per member, as in the packed forward.
+    # The engine's routes are another model's (its routers nudged), so some rows go elsewhere
+    import copy
+
+    from rltrain.batch import ROUTE_UNKNOWN
+    from rltrain.learner.route_rows import in_forward_order, router_rows
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                            num_experts_per_tok=2, decoder_sparse_step=1)  # fmt: skip
+    engine = tiny(config=config)
+    learner = copy.deepcopy(engine)
+    with torch.no_grad():
+        for name, param in learner.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    batch = mixed_batch()
+    with torch.no_grad(), RouterTap(engine).capture() as (_, chosen):
+        sequence_logprobs(engine, batch.input_ids, batch.attention_mask)
+    n, t = batch.input_ids.shape
+    routes = torch.stack(chosen, 1).reshape(n, t, len(chosen), -1)
+    routes[~batch.attention_mask.bool()] = ROUTE_UNKNOWN
+    batch = batch.replace(routes=routes)
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+    tap, counts = RouterTap(learner), []
+    for shared in (True, False):
+        tap.routes = in_forward_order(
+            routes, batch.attention_mask, True, 1, 0, ROUTE_UNKNOWN, tree if shared else None
+        )
+        tap.row_weights = router_rows(batch, True, 1, 0, tree) if shared else None
+        with torch.no_grad(), tap.capture(measure=True):
+            if shared:
+                tree_logprobs(learner, tree, batch.input_ids)
+            else:
+                sequence_logprobs(learner, batch.input_ids, batch.attention_mask, packed=True)
+        counts.append(tap.take_mismatch().tolist())
+    (elsewhere, replayed), unshared = counts
+    assert [elsewhere, replayed] == unshared and 0 < elsewhere < replayed
+    assert replayed == batch.attention_mask.sum().item() * 2  # every attended token, both layers
+
+
 def test_the_planner_keeps_a_groups_tree_whole_and_splits_one_over_the_budget():
     # 3 groups of 4 (prompt 10, completions 2-5 tokens) and 2 sequences sharing nothing
     prompts = [[g + 1] * 10 for g in range(3) for _ in range(4)] + [[50] * 10, [60] * 10]
@@ -261,6 +304,8 @@ def test_auto_shares_where_it_saves_tokens_and_true_and_false_force_it():
     grouped = rows([[5] * 20] * 4, [[6], [7, 8], [9], [10, 11, 12]])  # 4 x 20 prompt tokens, 20 once
     distinct = rows([[5] * 20, [6] * 20], [[7], [8]])  # nothing in common
     auto, true, false = PrefixSharing("auto"), PrefixSharing(True), PrefixSharing(False)
+    assert auto.tree(grouped) is None  # auto runs nothing shared before its check passed
+    auto.on = True  # (as the check leaves it)
     assert auto.tree(grouped) is not None and auto.tree(distinct) is None
     assert true.tree(distinct) is not None and false.tree(grouped) is None
     # the metrics' counts: 4 x 20 + 7 tokens unshared (one packed row), 20 + 7 through the tree
@@ -268,19 +313,57 @@ def test_auto_shares_where_it_saves_tokens_and_true_and_false_force_it():
     assert auto.tree(grouped) is auto.tree(grouped)  # one tree per micro-batch within a call
 
 
+def loss_tokens(batch: TrainBatch) -> torch.Tensor:
+    return batch.response_mask.bool() & batch.tool_mask.bool()
+
+
 def test_autos_check_turns_sharing_off_in_one_line_where_the_shared_forward_differs(tiny_model_path, capsys):
     batch = rows([[5, 9, 13] * 7] * 4, [[6, 1], [7, 8, 2], [9], [10, 11, 12]])
-    # the tree attention: the check passes and sharing stays on
+    # the tree attention: the check passes and sharing stays on; before it, nothing runs shared
     right, forward = PrefixSharing("auto"), model_forward(tiny_model_path, attention.register())
-    right.check(lambda: forward(right, batch), batch, bf16=False, rank=0)
+    assert right.tree(batch) is None and not right.checked
+    assert right.check({"policy": lambda mb: forward(right, mb)}, [batch], loss_tokens, False, 0) is True
     assert right.setting == "auto" and right.checked and right.tree(batch) is not None
     assert capsys.readouterr().out == ""
     # sdpa reads the tree row as one causal sequence: completions see their siblings
     wrong, forward = PrefixSharing("auto"), model_forward(tiny_model_path, "sdpa")
-    wrong.check(lambda: forward(wrong, batch), batch, bf16=False, rank=0)
-    assert wrong.setting is False and wrong.tree(batch) is None
+    assert wrong.check({"policy": lambda mb: forward(wrong, mb)}, [batch], loss_tokens, False, 0) is False
+    assert wrong.on is False and wrong.tree(batch) is None
     out = capsys.readouterr().out.strip()
-    assert "learner.prefix_sharing: auto" in out and "going on unshared" in out and "\n" not in out
+    assert "learner.prefix_sharing: auto" in out and "policy by" in out and "going on unshared" in out
+    assert "\n" not in out
+
+
+def test_autos_check_compares_every_model_on_a_micro_batch_with_loss_tokens_and_fails_on_nan(
+    tiny_model_path, capsys
+):
+    grouped = rows([[5, 9, 13] * 7] * 4, [[6, 1], [7, 8, 2], [9], [10, 11, 12]])
+    unmasked = grouped.replace(response_mask=torch.zeros_like(grouped.response_mask))  # no loss token
+    forward = model_forward(tiny_model_path, attention.register())
+
+    def check(policy_shift: float = 0.0, reference_shift: float = 0.0, batches=(grouped,)) -> PrefixSharing:
+        # a shift is what the shared forward adds to a model's outputs (NaN: a forward gone wrong)
+        sharing = PrefixSharing("auto")
+
+        def shifted(shift):
+            return lambda mb: forward(sharing, mb) + (shift if sharing.tree(mb) is not None else 0.0)
+
+        forwards = {"policy": shifted(policy_shift), "reference": shifted(reference_shift)}
+        sharing.check(forwards, list(batches), loss_tokens, False, 0)
+        return sharing
+
+    assert check().on is True
+    # the reference alone differs: sharing goes off for the group, the line names it
+    assert check(reference_shift=0.1).on is False
+    assert "reference by 0.1" in capsys.readouterr().out
+    # NaN: `nan > tolerance` is false, and the check must still fail
+    assert check(policy_shift=float("nan")).on is False
+    assert "policy by inf" in capsys.readouterr().out
+    # a first micro-batch without loss tokens is passed over: the next one is checked
+    assert check(policy_shift=0.1, batches=(unmasked, grouped)).on is False
+    # nothing with loss tokens to compare: undecided, and nothing runs shared meanwhile
+    undecided = check(policy_shift=0.1, batches=(unmasked,))
+    assert undecided.on is None and undecided.tree(grouped) is None
 
 
 @pytest.mark.slow
@@ -306,3 +389,48 @@ def test_an_environment_configs_step_is_the_same_with_and_without_sharing_throug
     assert on["perf/prefix_shared_fraction"] > 0.5 and off["perf/prefix_shared_fraction"] == 0.0
     assert on["perf/tokens_forwarded"] < 0.5 * off["perf/tokens_forwarded"]
     assert on["time/train_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_failed_check_before_the_first_reference_forward_plans_every_batch_unshared(
+    ray_local, tiny_model_path, tmp_path
+):
+    # a model whose tree rows differ from its packed rows (remote code that ignores position ids),
+    # a reference beside the policy (loss.kl_beta), groups of 4 sharing their prompt. The first call
+    # is the reference's log-probs before any update: auto's check runs there, on both models, turns
+    # sharing off, and those log-probs are the unshared ones; the update after it is planned
+    # unshared, within the budget of the unshared forward
+    from model_utils import positionless_model
+
+    from rltrain.learner.group import LearnerGroup
+    from rltrain.run.diagnostics import layout_config, synthetic_rollouts
+
+    path = positionless_model(tiny_model_path, tmp_path / "positionless")
+    batch = synthetic_rollouts(group_size=4)
+    budget = 24  # a group's tree fits (its prompt once: 10 + 2 + 2 + 8 tokens), its 31 tokens unshared do not
+    raw = layout_config(1, 1, 0, max_tokens_per_micro_batch=budget, loss={"kl_beta": 0.1}).model_dump()
+    raw["model"]["trust_remote_code"] = True
+    group = LearnerGroup(Config.model_validate(raw), path, total_optimizer_steps=1)
+    try:
+        reference = group.per_token(batch)
+        metrics = group.train_step(batch)
+    finally:
+        group.shutdown()
+    lengths = batch.sequence_lengths()
+    shared_plan = plan_packed_micro_batches(lengths, 1, 1, budget, shared_prefix_lengths(batch))
+    unshared_plan = plan_packed_micro_batches(lengths, 1, 1, budget)
+    assert unshared_plan.micro_batches_per_group() != shared_plan.micro_batches_per_group()
+    # the reference's log-probs: each micro-batch of the unshared plan as one packed row
+    model = AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=True, attn_implementation=attention.register()
+    )
+    unshared = torch.zeros(batch.input_ids.shape)
+    for idx in unshared_plan.groups[0][0]:
+        mb = batch.select(idx)
+        unshared[idx] = sequence_logprobs(model.eval(), mb.input_ids, mb.attention_mask, packed=True)[
+            0
+        ].detach()
+    keep = batch.response_mask.bool()
+    torch.testing.assert_close(reference[keep], unshared[keep], rtol=0, atol=1e-5)
+    assert metrics["train/micro_batches"] == unshared_plan.micro_batches_per_group()[0]
+    assert metrics["perf/tokens_forwarded"] == metrics["perf/forward_tokens"]  # nothing shared

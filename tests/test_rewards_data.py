@@ -11,8 +11,9 @@ import torch
 
 from rltrain.batch import Completion, collate, plan_micro_batches
 from rltrain.config import DataConfig
-from rltrain.data import PromptSampler, arithmetic_rows, load_rows, tokenize_prompts
+from rltrain.data import arithmetic_rows, load_rows, tokenize_prompts
 from rltrain.models.tiny import build_tokenizer
+from rltrain.prompt_sampler import PromptSampler
 from rltrain.rewards.functions import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
 
 FNS = "reward_fns"
@@ -366,7 +367,12 @@ def test_difficulty_sampling_draws_each_pool_by_its_weight_and_resumes_as_it_wen
     pools = {i: "easy" if i < 10 else "hard" if i < 20 else "normal" for i in range(30)}
     sampler = PromptSampler(prompts, seed=1, difficulty=DifficultySampling(easy_weight=0.0, hard_weight=1.0))
     sampler.observe(prompts, means)
-    assert sampler.pool_sizes() == {"data/pool_hard": 10.0, "data/pool_normal": 10.0, "data/pool_easy": 10.0}
+    assert sampler.pool_sizes() == {
+        "data/pool_hard": 10.0,
+        "data/pool_normal": 10.0,
+        "data/pool_easy": 10.0,
+        "data/pool_fallback_draws": 0.0,
+    }
     first = [p.index for p in sampler.take(20)]
     # easy weighs 0: set aside for the epoch; hard and normal weigh 1 each, each prompt once a pass
     assert sorted(first) == list(range(10, 30))
@@ -382,6 +388,54 @@ def test_difficulty_sampling_draws_each_pool_by_its_weight_and_resumes_as_it_wen
     # without weights that differ: the plain sampler's order is kept (same draws as before the option)
     plain = PromptSampler(prompts, seed=1)
     assert [p.index for p in plain.take(30)] == [p.index for p in PromptSampler(prompts, seed=1).take(30)]
+
+
+def test_difficulty_sampling_without_a_prompt_in_a_pool_of_positive_weight_falls_back_and_says_so(capsys):
+    import threading
+
+    from rltrain.config import DifficultySampling
+    from rltrain.data import Prompt
+
+    # every prompt solved and easy_weight 0: no pool of positive weight holds a prompt, in this pass
+    # or a fresh one (the sampler reshuffled forever); draws take the epoch's order, said once
+    prompts = [Prompt(i, [1], "") for i in range(5)]
+    sampler = PromptSampler(prompts, seed=2, difficulty=DifficultySampling(easy_weight=0.0))
+    sampler.observe(prompts, [1.0] * 5)
+    drawn: list[int] = []
+    worker = threading.Thread(target=lambda: drawn.extend(p.index for p in sampler.take(12)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the sampler never returned"
+    assert sorted(drawn[:5]) == list(range(5)) and sorted(drawn[5:10]) == list(range(5))  # passes in order
+    assert sampler.pool_sizes()["data/pool_fallback_draws"] == 12
+    out = capsys.readouterr().out.strip()
+    assert "no prompt is in a pool of positive weight" in out and "\n" not in out
+    # once a prompt is normal again, draws take it by the weights as before
+    sampler.observe(prompts[:1], [0.5])
+    assert [p.index for p in sampler.take(2)] == [0, 0]  # (the only positive pool's one prompt, a pass each)
+    assert sampler.pool_sizes()["data/pool_fallback_draws"] == 12
+
+
+def test_a_difficulty_draw_costs_no_pass_over_every_prompt():
+    from rltrain.config import DifficultySampling
+    from rltrain.data import Prompt
+
+    # 500k prompts, 512 draws a step: each draw looked at every prompt's pool (about 1e8 Python
+    # steps a step); a draw now looks at a few heap heads. Counted: the pool lookups of 512 draws
+    n = 500_000
+    prompts = [Prompt(i, [], "") for i in range(n)]
+    sampler = PromptSampler(prompts, seed=0, difficulty=DifficultySampling(easy_weight=0.0))
+    sampler.observe(prompts[: n // 2], [1.0, 0.0] * (n // 4))  # a quarter easy, a quarter hard
+    lookups, pool = [0], sampler.pool
+
+    def counted(index: int) -> str:
+        lookups[0] += 1
+        return pool(index)
+
+    sampler.pool = counted
+    drawn = sampler.take(512)
+    assert len({p.index for p in drawn}) == 512 and all(pool(p.index) != "easy" for p in drawn)
+    assert lookups[0] < 20 * 512, lookups[0]
 
 
 def test_a_difficulty_weight_of_zero_on_a_pool_never_draws_it_and_bad_bounds_are_refused():

@@ -164,7 +164,7 @@ class RecordingScorer:
 
 
 def test_a_scorer_on_its_own_actors_scores_the_step_ahead_while_the_policy_trains():
-    from rltrain.data import PromptSampler
+    from rltrain.prompt_sampler import PromptSampler
     from rltrain.run.orchestrator import Orchestrator
 
     config = Config.model_validate({
@@ -466,7 +466,7 @@ class ByPrompt:
 
 
 def test_difficulty_sampling_learns_each_groups_mean_before_dynamic_sampling_drops_it():
-    from rltrain.data import PromptSampler
+    from rltrain.prompt_sampler import PromptSampler
     from rltrain.run.orchestrator import Orchestrator
 
     # every group has zero variance (all right or all wrong): dynamic sampling drops them all and

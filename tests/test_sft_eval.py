@@ -375,6 +375,35 @@ def test_every_learner_and_loss_setting_that_shapes_the_warm_start_is_in_its_cac
         assert _settings(load_config(None, [override]), "m") == base, override
 
 
+def test_settings_that_leave_the_warmed_up_model_as_it_is_reuse_it_and_a_copy_fraction_that_does_not_apply_is_noted(
+    tmp_path, capsys
+):
+    from rltrain.config import load_config
+    from rltrain.run.preflight import preflight
+    from rltrain.run.warm_start import _settings
+
+    demo = ["sft_warmup.steps=10"]
+    base = _settings(load_config("configs/cpu_demo.yaml", demo), "m")
+    # sharing a prompt's forward (checked to give the same outputs) and RL's prompt draws
+    for override in ["learner.prefix_sharing=false", "data.difficulty_sampling={}"]:
+        assert _settings(load_config("configs/cpu_demo.yaml", [*demo, override]), "m") == base, override
+    # the built-in task's example mix shapes its examples, and another source's not at all
+    assert (
+        _settings(load_config("configs/cpu_demo.yaml", [*demo, "sft_warmup.copy_fraction=0.2"]), "m") != base
+    )
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text('{"prompt": "What is 1 + 2?", "completion": "3"}\n')
+    written = [*demo, f"sft_warmup.source={examples}"]
+    assert _settings(
+        load_config("configs/cpu_demo.yaml", [*written, "sft_warmup.copy_fraction=0.2"]), "m"
+    ) == (_settings(load_config("configs/cpu_demo.yaml", [*written, "sft_warmup.copy_fraction=0"]), "m"))
+    # the demo's copy_fraction (0.6) with a file of examples: one line at start-up says it is not used
+    capsys.readouterr()
+    preflight(load_config("configs/cpu_demo.yaml", [*written, f"run.output_dir={tmp_path / 'run'}"]))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "copy_fraction" in line]
+    assert len(notes) == 1 and notes[0].startswith("rltrain: note: sft_warmup.copy_fraction=0.6 applies to")
+
+
 def test_the_warm_starts_learning_rate_schedule_reaches_its_learners_and_its_cache_key():
     from rltrain.config import Config
     from rltrain.learner.sft import SFTLearner

@@ -167,7 +167,9 @@ class DifficultySampling(Section):
     """Prompts drawn by their observed difficulty (prime-rl's difficulty pools): each prompt's
     latest group mean reward puts it in the hard, normal or easy pool (unseen prompts are normal),
     and each draw picks a pool by these weights, then that pool's next prompt of the epoch's order.
-    A weight of 0 sets its pool aside for the epoch."""
+    A weight of 0 sets its pool aside for the epoch. Where no pool of positive weight holds a prompt
+    at all (every prompt easy with easy_weight 0, say), draws take the epoch's next prompt of any
+    pool: said once, counted as data/pool_fallback_draws."""
 
     hard_at: float = 0.25
     """A prompt whose latest group mean reward is at most this is hard."""
@@ -222,7 +224,8 @@ class DataConfig(Section):
     """Draw prompts by their observed difficulty (`{}` for the defaults: hard at or below a group
     mean reward of 0.25, weight 0.2; easy at 1.0, weight 0.2; normal weight 1); null: shuffled
     passes over every prompt. Held in the checkpoint; logged as data/pool_easy, data/pool_hard,
-    data/pool_normal (prompts in each pool)."""
+    data/pool_normal (prompts in each pool) and data/pool_fallback_draws (draws no pool of positive
+    weight could serve)."""
     max_prompt_tokens: int = Field(128, ge=1)
     """Prompts longer than this are rejected when loading."""
 

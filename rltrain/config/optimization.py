@@ -250,7 +250,10 @@ class LossConfig(Section):
     """DPPO: the same bound for tokens with a positive advantage moved up; null: as dppo_delta_low."""
     dppo_anchor: Literal["rollout", "old"] = "rollout"
     """DPPO's anchor policy: `rollout`, the engine's sampling log-probs (the paper's, Stable-RL,
-    prime-rl, SkyRL), or `old`, the learner's recomputed old policy (verl)."""
+    prime-rl, SkyRL; the ratio is then the whole importance weight, and loss.rollout_correction's
+    weights are not applied again, its rejections are), or `old`, the learner's recomputed old
+    policy (verl; loss.rollout_correction then corrects for the engine, as verl's
+    rollout_is_weights)."""
     dppo_ratio_cap: float | None = Field(None, gt=0)
     """DPPO: a ratio above this weighs its token's gradient by the cap (truncated importance
     sampling; verl's clip_ratio_c, 3 by default there); null: no cap (prime-rl, SkyRL)."""

@@ -36,15 +36,9 @@ from fastapi.responses import JSONResponse
 from rltrain.batch import Completion, Segment
 from rltrain.episodes.chat import ChatRenderer
 from rltrain.episodes.episode_state import EpisodeLimits
-from rltrain.episodes.gateway import (
-    GATEWAY,
-    Gateway,
-    OutOfRoom,
-    Refused,
-    Sampling,
-    episode_completions,
-)
+from rltrain.episodes.gateway import GATEWAY, Gateway, OutOfRoom, episode_completions
 from rltrain.episodes.parsers import get_parser
+from rltrain.episodes.requests import Refused, Sampling
 from rltrain.loading import import_attribute
 from rltrain.rewards.functions import AGENT, VERIFIERS_ENV
 

@@ -19,8 +19,9 @@ Masks are 1 exactly on sampled ids. The run's sampling settings apply to every c
 asks for others (temperature, top_p, logit_bias, ...) is refused with HTTP 400 and counted, never
 mixed into training. An unknown or finished key gets 401 and is counted.
 
-This module holds the episodes and the protocol (no ray, no vllm); :mod:`rltrain.episodes.agents`
-runs the agents, the HTTP server and the engine calls.
+This module holds the episodes and the protocol (no ray, no vllm), what a request may ask is
+:mod:`rltrain.episodes.requests`; :mod:`rltrain.episodes.agents` runs the agents, the HTTP server
+and the engine calls.
 """
 
 from __future__ import annotations
@@ -31,97 +32,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import Any
 
 from rltrain.batch import Completion, Segment
 from rltrain.episodes.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical
 from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
 from rltrain.episodes.parsers import ParsedTurn, ToolParser
+from rltrain.episodes.requests import ChatRequest, Refused, Sampling
 from rltrain.episodes.tools import SEED_STRIDE
 
-# request fields that would change the distribution sampled from (refused unless they equal the
-# run's), and those that are ignored (they change nothing the policy is trained on)
-SAMPLING = ("temperature", "top_p", "top_k", "min_p")
-REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
-           "response_format", "logprobs", "top_logprobs", "stream", "n", "best_of", "guided_json",
-           "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
-# a refused field sent empty, false (0 too) or as its default asks for nothing: served as if left out
-ASKS_NOTHING = (None, False, {}, [])
-DEFAULTS: dict[str, list[Any]] = {"n": [1], "best_of": [1], "response_format": ["text", {"type": "text"}]}
 GATEWAY = "gateway_"  # the prefix of an episode's gateway counts (splits, refusals) among its errors
-
-
-class Refused(Exception):
-    """A request the gateway answers with an HTTP error (``status``) and counts (``kind``)."""
-
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-class _Open(BaseModel):
-    """A part of a request: the fields named are checked, any others are passed over."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class _Function(_Open):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class _ToolCall(_Open):
-    id: str | None = None
-    type: str = "function"
-    function: _Function
-
-
-class _ContentPart(_Open):
-    type: str
-    text: str | None = None
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")  # what the OpenAI API accepts
-
-
-class _Message(_Open):
-    role: Literal[ROLES]  # (an unknown one is refused with 400 naming these, as the OpenAI API does)
-    content: str | list[_ContentPart] | None = None
-    tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-
-class _ToolFunction(_Open):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class _Tool(_Open):
-    type: str = "function"
-    function: _ToolFunction
-
-
-class ChatRequest(_Open):
-    """The shape of a chat-completions request, checked before anything of its episode is touched:
-    a request that does not fit is refused with 400 and one line naming the field."""
-
-    messages: list[_Message] = Field(min_length=1)
-    tools: list[_Tool] | None = None
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-
-    @classmethod
-    def check(cls, body: Any) -> ChatRequest:
-        try:
-            return cls.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "the body"
-            raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
 
 
 class OutOfRoom(Exception):
@@ -131,31 +51,6 @@ class OutOfRoom(Exception):
     def __init__(self, episode: AgentEpisode):
         super().__init__("no room left in the episode")
         self.episode = episode
-
-
-@dataclass
-class Sampling:
-    """The run's sampling settings: what a request may repeat, never change."""
-
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-    def check(self, body: dict[str, Any]) -> None:
-        for key in SAMPLING:
-            value = body.get(key)
-            if value is not None and value != getattr(self, key) and not (key == "top_k" and value == -1):
-                raise Refused(400, "sampling", f"{key}={value!r}: this gateway samples with the run's "
-                              f"{key}={getattr(self, key)!r} (rollout.{key}); leave it out")  # fmt: skip
-        for key in REFUSED:
-            value = body.get(key)
-            if value not in ASKS_NOTHING and value not in DEFAULTS.get(key, []):
-                raise Refused(400, "sampling", f"{key} is not served: training samples from the run's "
-                              "own distribution, one choice per call, without streaming")  # fmt: skip
-        choice = body.get("tool_choice")
-        if choice not in (None, "auto"):
-            raise Refused(400, "sampling", f"tool_choice={choice!r} is not served (only auto)")
 
 
 @dataclass
@@ -273,8 +168,11 @@ class Gateway:
         try:
             messages = [canonical(m.model_dump(exclude_none=True)) for m in request.messages]
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-            prompt = self._prompt(e, messages, tools)
-            room = e.room()
+            change = self._prompt(e, messages, tools)  # rendered off the lock: it may take a while
+            with self.lock:  # the episode's sequences change only while it is open (close holds the lock)
+                if not e.open:
+                    raise Refused(410, "late", "the episode closed while its call was rendered")
+                prompt, room = change(), e.room()
             asked = request.max_completion_tokens or request.max_tokens
             if asked is not None:
                 room = min(room, asked)
@@ -287,13 +185,17 @@ class Gateway:
                 e.failures.setdefault(TEMPLATE, str(error))
                 e.count_request("template")
                 raise Refused(400, "template", str(error)) from None
-            if isinstance(error, (OutOfRoom, Refused)):
-                e.count_request("length" if isinstance(error, OutOfRoom) else error.kind)
+            if isinstance(error, OutOfRoom) or (isinstance(error, Refused) and error.kind != "late"):
+                e.count_request("length" if isinstance(error, OutOfRoom) else error.kind)  # (late: at close)
             raise
 
-    def _prompt(self, e: AgentEpisode, messages: Messages, tools: list[dict] | None) -> list[int]:
-        """The engine's prompt: the open sequence extended by the new messages (token-in/token-out),
-        or a new sequence (a split) where the history is not the one the sequence holds."""
+    def _prompt(
+        self, e: AgentEpisode, messages: Messages, tools: list[dict] | None
+    ) -> Callable[[], list[int]]:
+        """The engine's prompt, rendered: the open sequence extended by the new messages
+        (token-in/token-out), or a new sequence (a split) where the history is not the one the
+        sequence holds. Returns the change to the episode, which returns the prompt's ids: the
+        caller makes it once it knows the episode is still open."""
         n = len(e.history)
         if (
             e.c is not None
@@ -312,21 +214,34 @@ class Gateway:
             if added is not None:
                 if len(added) > e.room():
                     raise OutOfRoom(e)
-                e.c.insert(added)
-                e.history = list(messages)
-                return e.c.prompt_ids + e.c.token_ids
+
+                def extend() -> list[int]:
+                    e.c.insert(added)
+                    e.history = list(messages)
+                    return e.c.prompt_ids + e.c.token_ids
+
+                return extend
         renderer = self.make_renderer(tools)
         prompt = renderer.opening(messages)
         if len(prompt) > self.limits.max_prompt_tokens:
             e.count_request("prompt_too_long")
             raise OutOfRoom(e)
-        if e.c is not None:
-            e.c.finish_reason = "stop" if e.extendable else "length"  # its last reply: ended, or cut
-            e.closed.append(e.c)
-            e.count_request("splits")
-        e.c, e.renderer, e.tools, e.history = Completion(prompt_ids=prompt), renderer, tools, list(messages)
-        e.parser = None
-        return prompt
+
+        def split() -> list[int]:
+            if e.c is not None:
+                e.c.finish_reason = "stop" if e.extendable else "length"  # its last reply: ended, or cut
+                e.closed.append(e.c)
+                e.count_request("splits")
+            e.c, e.renderer, e.tools, e.history = (
+                Completion(prompt_ids=prompt),
+                renderer,
+                tools,
+                list(messages),
+            )
+            e.parser = None
+            return prompt
+
+        return split
 
     def finish(self, e: AgentEpisode, seg: Segment, messages: int, prompt_tokens: int) -> dict[str, Any]:
         """Take the sampled turn into the open sequence; the OpenAI response. The episode is free

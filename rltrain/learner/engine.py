@@ -27,6 +27,7 @@ another deadlocks under ZeRO-3.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -39,6 +40,7 @@ from rltrain.config import Config, LearnerConfig
 from rltrain.learner import attention, sequence_parallel
 from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.state import LearnerState
+from rltrain.loss import logprobs
 from rltrain.loss.masked_mean import step_totals
 from rltrain.remote import where
 
@@ -97,6 +99,44 @@ class StepMetrics:
         ends = torch.tensor([0, *self.total_sizes.values()]).cumsum(0) + n + t
         totals = {k: self.values[ends[j] : ends[j + 1]] for j, k in enumerate(self.total_sizes)}
         return means, maxes, totals, self.values[n : n + t].tolist()
+
+
+def perf_metrics(token_counts: list[float], perf: str, use_cuda: bool) -> dict[str, float]:
+    """``perf/<perf>...``: tokens the unshared layout runs on (padding included), the padding's share,
+    tokens the model ran on and the share a shared prefix saved (:data:`TOKEN_COUNTS`), peak memory."""
+    forward_tokens, sequence_tokens, forwarded = token_counts
+    return {
+        f"perf/{perf}forward_tokens": forward_tokens,
+        f"perf/{perf}padding_fraction": 1.0 - sequence_tokens / max(forward_tokens, 1.0),
+        f"perf/{perf}tokens_forwarded": forwarded,
+        f"perf/{perf}prefix_shared_fraction": 1.0 - forwarded / max(forward_tokens, 1.0),
+        f"perf/{perf}peak_memory_mib": peak_memory_mib(use_cuda),
+    }
+
+
+def deepspeed_config(lc: LearnerConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """A trained model's DeepSpeed config: the optimizer and scheduler are the learner's own."""
+    return {
+        "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+        "train_batch_size": lc.micro_batch_size * world_size,
+        # accumulation is manual (boundaries set per micro-batch) so DeepSpeed never divides by it
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": lc.max_grad_norm,
+        "zero_optimization": {"stage": lc.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def most_over_ranks(count: int, use_cuda: bool) -> int:
+    """The largest ``count`` any rank of the default group passes (every rank calls it together)."""
+    import torch.distributed as dist
+
+    most = torch.tensor([count], device="cuda" if use_cuda else "cpu")
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def load_scalar_head(load_model, path: str | None) -> tuple[torch.nn.Module, set[str]]:
@@ -184,21 +224,10 @@ class EngineLearner(LearnerState):
             num_warmup_steps=lc.warmup_steps,
             num_training_steps=total_optimizer_steps,
         )
-        ds_config = {
-            "train_micro_batch_size_per_gpu": lc.micro_batch_size,
-            "train_batch_size": lc.micro_batch_size * self.world_size,
-            # accumulation is manual (boundaries set per micro-batch) so DeepSpeed never divides by it
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": lc.max_grad_norm,
-            "zero_optimization": {"stage": lc.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.bf16},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-        )
+            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(lc, self.world_size, self.bf16),
+        )  # fmt: skip
 
     def _join_group(self, master_addr: str, master_port: int) -> None:
         """Join the group's torch.distributed group; set up packed or sequence-parallel attention
@@ -222,6 +251,8 @@ class EngineLearner(LearnerState):
             # work grows with each sequence, not the row; padded batches run on sdpa
             self.attn_implementation = attention.register()
         self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
+        if lc.zero_stage == 3 and self.world_size > 1:  # the head's chunks gather alike on every rank
+            logprobs.agree_head_chunks(functools.partial(most_over_ranks, use_cuda=self.use_cuda))
 
     def _build_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -259,10 +290,6 @@ class EngineLearner(LearnerState):
             for group in groups
         ]
         self.sharing.clear()
-        if not self.sharing.checked:  # auto: the first micro-batch shared and unshared, once a run
-            self.sharing.check(
-                lambda: self._per_token(groups[0][0], own=True), groups[0][0], self.bf16, self.rank
-            )
         groups = self._before_training(groups)
         flat = [mb for group in groups for mb in group]
         totals, extra = None, self._step_counts(flat)
@@ -302,16 +329,12 @@ class EngineLearner(LearnerState):
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     grad_norms.append(float(norm))
-        means, maxes, totals, (forward_tokens, sequence_tokens, forwarded) = step.reduce()
+        means, maxes, totals, counts = step.reduce()
         p, tokens = self.PREFIX, step.tokens
         out = self._finish_metrics({f"{p}/{k}": v for k, v in (means | maxes).items()})
         out |= self._finish_totals(totals, optimizer_steps=lc.ppo_epochs * len(groups))
+        out |= perf_metrics(counts, self.PERF, self.use_cuda)
         out[f"{p}/tokens"] = tokens / lc.ppo_epochs
-        out[f"perf/{self.PERF}forward_tokens"] = forward_tokens
-        out[f"perf/{self.PERF}padding_fraction"] = 1.0 - sequence_tokens / max(forward_tokens, 1.0)
-        out[f"perf/{self.PERF}tokens_forwarded"] = forwarded
-        out[f"perf/{self.PERF}prefix_shared_fraction"] = 1.0 - forwarded / max(forward_tokens, 1.0)
-        out[f"perf/{self.PERF}peak_memory_mib"] = peak_memory_mib(self.use_cuda)
         out[f"{p}/lr"] = lrs[-1]
         out[f"{p}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out[f"{p}/optimizer_steps"] = float(self.optimizer_steps)
@@ -351,6 +374,24 @@ class EngineLearner(LearnerState):
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def check_sharing(self, micro_batches: list[TrainBatch]) -> bool | None:
+        """``learner.prefix_sharing: auto``'s check of every model this rank runs, on its share of a
+        batch, every rank at once (:meth:`~rltrain.learner.prefix_tree.PrefixSharing.check`)."""
+        self.sharing.clear()
+        mbs = [self._to_device(nonempty(mb)) for mb in micro_batches]
+        return self.sharing.check(
+            self._shared_forwards(), mbs, self._compared_positions, self.bf16, self.rank
+        )
+
+    def _shared_forwards(self) -> dict[str, Any]:
+        """Each model's ``[B, T]`` outputs that a shared forward must reproduce, by name."""
+        return {self.ROLE: lambda mb: self._per_token(mb, own=True)}
+
+    def _compared_positions(self, mb: TrainBatch) -> torch.Tensor:
+        """Where the outputs count: the loss tokens."""
+        return mb.response_mask.bool() & mb.loss_tool_mask().bool()
 
     def _forward_tokens(self, mb: TrainBatch) -> float:
         """Tokens the model runs on for this micro-batch on this rank without sharing: its slice of

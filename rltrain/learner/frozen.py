@@ -44,6 +44,9 @@ class FrozenLearner(EngineLearner):
     def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
         raise RuntimeError(f"a {self.ROLE} scores and never trains")
 
+    def _shared_forwards(self) -> dict:
+        return {self.ROLE: self._per_token}
+
 
 class TeacherLearner(FrozenLearner, PolicyLearner):
     """``algorithm.teacher``: its log-prob of every token given the prefix, at the sampling
@@ -90,6 +93,13 @@ class RewardModelLearner(FrozenLearner):
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
         return outputs(self.engine, mb, self.sharing.tree(mb), self.lc.packing)[..., 0].float()
+
+    def _compared_positions(self, mb: TrainBatch) -> torch.Tensor:
+        """Each sequence's score: its last token."""
+        keep = torch.zeros_like(mb.attention_mask, dtype=torch.bool)
+        if mb.blank is None:
+            keep.scatter_(-1, last_positions(mb.attention_mask)[:, None], True)
+        return keep & mb.attention_mask.bool()
 
 
 def last_token_scores(outputs_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,11 @@ class LearnerGroup:
     ):
         lc = self.lc = learner_cls.section(config)
         self.config, self.learner_cls = config, learner_cls
+        # learner.prefix_sharing: whether batches are planned as prefix trees (a tree travels whole);
+        # under auto, until the learners' check has decided (:meth:`_check_sharing`)
+        self.sharing: bool | None = None if lc.prefix_sharing == "auto" else bool(lc.prefix_sharing)
+        if lc.sequence_parallel_size > 1:
+            self.sharing = False
         self.names = [f"{learner_cls.ROLE} {i}" for i in range(lc.num_learners)]
         self.timeout_s = config.run.actor_timeout_s
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
@@ -80,16 +85,30 @@ class LearnerGroup:
         data_parallel = lc.num_learners // lc.sequence_parallel_size
         if lc.packing:
             budget = self.config.token_budget(lc)
-            # a group's prefix tree travels whole (learner.prefix_sharing)
-            sharing = lc.prefix_sharing is not False and lc.sequence_parallel_size == 1
-            shared = shared_prefix_lengths(batch) if sharing else None
+            # a group's prefix tree travels whole, and counts its shared prefix once against the budget
+            shared = shared_prefix_lengths(batch) if self.sharing is not False else None
             return plan_packed_micro_batches(
                 batch.sequence_lengths(), data_parallel, num_mini_batches, budget, shared
             )
         return plan_micro_batches(len(batch), data_parallel, num_mini_batches, lc.micro_batch_size)
 
+    def _check_sharing(self, batch: TrainBatch) -> None:
+        """``learner.prefix_sharing: auto``: before the group's first shared forward, every rank
+        runs its models shared and unshared on its share of ``batch``; where they differ, sharing is
+        off for the group, and batches are planned unshared from then on (within the token budget
+        of the unshared forward). Nothing to compare in ``batch``: the next call checks."""
+        if self.sharing is not None:
+            return
+        sp = self.lc.sequence_parallel_size
+        plan = self._plan(batch, 1)
+        shards = [[batch.select(idx).trim() for idx in rank[0]] for rank in plan.groups]
+        self.sharing = self._gather(
+            [a.check_sharing.remote(shards[i // sp]) for i, a in enumerate(self.actors)]
+        )[0]
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch.validate()
+        self._check_sharing(batch)
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, self.lc.num_mini_batches)
         shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
@@ -104,6 +123,7 @@ class LearnerGroup:
     def per_token(self, batch: TrainBatch, own: bool = False) -> torch.Tensor:
         """The learners' per-token output for the whole batch, ``[N, T]`` (a critic's values), with
         every rank running its micro-batches at the same time (``own``: see the actors' method)."""
+        self._check_sharing(batch)
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, 1)
         shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]

@@ -107,6 +107,12 @@ class PolicyLearner(EngineLearner):
         if self.replay:
             self.METRIC_TOTALS["routing_mismatch"] = 2  # (rows the router would send elsewhere, rows)
 
+    def _shared_forwards(self) -> dict:
+        forwards = super()._shared_forwards()
+        if self.ref_model is not None or (self.has_reference and self.lora_rank):
+            forwards["reference"] = self._reference_logprobs
+        return forwards
+
     def _rows(self, mb: TrainBatch) -> torch.Tensor:
         return router_rows(mb, self.lc.packing, self.sp, self.sp_rank, self.sharing.tree(mb))
 
@@ -131,6 +137,7 @@ class PolicyLearner(EngineLearner):
         if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
+            tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
         if tree is not None:
             return tree_logprobs(model, tree, mb.input_ids, temperature, with_entropy, truncation)
         if self.sp > 1:
@@ -258,25 +265,27 @@ class PolicyLearner(EngineLearner):
                         self._counts.append(counts.reshape(-1))
                 mb = mb.replace(**changes)
                 if rejects and mb.generator_logprobs is not None:
-                    mb = self._reject(mb, correction)
+                    mb = reject(mb, correction, self.sp, self.sp_rank)
                 new_group.append(mb)
             out.append(new_group)
         return out
 
-    def _reject(self, mb: TrainBatch, correction) -> TrainBatch:
-        """Fold the correction's rejections into ``correction_mask`` (the step's token totals honour
-        it). Under sequence parallelism this rank decides on the tokens it owns, sequence ratios are
-        summed over its group, and each sequence's token count and counting rank are redone."""
-        keep = mb.response_mask.bool() & mb.tool_mask.bool()
-        sequence_sum = sequence_parallel.group_sum if self.sp > 1 else None
-        accept = correction_mask(mb.old_logprobs, mb.generator_logprobs, keep, correction, sequence_sum)
-        mb = mb.replace(correction_mask=accept.to(mb.tool_mask.dtype))
-        if self.sp == 1:
-            return mb
-        kept = accept.any(-1).float()  # [B]: whether this rank still holds a loss token of the sequence
-        ranks = torch.zeros(len(mb), self.sp, device=kept.device)
-        ranks[:, self.sp_rank] = kept
-        ranks = sequence_sum(ranks)  # [B, sp]: which ranks hold one; the lowest holds the first token
-        first = torch.where(ranks.any(-1), (ranks > 0).float().argmax(-1), -1)
-        counted = (first == self.sp_rank).long()
-        return mb.replace(sequence_tokens=sequence_sum(accept.sum(-1).float()).long(), counted=counted)
+
+def reject(mb: TrainBatch, correction: RolloutCorrection, sp: int, sp_rank: int) -> TrainBatch:
+    """Fold the correction's rejections into ``correction_mask`` (the step's token totals honour
+    it). Under sequence parallelism (``sp`` ranks a row, this one ``sp_rank``) a rank decides on the
+    tokens it owns, sequence ratios are summed over its group, and each sequence's token count and
+    counting rank are redone."""
+    keep = mb.response_mask.bool() & mb.tool_mask.bool()
+    sequence_sum = sequence_parallel.group_sum if sp > 1 else None
+    accept = correction_mask(mb.old_logprobs, mb.generator_logprobs, keep, correction, sequence_sum)
+    mb = mb.replace(correction_mask=accept.to(mb.tool_mask.dtype))
+    if sp == 1:
+        return mb
+    kept = accept.any(-1).float()  # [B]: whether this rank still holds a loss token of the sequence
+    ranks = torch.zeros(len(mb), sp, device=kept.device)
+    ranks[:, sp_rank] = kept
+    ranks = sequence_sum(ranks)  # [B, sp]: which ranks hold one; the lowest holds the first token
+    first = torch.where(ranks.any(-1), (ranks > 0).float().argmax(-1), -1)
+    counted = (first == sp_rank).long()
+    return mb.replace(sequence_tokens=sequence_sum(accept.sum(-1).float()).long(), counted=counted)

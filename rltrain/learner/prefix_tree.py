@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.batch import TrainBatch
-from rltrain.loss.logprobs import Truncation, head_forward, packed_forward, predicted_logprobs, token_outputs
+from rltrain.loss.forwards import head_forward, packed_forward, token_outputs
+from rltrain.loss.logprobs import Truncation, predicted_logprobs
 
 
 @dataclass
@@ -180,7 +181,7 @@ def tree_logprobs(
 
 
 def tree_outputs(model: torch.nn.Module, tree: PrefixTree) -> torch.Tensor:
-    """:func:`rltrain.loss.logprobs.token_outputs` through the tree: the model's per-position
+    """:func:`rltrain.loss.forwards.token_outputs` through the tree: the model's per-position
     ``logits`` (a value head's few outputs) ``[B, T, C]``, 0 on padding."""
     return tree.gather(tree_forward(model, tree).logits)
 
@@ -194,7 +195,7 @@ def outputs(model: torch.nn.Module, mb: TrainBatch, tree: PrefixTree | None, pac
 
 
 # learner.prefix_sharing auto: a micro-batch runs as a prefix tree where that saves this share of
-# its tokens (against one packed row); the first shared micro-batch's outputs must match the
+# its tokens (against one packed row); each model's first shared micro-batch's outputs must match the
 # unshared forward's to this (absolute, log-probs or values; by precision), or sharing goes off
 AUTO_MIN_SAVING = 0.1
 SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
@@ -203,31 +204,41 @@ SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
 class PrefixSharing:
     """One rank's ``learner.prefix_sharing``: which micro-batches run as prefix trees (the same
     answer for the same micro-batch within a call, so the old log-probs and the update take one
-    path), and ``auto``'s one check against the unshared forward."""
+    path), and ``auto``'s check against the unshared forward (:meth:`check`). Under ``auto`` no
+    micro-batch runs shared before the check has passed."""
 
     def __init__(self, setting: str | bool):
-        self.setting = setting  # "auto", True or False (False for the rest of a run auto's check failed)
-        self.force: bool | None = None  # set by the check: every tree on, or off
-        self.checked = setting != "auto"
+        self.setting = setting  # "auto", True or False
+        # auto: None until checked, then whether the check passed; True/False: the setting's own
+        self.on: bool | None = None if setting == "auto" else bool(setting)
+        self.force: bool | None = None  # set during a check: every tree on, or off
         self._trees: dict[int, tuple[torch.Tensor, PrefixTree]] = {}  # by input_ids (kept: ids not reused)
+
+    @property
+    def checked(self) -> bool:
+        return self.on is not None
 
     def clear(self) -> None:
         """Forget the trees of the last call's micro-batches."""
         self._trees.clear()
 
-    def tree(self, mb: TrainBatch) -> PrefixTree | None:
-        """The prefix tree a forward on ``mb`` runs as, or None (the unshared layout)."""
-        if self.force is False or (self.force is None and self.setting is False):
-            return None
+    def _tree_of(self, mb: TrainBatch) -> PrefixTree:
         ids = mb.input_ids
         cached = self._trees.get(id(ids))
         if cached is None or cached[0] is not ids:
             cached = self._trees[id(ids)] = ids, build_tree(ids, mb.attention_mask, ~mb.response_mask.bool())
-        tree = cached[1]
-        if self.force or self.setting is True:
-            return tree
-        # auto: where sharing itself saves (a padded layout's padding alone does not count)
-        return tree if tree.shared_fraction >= AUTO_MIN_SAVING else None
+        return cached[1]
+
+    def shares(self, mb: TrainBatch) -> bool:
+        """Whether ``mb`` runs as a tree once sharing is on: always under ``true``; under ``auto``
+        where sharing itself saves (a padded layout's padding alone does not count)."""
+        return self.setting is True or self._tree_of(mb).shared_fraction >= AUTO_MIN_SAVING
+
+    def tree(self, mb: TrainBatch) -> PrefixTree | None:
+        """The prefix tree a forward on ``mb`` runs as, or None (the unshared layout)."""
+        if self.force is not None:
+            return self._tree_of(mb) if self.force else None
+        return self._tree_of(mb) if self.on and self.shares(mb) else None
 
     def tokens_forwarded(self, mb: TrainBatch, unshared: float) -> float:
         """Tokens a forward on ``mb`` runs on: the tree's, or ``unshared``."""
@@ -235,25 +246,46 @@ class PrefixSharing:
         return unshared if tree is None else tree.tokens
 
     @torch.no_grad()
-    def check(self, forward: Callable[[], torch.Tensor], mb: TrainBatch, bf16: bool, rank: int) -> None:
-        """``auto``'s one check, on every rank at once: ``forward()``'s ``[B, T]`` outputs on
-        ``mb`` shared and unshared; where any rank's differ beyond rounding on the response
-        tokens, sharing goes off for the run, said in one line."""
+    def check(
+        self,
+        forwards: dict[str, Callable[[TrainBatch], torch.Tensor]],
+        micro_batches: list[TrainBatch],
+        positions: Callable[[TrainBatch], torch.Tensor],
+        bf16: bool,
+        rank: int,
+    ) -> bool | None:
+        """``auto``'s check, on every rank of a group at once, before any model of the group runs
+        shared: each model's ``[B, T]`` outputs (``forwards``) on this rank's first micro-batch that
+        would run shared and has ``positions`` to compare (its loss tokens; a reward model's last
+        tokens), shared and unshared. Where any model differs on any rank beyond rounding, or
+        gives NaN, sharing goes off for the group's run, said in one line; where no rank has such
+        a micro-batch, nothing is decided (None: the group runs unshared and checks its next
+        call). Returns whether sharing is on."""
         import torch.distributed as dist
 
-        self.checked = True
-        outs = []
-        for self.force in (True, False):
-            outs.append(forward())
-        self.force = None
-        keep = mb.response_mask.bool()
-        difference = torch.tensor([float((outs[0] - outs[1])[keep].abs().max()) if keep.any() else 0.0])
+        if self.checked:
+            return self.on
+        mb = next((m for m in micro_batches if self.shares(m) and positions(m).any()), None)
+        differences = torch.zeros(len(forwards) + 1, dtype=torch.float64)  # (found, each model's)
+        if mb is not None:
+            keep = positions(mb).bool()
+            differences[0] = 1.0
+            for i, forward in enumerate(forwards.values()):
+                outs = []
+                for self.force in (True, False):
+                    outs.append(forward(mb).float())
+                self.force = None
+                worst = float((outs[0] - outs[1])[keep].abs().max())
+                differences[i + 1] = worst if worst == worst else float("inf")  # NaN never passes
         if dist.is_initialized():  # (every rank decides alike: one all-reduce)
-            dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+            dist.all_reduce(differences, op=dist.ReduceOp.MAX)
+        if differences[0] == 0:
+            return None
         tolerance = SHARING_TOLERANCE[torch.bfloat16 if bf16 else torch.float32]
-        if difference.item() > tolerance:
-            self.setting = False
-            if rank == 0:
-                print(f"learner.prefix_sharing: auto: the shared forward differs from the unshared one by "
-                      f"{difference.item():.3g} (> {tolerance:g}) on the first micro-batch; going on unshared",
-                      flush=True)  # fmt: skip
+        failed = {name: d for name, d in zip(forwards, differences[1:].tolist()) if not d <= tolerance}
+        self.on = not failed
+        if failed and rank == 0:
+            said = ", ".join(f"{name} by {d:.3g}" for name, d in failed.items())
+            print(f"learner.prefix_sharing: auto: the shared forward differs from the unshared one ({said}; "
+                  f"> {tolerance:g}) on the first shared micro-batch; going on unshared", flush=True)  # fmt: skip
+        return self.on

@@ -32,7 +32,8 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
 from rltrain.learner.attention import document_attention, register_attention
-from rltrain.loss.logprobs import Truncation, head_forward, pack_sequences, packed_forward, predicted_logprobs
+from rltrain.loss.forwards import head_forward, pack_sequences, packed_forward
+from rltrain.loss.logprobs import Truncation, predicted_logprobs
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None

@@ -34,6 +34,8 @@ class SFTLearner(PolicyLearner):
             }
         )
 
+    has_reference = False  # the warm start has no KL
+
     @property
     def lora_rank(self) -> int:
         """The adapters' rank where the warm start trains adapters (``sft_warmup.lora``), else 0."""

@@ -13,7 +13,14 @@ and the loss is ``-A * r * M`` with ``r = p / p_a`` (``exp`` of the log-ratio cl
 Departures and choices, against the peers' code:
 
 - The anchor (``anchor_logprobs_BT``) is the caller's: the engine's sampling log-probs (the paper's
-  behaviour policy; Stable-RL, prime-rl, SkyRL) or the recomputed old policy (verl).
+  behaviour policy; Stable-RL, prime-rl, SkyRL) or the recomputed old policy (verl). Against the
+  engine's log-probs ``r`` is already the whole importance weight of a token the engine sampled,
+  so :func:`rltrain.loss.losses.policy_loss` multiplies in no rollout correction's weight there
+  (its rejections still apply); against the old policy the correction's weight ``min(pi_old /
+  pi_rollout, cap)`` corrects for the engine, as verl's ``rollout_is_weights`` do. (SkyRL
+  multiplies its configured TIS weight in with either anchor; its default configures none.)
+- ``delta_high`` None is ``delta_low`` (one bound for both sides), which defaults to the
+  divergence's.
 - ``ratio_cap``: ``r`` above the cap weighs the token's gradient by the cap instead
   (truncated importance sampling, verl's ``clip_ratio_c``); the loss's value is then ``-A * cap *
   M``. verl writes its surrogate as ``-A * sg(min(r, cap)) * log p * M``, whose *value* differs from
@@ -49,7 +56,7 @@ def dppo_mask(
     """``(masked_low_BT, masked_high_BT)``, bool, detached: the tokens whose negative (low) or
     positive (high) advantage pushed the policy past the divergence bound."""
     low = DEFAULT_DELTA[divergence] if delta_low is None else delta_low
-    high = DEFAULT_DELTA[divergence] if delta_high is None else delta_high
+    high = low if delta_high is None else delta_high  # one bound set: both sides
     with torch.no_grad():
         logp, logp_a = logprobs_BT.float(), anchor_logprobs_BT.float()
         p, p_a = logp.exp(), logp_a.exp()

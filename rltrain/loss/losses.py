@@ -181,7 +181,7 @@ class PolicyLossSettings:
     aggregation_norm: float = 1.0  # the constant of seq-mean-token-sum-norm
     dppo_divergence: Divergence = "tv"  # DPPO (kind="dppo"): rltrain.loss.dppo
     dppo_delta_low: float | None = None  # None: the divergence's default (rltrain.loss.dppo.DEFAULT_DELTA)
-    dppo_delta_high: float | None = None
+    dppo_delta_high: float | None = None  # None: dppo_delta_low's
     dppo_anchor: Literal["rollout", "old"] = "rollout"  # the engine's sampling log-probs, or the old policy's
     dppo_ratio_cap: float | None = None
 
@@ -270,7 +270,9 @@ def policy_loss(
         pg, clipped = _surrogate(
             s, logprobs_BT, old_logprobs_BT, advantages_B, keep, sequence_tokens_B, sequence_sum
         )
-    if correction is not None:
+    # DPPO against the engine's log-probs: its ratio is the importance weight already (rltrain.loss.dppo)
+    weighted = not (s.kind == "dppo" and s.dppo_anchor == "rollout")
+    if correction is not None and weighted:
         pg = pg * correction_weights(old_logprobs_BT, generator_logprobs_BT, keep, correction, sequence_sum)
 
     per_token = pg

@@ -70,6 +70,9 @@ class RouterTap:
         self._chosen: list[torch.Tensor] = []
         self._measure = False
         self.routes: torch.Tensor | None = None  # [N, L, k] integer, negative where not recorded
+        # [N]: the sequences each row stands for in the measured counts (a prefix tree's shared
+        # prompt token, once per member, as in the unshared forward); None: one each
+        self.row_weights: torch.Tensor | None = None
         # the routers' own weighting of their top-k, or why replay cannot reproduce it (raised at a replay)
         self.scoring = own_scoring(first) if first is not None else None
         self.mismatch = torch.zeros(2, dtype=torch.float64)  # (rows replayed elsewhere, rows replayed)
@@ -98,7 +101,13 @@ class RouterTap:
         chosen = torch.where(known_N[:, None], routes_Nk.to(own.dtype), own)
         if self._measure:
             elsewhere_N = known_N & (chosen.sort(-1).values != own.sort(-1).values).any(-1)
-            self.mismatch += torch.stack([elsewhere_N.sum(), known_N.sum()]).double().cpu()
+            w_N = (
+                self.row_weights
+                if self.row_weights is not None
+                else torch.ones_like(known_N, dtype=torch.long)
+            )
+            counts = torch.stack([(elsewhere_N * w_N).sum(), (known_N * w_N).sum()])
+            self.mismatch += counts.double().cpu()
         if not isinstance(self.scoring, tuple):
             raise RuntimeError(f"routing replay: {self.scoring}")
         weights = self.scoring[1](module, logits_NE, chosen)

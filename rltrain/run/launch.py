@@ -24,10 +24,8 @@ from typing import Any
 import torch
 
 from rltrain.config import Config, ConfigError, dump, first_line
-from rltrain.data import (
-    PromptSampler,
-)
 from rltrain.models.resolve import load_tokenizer
+from rltrain.prompt_sampler import PromptSampler
 from rltrain.rewards.functions import JUDGE, MODEL, RewardScorer
 from rltrain.run import checkpoint
 from rltrain.run.orchestrator import Orchestrator

@@ -1,6 +1,6 @@
 """The generation pipeline: which prompts are in flight for which step, and the data order.
 
-:class:`Orchestrator` draws prompts from the :class:`~rltrain.data.PromptSampler`, keeps
+:class:`Orchestrator` draws prompts from the :class:`~rltrain.prompt_sampler.PromptSampler`, keeps
 ``rollout.max_staleness`` steps of generation in flight ahead of the step being trained, collects a
 step's completions, scores them and, with DAPO's dynamic sampling, refills the batch with more
 prompts (:func:`collect_groups`). Every sampled token carries the policy version that sampled it
@@ -38,8 +38,9 @@ import torch
 
 from rltrain.batch import Completion
 from rltrain.config import Config
-from rltrain.data import Prompt, PromptSampler
+from rltrain.data import Prompt
 from rltrain.loss.advantages import zero_variance_groups
+from rltrain.prompt_sampler import PromptSampler
 from rltrain.run.scoring import ModelScorer, ModelScores, ScoredGroups, drop_stale, per_completion, score
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rltrain.config import (
+    BUILTIN_TASK,
     SFT_FROM_ENV,
     Config,
     ConfigError,
@@ -119,6 +121,11 @@ def preflight(config: Config) -> Inputs:
             check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
             check_sft_source(config, rows, tokenizer)
+        sft = config.sft_warmup
+        if sft.steps and sft.copy_fraction and sft.source != BUILTIN_TASK:
+            print(f"rltrain: note: sft_warmup.copy_fraction={sft.copy_fraction:g} applies to sft_warmup.source="
+                  f"{BUILTIN_TASK} alone: the warm start trains on sft_warmup.source={sft.source}'s examples as "
+                  "they are", file=sys.stderr, flush=True)  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from rltrain.batch import Completion, TrainBatch, collate
-from rltrain.config import SFT_FROM_ENV, Config
+from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, Config
 from rltrain.data import (
     LOCAL_FORMATS,
     chat_prompts,
@@ -102,22 +102,32 @@ def _batch(chosen: list[Encoded], pad_id: int) -> TrainBatch:
     return collate(prompts, completions, torch.zeros(len(chosen)), pad_id)
 
 
+# what does not change the warmed-up model: where Ray puts the learners, whether they compute a
+# shared prompt once (the same outputs, checked), how RL draws its prompts, and the built-in task's
+# example mix for a warm start on other examples
+NOT_IN_THE_KEY = {
+    "learner": {"cpus_per_learner", "gpus_per_learner", "placement", "prefix_sharing"},
+    "data": {"difficulty_sampling"},
+    "sft_warmup": {"lora", "tool_fraction", "copy_fraction"},
+}
+
+
 def _settings(config: Config, model_path: str) -> str:
-    """What the warmed-up model depends on: the warm-up section (and a file's contents), the start
-    model, data, seed, the learners' resolved section (optimizer, betas, clipping, precision,
-    layout: everything but the resources Ray reserves), how the loss is aggregated and normalized
-    (the warm-up's loss follows `loss.aggregation` and `masked_mean_denominator`) and, with LoRA,
-    the adapters it trains."""
+    """What the warmed-up model depends on, and nothing else (:data:`NOT_IN_THE_KEY`): the warm-up
+    section (and a file's contents), the start model, data, seed, the learners' resolved section
+    (optimizer, betas, clipping, precision, layout), how the loss is aggregated and normalized (the
+    warm-up's loss follows `loss.aggregation` and `masked_mean_denominator`) and, with LoRA, the
+    adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
     aggregation = [loss.aggregation, norm, loss.masked_mean_denominator]
-    learners = SFTLearner.section(config).model_dump(
-        exclude={"cpus_per_learner", "gpus_per_learner", "placement"}
-    )
+    learners = SFTLearner.section(config).model_dump(exclude=NOT_IN_THE_KEY["learner"])
+    sft = config.sft_warmup
+    generated = sft.source == BUILTIN_TASK  # tool_fraction and copy_fraction shape its examples alone
     parts = [
-        config.sft_warmup.model_dump(exclude={"lora"}),
+        sft.model_dump(exclude={"lora"} if generated else NOT_IN_THE_KEY["sft_warmup"]),
         model_path,
-        config.data.model_dump(),
+        config.data.model_dump(exclude=NOT_IN_THE_KEY["data"]),
         config.run.seed,
         aggregation,
         learners,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rltrain.config import TINY_MODEL, TINY_MOE_MODEL, ConfigError, describe, describe_respelled, load_config
+from rltrain.config import BUILTIN_MODELS, ConfigError, describe, describe_respelled, load_config
 from rltrain.run import checkpoint
 from rltrain.run.launch import connect_ray, quiet_console
 from rltrain.run.loop import Interrupted, RunFailed, train
@@ -99,7 +99,7 @@ def help_config(args: argparse.Namespace) -> int:
         "data.source": list(BUILTIN_SOURCES),
         "eval.source": list(BUILTIN_SOURCES),
         "reward.functions": [*REWARDS, *GIVEN],
-        "model.name_or_path": [TINY_MODEL, TINY_MOE_MODEL],
+        "model.name_or_path": list(BUILTIN_MODELS),
     }
     try:
         print(describe(load_config(args.config, overrides), section or None, builtins))

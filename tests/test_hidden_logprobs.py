@@ -121,14 +121,34 @@ def test_chunks_of_a_few_tokens_give_the_one_chunk_values_and_gradients():
     torch.testing.assert_close(out["chunked"][0].detach(), want, rtol=0, atol=1e-5)
 
 
-def test_a_model_whose_logits_are_more_than_its_head_keeps_the_logits_path():
-    # Gemma 2 soft-caps its logits (tanh(logits / 30) * 30): the head alone would not give them
+def test_a_soft_capped_head_runs_on_the_hidden_state_path_as_its_full_logits():
+    # Gemma 2 soft-caps its logits (tanh(logits / 30) * 30; 0.5 here, so the cap bends them): the
+    # soft-cap is folded into the head the chunks run, and the log-probs and every gradient are the
+    # full-logits path's (an unknown transform keeps that path: tests/test_families.py)
     config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          final_logit_softcapping=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
     ids = torch.randint(0, 64, (2, 5))
-    out, head = head_forward(model, forward_of(model, ids))
-    assert head is None and out.shape == (2, 5, 64)
-    lm = tiny_lm()
-    states, head = head_forward(lm, forward_of(lm, ids))
-    assert head is not None and states.shape == (2, 5, 32)
+    states, head = head_forward(model, forward_of(model, ids))
+    assert head is not None and head.transform.softcap == 0.5 and states.shape == (2, 5, 32)
+    mask = torch.ones_like(ids)
+    results = []
+    for from_hidden in (True, False):
+        model.zero_grad()
+        logprobs, _ = sequence_logprobs(model, ids, mask, from_hidden=from_hidden)
+        logprobs.sum().backward()
+        results.append(
+            (
+                logprobs.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
+    (hidden, hidden_grads), (full, full_grads) = results
+    torch.testing.assert_close(hidden, full, rtol=0, atol=1e-5)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(hidden_grads[name], grad, rtol=1e-5, atol=1e-7)
+    # the cap bends these logits: the head's own output differs from the model's logits
+    raw = model.get_output_embeddings()(states)
+    assert (torch.tanh(raw / 0.5) * 0.5 - raw).abs().max() > 1e-3

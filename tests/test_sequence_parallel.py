@@ -3,21 +3,23 @@ single-rank packed log-probs and gradient; the owned positions count every token
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
+from rltrain.learner import attention
 from rltrain.learner.engine import sequence_parallel
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.run.diagnostics import synthetic_rollouts
 
 
-def multi_document_batch():
+def multi_document_batch(vocab: int = 256):
     # 5 sequences of 4-14 tokens, packed into one row of several documents; the row length is odd,
     # so the last rank's slice ends in padding
-    batch = synthetic_rollouts(n=5, t=14, seed=7)
+    batch = synthetic_rollouts(n=5, t=14, vocab=vocab, seed=7)
     return batch.input_ids, batch.attention_mask
 
 
@@ -28,7 +30,7 @@ def _rank_main(rank: int, sp: int, port: int, model_path: str, out: dict) -> Non
         torch.set_num_threads(1)
         name = sequence_parallel.use_group(dist.new_group(list(range(sp))))
         model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=name)
-        ids, attention = multi_document_batch()
+        ids, attention = multi_document_batch(model.config.vocab_size)
         logprobs, entropy = sequence_parallel.sequence_logprobs(model, ids, attention, 0.8, True, sp, rank)
         logprobs.sum().backward()
         out[rank] = {
@@ -41,22 +43,30 @@ def _rank_main(rank: int, sp: int, port: int, model_path: str, out: dict) -> Non
         dist.destroy_process_group()
 
 
-def test_sequence_parallel_row_equals_the_single_rank_packed_row(tiny_model_path):
-    sp = 2  # the tiny model's 2 query heads, 1 key/value head (repeated to 2)
-    out = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(sp, free_port(), tiny_model_path, out), nprocs=sp, join=True)
+@pytest.mark.parametrize("family", ["qwen2", "gpt-oss"])
+def test_sequence_parallel_row_equals_the_single_rank_packed_row(family, tiny_model_path, tmp_path):
+    # the tiny model's 2 query heads and 1 key/value head (repeated to 2); gpt-oss's 4 and 2, a
+    # window of 6 and a sink per head (each rank's heads take their own)
+    sp = 2
+    if family == "gpt-oss":
+        import families
 
-    ids, attention = multi_document_batch()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    logprobs, entropy = sequence_logprobs(model, ids, attention, 0.8, with_entropy=True, packed=True)
+        families.build("gpt-oss").save_pretrained(tmp_path / "gpt-oss")
+    model_path = tiny_model_path if family == "qwen2" else str(tmp_path / "gpt-oss")
+    out = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(sp, free_port(), model_path, out), nprocs=sp, join=True)
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attention.register())
+    ids, attention_mask = multi_document_batch(model.config.vocab_size)
+    logprobs, entropy = sequence_logprobs(model, ids, attention_mask, 0.8, with_entropy=True, packed=True)
     logprobs.sum().backward()
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
     owned = torch.stack([out[r]["owned"] for r in range(sp)]).long()
-    first_of_row = torch.zeros_like(attention)
-    first_of_row.view(-1)[attention.view(-1).argmax()] = 1
+    first_of_row = torch.zeros_like(attention_mask)
+    first_of_row.view(-1)[attention_mask.view(-1).argmax()] = 1
     # every attended token but the row's very first is owned by exactly one rank
-    assert torch.equal(owned.sum(0), attention - first_of_row)
+    assert torch.equal(owned.sum(0), attention_mask - first_of_row)
     # the ranks' log-probs add up to the single-rank row, and so do their gradient contributions
     torch.testing.assert_close(
         sum(out[r]["logprobs"] for r in range(sp)), logprobs.detach(), rtol=1e-5, atol=1e-5

@@ -17,7 +17,7 @@ from rltrain.config.generation import (AgentConfig, DataConfig, DifficultySampli
                                       SFTWarmupConfig, ToolsConfig)  # fmt: skip
 from rltrain.config.help import describe
 from rltrain.config.loading import dump, load_config, validate
-from rltrain.config.optimization import (AUTO_MISMATCH_KL, BUILTIN_TASK, DENOMINATOR_KEY, SFT_FROM_ENV,
+from rltrain.config.optimization import (AUTO_MISMATCH_KL, BUILTIN_MODELS, BUILTIN_TASK, DENOMINATOR_KEY, SFT_FROM_ENV,
                                          TINY_MODEL, TINY_MOE_MODEL, VERIFIERS, Aggregation,
                                          AlgorithmConfig, ConfigError, CriticConfig, CriticLearnerConfig,
                                          Denominator, FrozenLearnerConfig, LearnerConfig, LoraConfig,
@@ -26,7 +26,7 @@ from rltrain.config.optimization import (AUTO_MISMATCH_KL, BUILTIN_TASK, DENOMIN
 from rltrain.config.root import Config
 from rltrain.config.spellings import RESPELLED, describe_respelled
 
-__all__ = ["AUTO_MISMATCH_KL", "BUILTIN_TASK", "DENOMINATOR_KEY", "RESPELLED", "SFT_FROM_ENV", "TINY_MODEL",
+__all__ = ["AUTO_MISMATCH_KL", "BUILTIN_MODELS", "BUILTIN_TASK", "DENOMINATOR_KEY", "RESPELLED", "SFT_FROM_ENV", "TINY_MODEL",
            "TINY_MOE_MODEL", "VERIFIERS", "AgentConfig", "Aggregation", "AlgorithmConfig", "Config",
            "ConfigError", "CriticConfig", "CriticLearnerConfig", "DataConfig", "Denominator",
            "DifficultySampling", "EnvConfig", "EvalConfig", "FrozenLearnerConfig", "JudgeConfig",

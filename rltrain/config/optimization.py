@@ -55,6 +55,9 @@ def _is_positive_number(value: object) -> bool:
 
 TINY_MODEL = "builtin:tiny"
 TINY_MOE_MODEL = "builtin:tiny-moe"  # the same, its MLPs a mixture of experts
+# the built-in models, each built locally on the built-in tokenizer: name -> the family it is made of
+BUILTIN_MODELS = {TINY_MODEL: "qwen2", TINY_MOE_MODEL: "qwen3_moe", "builtin:tiny-gpt-oss": "gpt_oss",
+                  "builtin:tiny-gemma3": "gemma3_text"}  # fmt: skip
 BUILTIN_TASK = "builtin:arithmetic"
 SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
 VERIFIERS = "verifiers:"  # env.name: a verifiers taskset (rltrain.episodes.verifiers_env)
@@ -97,8 +100,10 @@ class ModelConfig(Section):
     name_or_path: str = TINY_MODEL
     """A local model directory, a Hugging Face hub name, a local llama.cpp `.gguf` file (dequantized
     to a Hugging Face folder once, in ~/.cache/rltrain/gguf), `builtin:tiny` (a ~100k-parameter
-    Qwen2 model and byte-level tokenizer built locally, no download) or `builtin:tiny-moe` (a tiny
-    Qwen3-MoE on the same tokenizer: 8 experts, top-2)."""
+    Qwen2 model and byte-level tokenizer built locally, no download), `builtin:tiny-moe` (a tiny
+    Qwen3-MoE on the same tokenizer: 8 experts, top-2), `builtin:tiny-gpt-oss` (gpt-oss: a sliding
+    window of 8 tokens, attention sinks, 4 experts) or `builtin:tiny-gemma3` (Gemma 3: sliding and
+    full layers, a window of 8, the logit soft-cap)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False

@@ -22,6 +22,7 @@ from rltrain.loss.losses import question_sums, value_loss
 
 class CriticLearner(EngineLearner):
     ROLE = "critic learner"
+    KEY = "critic.learners"
     PREFIX = "critic"
     PERF = "critic_"
     # "residual" is return - value at rollout time, for the explained variance

@@ -41,7 +41,9 @@ from rltrain.learner import attention, sequence_parallel
 from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.state import LearnerState
 from rltrain.loss import logprobs
+from rltrain.loss.forwards import output_head
 from rltrain.loss.masked_mean import step_totals
+from rltrain.models import families
 from rltrain.remote import where
 
 # counted once per step (not per PPO epoch): tokens the unshared layout runs on (padding included),
@@ -163,6 +165,7 @@ class EngineLearner(LearnerState):
     """
 
     ROLE = "policy learner"  # how errors and placement.json name its ranks
+    KEY = "learner"  # the config section that lays it out (errors name its keys)
     PREFIX = "train"  # of the logged metrics: train/..., time/train_s
     PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
     METRIC_SUMS: list[str] = ["tokens"]  # token sums :meth:`_loss` reports; logged as global token means
@@ -228,6 +231,9 @@ class EngineLearner(LearnerState):
             model=model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(lc, self.world_size, self.bf16),
         )  # fmt: skip
+        for scored in (self.engine, getattr(self, "ref_model", None)):  # every rank at once (ZeRO-3)
+            if scored is not None:
+                output_head(scored)  # the head path checked on a probe, before any forward takes it
 
     def _join_group(self, master_addr: str, master_port: int) -> None:
         """Join the group's torch.distributed group; set up packed or sequence-parallel attention
@@ -265,12 +271,24 @@ class EngineLearner(LearnerState):
         return groups[self.rank // self.sp]
 
     def _load_model(self, auto_cls, path: str | None = None, **kwargs):
+        """``auto_cls`` (a causal LM: the class that loads the model's config as one) from ``path``, in
+        the learner's precision and attention, once the model's needs fit the layout
+        (:mod:`rltrain.models.families`; a layout that cannot run it exactly raises its one line)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = path or self.model_path
+        trust = self.config.model.trust_remote_code
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        model_needs = families.needs(model_config)
+        if problem := families.layout_problem(model_needs, self.KEY, self.lc.packing, self.lc.prefix_sharing):
+            raise ValueError(problem)
+        if not families.shares(model_needs):  # (auto: never shared; true was refused above)
+            self.sharing.on = False
+        if auto_cls is AutoModelForCausalLM:
+            auto_cls = families.causal_lm_class(model_config)
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         extra = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
-        return auto_cls.from_pretrained(
-            path or self.model_path, dtype=dtype, trust_remote_code=self.config.model.trust_remote_code,
-            **extra, **kwargs,
-        )  # fmt: skip
+        return auto_cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust, **extra, **kwargs)
 
     # ------------------------------------------------------------------ training
 

@@ -17,6 +17,7 @@ from rltrain.config import Config, FrozenLearnerConfig
 from rltrain.learner.engine import EngineLearner, load_scalar_head
 from rltrain.learner.policy import PolicyLearner
 from rltrain.learner.prefix_tree import outputs
+from rltrain.loss.forwards import output_head
 
 
 class FrozenLearner(EngineLearner):
@@ -40,6 +41,7 @@ class FrozenLearner(EngineLearner):
             self.engine.eval()
         else:
             self.engine = model.to("cuda" if self.use_cuda else "cpu")
+        output_head(self.engine)  # (a language model's head path, checked once on a probe)
 
     def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
         raise RuntimeError(f"a {self.ROLE} scores and never trains")
@@ -53,6 +55,7 @@ class TeacherLearner(FrozenLearner, PolicyLearner):
     temperature, through the policy's own log-prob path (padded or packed)."""
 
     ROLE = "teacher"
+    KEY = "algorithm.teacher_learners"
 
     @staticmethod
     def section(config: Config) -> FrozenLearnerConfig:
@@ -74,6 +77,7 @@ class RewardModelLearner(FrozenLearner):
     what sequence classification pools."""
 
     ROLE = "reward model"
+    KEY = "reward.model_learners"
 
     @staticmethod
     def section(config: Config) -> FrozenLearnerConfig:

@@ -8,7 +8,8 @@ function registered here (:data:`ATTENTION`, through transformers' ``AttentionIn
 2. all-to-all: sequence-sharded ``[B, H, L/sp, D]`` -> head-sharded ``[B, H/sp, L, D]``;
 3. all-gathers the slices' position ids, which tell the row's documents apart (each starts at 0);
 4. runs causal attention on its heads, document by document over the whole row
-   (:func:`rltrain.learner.attention.document_attention`), so packed rows stay exact;
+   (:func:`rltrain.learner.attention.document_attention`, with what the layer asks for: windows,
+   soft-capping, its heads' sinks), so packed rows stay exact;
 5. all-to-all back to ``[B, L/sp, H, D]``.
 
 The all-to-alls are autograd functions, so the backward pass moves gradients the same way.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
-from rltrain.learner.attention import document_attention, register_attention
+from rltrain.learner.attention import document_attention, layer_asks, register_attention
 from rltrain.loss.forwards import head_forward, pack_sequences, packed_forward
 from rltrain.loss.logprobs import Truncation, predicted_logprobs
 
@@ -81,7 +82,11 @@ def ulysses_attention(
     if kv_heads % sp:
         key, value = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (key, value))
     q, k, v = (_sequence_to_heads(x, sp) for x in (query, key, value))  # [B, H/sp, L, D]
-    out = document_attention(q, k, v, _all_gather_positions(position_ids, sp), scaling, dropout)
+    rank, share = dist.get_rank(_group), heads // sp
+    asks = layer_asks(module, scaling, kwargs).heads(
+        slice(rank * share, (rank + 1) * share)
+    )  # this rank's heads
+    out = document_attention(q, k, v, _all_gather_positions(position_ids, sp), scaling, dropout, asks)
     return _heads_to_sequence(out, sp).transpose(1, 2).contiguous(), None
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,13 +21,14 @@ def head_forward(
     """``forward(**extra)`` (the model's padded or packed forward, :func:`padded_forward`,
     :func:`packed_forward`) up to what the log-probs need: ``(last hidden states [B, T, H], the
     output head)`` where the model's logits are its output head applied to its decoder's last hidden
-    state, or ``(logits [B, T, V], None)`` where they are not (a head with soft-capping or a logit
-    scale, a model without ``logits_to_keep``) or ``from_hidden`` is false.
+    state (with the family's logit transform, :func:`logit_transform`, folded into the head), or
+    ``(logits [B, T, V], None)`` where they are not (a transform rltrain does not know, a model
+    without ``logits_to_keep``: :func:`output_head` says which) or ``from_hidden`` is false.
 
     ``model`` may be a DeepSpeed engine or a peft model around the causal LM: the call goes through
     it as any forward does (its hooks run), asking the LM to keep no logits, while a hook on the
     decoder takes its output."""
-    parts = _decoder_and_head(model) if from_hidden else None
+    parts = output_head(model) if from_hidden else None
     if parts is None:
         return forward().logits, None
     decoder, head = parts
@@ -38,24 +41,111 @@ def head_forward(
     return taken[-1], head
 
 
-UNFOLDED_HEADS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family does to its output head's logits: ``z * multiplier`` (Falcon-H1's
+    ``lm_head_multiplier``, Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``), then
+    ``softcap * tanh(z / softcap)`` (Gemma's ``final_logit_softcapping``)."""
+
+    multiplier: float = 1.0
+    softcap: float | None = None
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+def logit_transform(config) -> LogitTransform:
+    """The transform ``config`` (or its ``text_config``: Gemma 4's, a vision-language model's) names."""
+    text = getattr(config, "text_config", None)
+
+    def read(name: str):
+        value = getattr(config, name, None)
+        return getattr(text, name, None) if value is None and text is not None else value
+
+    multiplier = 1.0
+    for name in ("lm_head_multiplier", "logit_scale"):
+        multiplier *= float(read(name) or 1.0)
+    multiplier /= float(read("logits_scaling") or 1.0)
+    softcap = read("final_logit_softcapping")
+    return LogitTransform(multiplier, float(softcap) if softcap else None)
+
+
+class TransformedHead(torch.nn.Module):
+    """A model's output head followed by its family's :class:`LogitTransform`: the head module
+    itself runs (its hooks, a ZeRO-3 gather, LoRA), so its parameters get their gradients."""
+
+    def __init__(self, head: torch.nn.Module, transform: LogitTransform):
+        super().__init__()
+        self.head, self.transform = head, transform
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = self.head(hidden)
+        if self.transform.multiplier != 1.0:
+            z = z * self.transform.multiplier
+        if self.transform.softcap is not None:
+            z = torch.tanh(z / self.transform.softcap) * self.transform.softcap
+        return z
+
+
+# each language model's (decoder, head) once it has been probed, or None where its logits are not
+# its transformed head's output on its last hidden states
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PROBE_TOKENS = 8
+
+
+def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(decoder, head)`` where the model's logits are ``head(decoder's last hidden state)``, the
+    head carrying the family's logit transform; None where the model has no such parts or they do
+    not give its logits. Checked once per model on a probe of :data:`PROBE_TOKENS` tokens: its own
+    logits against the head applied to its hidden states (a transform rltrain does not know keeps
+    the full-logits path). Under ZeRO-3 the probe is a forward every rank runs: each does, at its
+    first call, which every rank makes at the same point."""
     lm = getattr(model, "module", model)  # a DeepSpeed engine's model
     lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a peft model's
+    if lm in _HEADS:
+        return _HEADS[lm]
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    config = getattr(lm, "config", None)
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    parts = None
     if (
-        head is None
-        or not hasattr(head, "weight")
-        or not hasattr(lm, "get_decoder")
-        or not _keeps_logits_on_request(type(lm))
-        or any(getattr(config, name, None) not in (None, 1, 1.0) for name in UNFOLDED_HEADS)
+        head is not None
+        and hasattr(head, "weight")
+        and decoder not in (None, lm)
+        and _keeps_logits_on_request(type(lm))
     ):
-        return None
-    decoder = lm.get_decoder()
-    return (decoder, head) if decoder is not lm else None
+        transform = logit_transform(model_config(lm))
+        parts = decoder, head if transform == LogitTransform() else TransformedHead(head, transform)
+        if not _probe(model, *parts):
+            parts = None
+    _HEADS[lm] = parts
+    return parts
+
+
+_probing = [False]
+
+
+def probing() -> bool:
+    """Whether the forward running now is :func:`output_head`'s probe (hooks that record a
+    forward's internals, a mixture's router taps, pass it over)."""
+    return _probing[0]
+
+
+@torch.no_grad()
+def _probe(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Module) -> bool:
+    vocab = int(getattr(head.weight, "ds_shape", head.weight.shape)[0])
+    device = head.weight.device
+    ids = torch.arange(PROBE_TOKENS, device=device)[None] % vocab
+    taken: list[torch.Tensor] = []
+    hook = decoder.register_forward_hook(lambda _module, _args, out: taken.append(out[0]))
+    _probing[0] = True
+    try:
+        logits = packed_forward(model, ids, torch.arange(PROBE_TOKENS, device=device)[None]).logits
+    finally:
+        _probing[0] = False
+        hook.remove()
+    mine = head(taken[-1]).float()
+    return bool((mine - logits.float()).abs().max() <= 1e-3 * max(1.0, float(logits.float().abs().max())))
 
 
 @functools.cache
@@ -70,6 +160,8 @@ def padded_forward(
     """The model's output for padded rows (left-padded prompts: positions count attended tokens);
     ``extra``: more keyword arguments of the model's forward."""
     position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
+        position_ids = position_ids[None].expand(4, *position_ids.shape)
     return model(
         input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False,
         **extra,
@@ -117,6 +209,33 @@ def packed_forward(
     whole row, and documents silently attend to each other. Hence both are passed explicitly here.
     ``extra``: more keyword arguments of the model's forward.
     """
+    if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes,
+        position_ids_1L = position_ids_1L[None].expand(
+            4, *position_ids_1L.shape
+        )  # a text token's: its position
     return model(
         input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False, **extra
     )
+
+
+def model_config(model: torch.nn.Module):
+    """The config of a causal LM, also inside a DeepSpeed engine or a peft model."""
+    lm = getattr(model, "module", model)
+    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return getattr(lm, "config", None)
+
+
+def multi_axis_positions(model_or_config) -> bool:
+    """Whether the model's rotary positions have several axes (Qwen2-VL's M-RoPE: time, height and
+    width; a text token's three are its position): its forward then takes ``[4, B, L]`` position
+    ids, the text positions that tell documents apart first, as its own ``get_rope_index`` builds
+    them for a packed batch."""
+    config = (
+        model_or_config if not isinstance(model_or_config, torch.nn.Module) else model_config(model_or_config)
+    )
+    for c in (config, getattr(config, "text_config", None)):
+        for name in ("rope_parameters", "rope_scaling"):
+            rope = getattr(c, name, None)
+            if isinstance(rope, dict) and "mrope_section" in rope:
+                return True
+    return False

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rltrain.config import TINY_MODEL, TINY_MOE_MODEL, Config, ConfigError, first_line
+from rltrain.config import BUILTIN_MODELS, Config, ConfigError, first_line
 from rltrain.models.pretrained import model_folder
 
 
 def resolve_model(config: Config, out: Path) -> str:
     """The folder of ``model.name_or_path``: a built-in model built under ``out``, a GGUF file's
     conversion, or the folder or hub name as given."""
-    if config.model.name_or_path in (TINY_MODEL, TINY_MOE_MODEL):
+    if config.model.name_or_path in BUILTIN_MODELS:
         from rltrain.models.tiny import build_tiny_model
 
-        if config.model.name_or_path == TINY_MOE_MODEL:
-            folder = build_tiny_model(out / "tiny_moe_model", seed=config.run.seed, family="qwen3_moe")
-        else:
-            folder = build_tiny_model(out / "tiny_model", seed=config.run.seed)
-        return str(folder.resolve())
+        family = BUILTIN_MODELS[config.model.name_or_path]
+        folder = {"qwen2": "tiny_model", "qwen3_moe": "tiny_moe_model"}.get(family, f"tiny_{family}_model")
+        return str(build_tiny_model(out / folder, seed=config.run.seed, family=family).resolve())
     try:
         return model_folder(config.model.name_or_path)
     except (ImportError, OSError, ValueError) as e:  # a .gguf that does not convert
@@ -84,6 +82,8 @@ def check_scoring_models(config: Config, tokenizer) -> None:
         if path is None:
             continue
         architecture = model_config(config, key, path)
+        check_layout(config, {"algorithm.teacher": "algorithm.teacher_learners"}.get(key, "reward.model_learners"),
+                     path, architecture)  # fmt: skip
         theirs = load_tokenizer(config, key, path)
         if theirs.get_vocab() != tokenizer.get_vocab():
             raise ConfigError(
@@ -108,9 +108,26 @@ def check_scoring_models(config: Config, tokenizer) -> None:
             )
 
 
+def check_layout(config: Config, key: str, model_path: str, architecture) -> None:
+    """The learners of config section ``key`` can run the model exactly in their layout
+    (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why."""
+    from rltrain.models.families import layout_problem, needs
+
+    section = config
+    for part in key.split("."):
+        section = getattr(section, part)
+    if problem := layout_problem(needs(architecture), key, section.packing, section.prefix_sharing):
+        raise ConfigError(f"{key}: {model_path}: {problem}")
+
+
 def check_model(config: Config, model_path: str) -> None:
-    """A local model folder must be a transformers model whose context holds the longest sequence."""
+    """A local model folder must be a transformers model whose context holds the longest sequence,
+    and one the learners can run in their layout (the critic's too, where it starts from it)."""
     architecture = model_config(config, "model.name_or_path", model_path)
+    check_layout(config, "learner", model_path, architecture)
+    if config.algorithm.advantage == "gae":
+        critic = config.critic.model or model_path
+        check_layout(config, "critic.learners", critic, model_config(config, "critic.model", critic))
     sp = config.learner.sequence_parallel_size
     if sp > 1 and architecture.num_attention_heads % sp:
         raise ConfigError(

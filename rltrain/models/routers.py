@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rltrain.batch import MAX_ROUTED_EXPERTS
+from rltrain.loss.forwards import probing
 
 PROBE_ROWS = 64  # random rows a router's copy scores to find its scoring
 
@@ -80,6 +81,8 @@ class RouterTap:
             router.register_forward_hook(functools.partial(self._hook, layer))
 
     def _hook(self, layer: int, module, args, output):
+        if probing():  # (the head path's probe: no forward of a batch)
+            return None
         logits = output[self.index] if isinstance(output, tuple) else output
         logits = logits.reshape(-1, logits.shape[-1])
         replayed = None

@@ -17,6 +17,9 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 HEAD_DIM = 32  # the smallest head size vLLM's CPU attention supports
 DEFAULT_HIDDEN_SIZE = 64
 MOE_EXPERTS, MOE_TOP_K = 8, 2  # of builtin:tiny-moe
+TINY_WINDOW = (
+    8  # the sliding window of builtin:tiny-gpt-oss and builtin:tiny-gemma3: shorter than most completions
+)
 TINY_ATTENTION_HEADS = DEFAULT_HIDDEN_SIZE // HEAD_DIM  # of the default built-in model
 # Qwen2.5's structure, with a shorter tool preamble (every character is a token here): tools as
 # one line each in the system turn, calls as JSON in <tool_call> tags, results as <tool_response>
@@ -77,11 +80,20 @@ def build_tiny_model(
     ``tie_word_embeddings``: the output head shares the input embeddings, as most pretrained
     checkpoints' do (Qwen2.5, Llama 3.2, SmolLM2, Gemma). ``family``: ``qwen2``, ``llama`` (the
     architecture engines build for it; vLLM's Llama, for one, takes LoRA on its output head) or
-    ``qwen3_moe`` (:data:`MOE_EXPERTS` experts per layer, top-:data:`MOE_TOP_K`: ``builtin:tiny-moe``).
+    ``qwen3_moe`` (:data:`MOE_EXPERTS` experts per layer, top-:data:`MOE_TOP_K`: ``builtin:tiny-moe``),
+    ``gpt_oss`` (``builtin:tiny-gpt-oss``) or ``gemma3_text`` (``builtin:tiny-gemma3``), each with a
+    window of :data:`TINY_WINDOW`.
     ``router_std``: the routers' initial scale (an MoE's default, 0.02, sits near ties: every expert
     about equally likely; ~0.5 routes decisively)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3MoeConfig,
+    )
     from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
@@ -106,6 +118,16 @@ def build_tiny_model(
         config = Qwen3MoeConfig(**shape, head_dim=HEAD_DIM, num_experts=MOE_EXPERTS,
                                 num_experts_per_tok=MOE_TOP_K, moe_intermediate_size=hidden_size,
                                 norm_topk_prob=True)  # fmt: skip
+    elif family == "gpt_oss":  # a window shorter than most completions, sinks, 4 experts
+        config = GptOssConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, num_local_experts=4,
+                              num_experts_per_tok=MOE_TOP_K, layer_types=["sliding_attention", "full_attention"],
+                              # gpt-oss's own YaRN positions, its context of 1,024 = 32 x 32
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 32})  # fmt: skip
+    elif family == "gemma3_text":  # sliding and full layers, the attention scale and the logit soft-cap
+        config = Gemma3TextConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, query_pre_attn_scalar=HEAD_DIM,
+                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)  # fmt: skip
     else:
         config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**shape)
     torch.manual_seed(seed)

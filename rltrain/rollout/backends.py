@@ -21,6 +21,7 @@ from rltrain.config import RolloutConfig
 from rltrain.loss.logprobs import Truncation, sequence_logprobs, truncation_keep
 from rltrain.models import adapters
 from rltrain.models.adapters import is_adapter
+from rltrain.rollout.vllm_reload import Reloader
 
 
 class GeneratorBackend(Protocol):
@@ -54,21 +55,6 @@ def decode(tokenizer, token_ids: list[int]) -> str:
     """A completion's text as vLLM's incremental detokenizer ends it: an incomplete UTF-8 sequence
     at the end (decoded as U+FFFD) is held back until more tokens come, so it is left out."""
     return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
-
-
-def _relayout_cpu_experts(model) -> int:
-    """vLLM's CPU experts re-lay their weights into the kernel's blocked layout once, after the
-    first load; a reload (``reload_weights``) writes the checkpoint layout back and skips that
-    step, so a mixture of experts would run on scrambled weights (log-probs off by ~0.03 with the
-    weights unchanged). Redo it on every layer whose experts run that kernel; returns how many."""
-    layers = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__.startswith("CPU"):
-            experts.process_weights_after_loading(module)
-            layers += 1
-    return layers
 
 
 def _sampled_logprobs(c) -> list[float]:
@@ -117,6 +103,7 @@ class VLLMBackend:
             ),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.reload = Reloader(self.llm)
         self._request_ids = itertools.count()
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
         # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
@@ -241,11 +228,7 @@ class VLLMBackend:
         # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
         # cached prefixes were computed with the old weights (with requests in flight the reset
         # waits: GeneratorActor resets again before the next call)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
-        )
-        if not torch.cuda.is_available():
-            self.llm.apply_model(_relayout_cpu_experts)
+        self.reload(named_tensors)
         if self.recorder is not None:  # (a reload may rebuild a layer's router)
             self._hook_routers()
         self.stale_prefixes = not self.llm.reset_prefix_cache()

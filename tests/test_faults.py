@@ -26,6 +26,7 @@ from test_e2e import (
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
+HOOKS = str(Path(__file__).resolve().parent / "fault_hooks")  # tests/fault_hooks/sitecustomize.py
 # 6 steps, a checkpoint every 2: a kill after step 3 is logged resumes from step_2 (or step_4)
 FAULT_RUN = ["run.steps=6", "run.checkpoint_every=2"]
 
@@ -154,19 +155,18 @@ def test_a_generator_killed_in_the_first_evaluation_restarts_one_set_of_actors_a
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, ray_cluster):
-    out = tmp_path / "run"
-    # a Ray instance of its own: it dies with the driver's process group, mid-save
-    proc = start_trainer(out, "run.steps=40", "run.checkpoint_every=1", "run.keep_checkpoints=2", HF)
+    out, hold = tmp_path / "run", tmp_path / "hold"
+    hold.mkdir()
+    (hold / "from").write_text("3")  # step_3's save holds, written but for its model and the rename
+    # a Ray instance of its own: it dies with the driver's process group, mid-save (the held save:
+    # tests/fault_hooks, an event rather than a race with how long a save takes)
+    proc = start_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.keep_checkpoints=2", HF,
+                         env={"RLTRAIN_TEST_HOLD_SAVE": str(hold), "PYTHONPATH": HOOKS})  # fmt: skip
     root = out / "checkpoints"
-
-    def saving() -> list[int]:  # steps whose save is under way, once two checkpoints are complete
-        steps = [int(p.name[len("step_") : -len(".partial")]) for p in root.glob("step_*.partial")]
-        return [s for s in steps if s >= 3]
-
-    wait_for(lambda: root.exists() and saving(), proc)
+    wait_for(lambda: (hold / "saving_3").exists(), proc)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and its local Ray instance, mid-save
     proc.wait()
-    step = saving()[0]
+    step = 3
     assert (root / "latest").read_text() == f"step_{step - 1}"
     assert sorted(p.name for p in root.glob("step_*")) == [
         f"step_{step - 2}",
@@ -181,35 +181,32 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_{step}", f"step_{step + 1}"]
 
 
-def test_learners_spread_over_two_nodes_of_a_ray_cluster(tmp_path):
+def test_a_hung_learner_on_a_two_node_cluster_leaves_every_actors_stacks_and_the_run_finishes_after_the_restart(
+    tmp_path, monkeypatch
+):
+    # a ray.cluster_utils.Cluster of two nodes (2 CPUs each), the learners STRICT_SPREAD: one on each.
+    # Policy learner 1 sleeps at the start of its third update (after 2 optimizer steps), once: its
+    # actors see RLTRAIN_TEST_HANG and import the test's fault hook (tests/fault_hooks/sitecustomize.py)
+    # at their start-up from PYTHONPATH, which the cluster's nodes take from this process
     from ray.cluster_utils import Cluster
 
+    hang = tmp_path / "hang"
+    hang.write_text("1 2 600")
+    monkeypatch.setenv("RLTRAIN_TEST_HANG", str(hang))
+    monkeypatch.setenv("PYTHONPATH", HOOKS)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         out = tmp_path / "run"
-        run_trainer(out, "run.steps=2", "learner.placement=STRICT_SPREAD", HF,
-                    env={"RAY_ADDRESS": cluster.address})  # fmt: skip
+        done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30", HF,
+                           "learner.placement=STRICT_SPREAD", env={"RAY_ADDRESS": cluster.address})  # fmt: skip
         places = {p["actor"]: p["node_id"] for p in json.loads((out / "placement.json").read_text())}
         nodes = {node.node_id for node in cluster.list_all_nodes()}
         assert places["policy learner 0"] != places["policy learner 1"]
         assert {places["policy learner 0"], places["policy learner 1"]} == nodes
-        assert logged_steps(out) == [1, 2] and (out / "final_model").exists()
     finally:
         cluster.shutdown()
-
-
-def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_the_restart(tmp_path):
-    # policy learner 1 sleeps at the start of its third update (after 2 optimizer steps), once
-    hang = tmp_path / "hang"
-    hang.write_text("1 2 600")
-    out = tmp_path / "run"
-    # a Ray instance of its own, started by the trainer: its actors see RLTRAIN_TEST_HANG, and import
-    # the test's fault hook (tests/fault_hooks/sitecustomize.py) at their start-up from PYTHONPATH
-    hooks = str(Path(__file__).resolve().parent / "fault_hooks")
-    done = run_trainer(out, "run.steps=4", "run.checkpoint_every=1", "run.actor_timeout_s=30", HF,
-                       env={"RLTRAIN_TEST_HANG": str(hang), "PYTHONPATH": hooks})  # fmt: skip
     stacks = out / "hangs" / "step_3.txt"
     assert (
         "policy learner 1" in done.stderr and "did not answer within run.actor_timeout_s=30s" in done.stderr
@@ -219,7 +216,7 @@ def test_a_hung_learner_leaves_every_actors_stacks_and_the_run_finishes_after_th
     section = report.split("=== policy learner 1 ")[1].split("===")[0]
     assert "planted_sleep" in section, report[-3000:]  # the sleeping function, in the sleeping actor
     assert "=== generator 0 " in report and "=== policy learner 0 " in report
-    assert logged_steps(out) == [1, 2, 3, 4]
+    assert logged_steps(out) == [1, 2, 3, 4] and (out / "final_model").exists()
     assert not hang.exists()
 
 

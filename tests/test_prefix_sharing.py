@@ -367,31 +367,6 @@ def test_autos_check_compares_every_model_on_a_micro_batch_with_loss_tokens_and_
 
 
 @pytest.mark.slow
-def test_an_environment_configs_step_is_the_same_with_and_without_sharing_through_the_cli(
-    tmp_path, ray_cluster
-):
-    # configs/cpu_env.yaml (the built-in model, a system turn with tool schemas, episodes on the chat
-    # template): one step with plain SGD, sharing forced on and off, gives the same update; the
-    # shared run computes each group's prompt once (4 prompts x 4 episodes)
-    from model_utils import updates_with_and_without_sharing
-
-    from rltrain.run.diagnostics import relative_difference
-
-    common = ["algorithm.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=24",
-              "sft_warmup.steps=0", "run.eval_every=0", "run.steps=1", "run.checkpoint_every=0",
-              "rollout.backend=hf", "learner.optimizer=sgd", "learner.lr=0.5", "learner.max_grad_norm=0",
-              "learner.warmup_steps=0", "reward.functions={env: 1.0, digits: 1.0}", "run.ray_num_cpus=2"]  # fmt: skip
-    runs = updates_with_and_without_sharing("configs/cpu_env.yaml", common, tmp_path, ray_cluster)
-    (shared, on), (unshared, off) = runs["true"], runs["false"]
-    assert relative_difference(shared, unshared) < 1e-5
-    assert off["perf/tokens_forwarded"] == off["perf/forward_tokens"]
-    # the prompt (system turn with the calculator's schema, the question) is most of each sequence
-    assert on["perf/prefix_shared_fraction"] > 0.5 and off["perf/prefix_shared_fraction"] == 0.0
-    assert on["perf/tokens_forwarded"] < 0.5 * off["perf/tokens_forwarded"]
-    assert on["time/train_s"] > 0
-
-
-@pytest.mark.slow
 def test_a_failed_check_before_the_first_reference_forward_plans_every_batch_unshared(
     ray_local, tiny_model_path, tmp_path
 ):

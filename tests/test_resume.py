@@ -131,33 +131,42 @@ def test_the_ppo_config_waits_for_its_critic_exports_both_models_and_resumes_as_
 
 
 # when the Ctrl-C comes: during a step (after the first row: step 2 generating or training), while
-# a checkpoint is written (every step saves one), and twice (the second while the save runs)
+# a checkpoint is written (every step saves one), and twice (the second while the save runs). A
+# save to interrupt holds until the test has pressed (tests/fault_hooks: RLTRAIN_TEST_HOLD_SAVE),
+# so "while a checkpoint is written" is an event, not a race with how long a save takes
 CTRL_C = {
-    "during a step": ("run.checkpoint_every=0", lambda out: len(logged_rows(out)) >= 1, 1),
+    "during a step": ("run.checkpoint_every=0", lambda out, hold: len(logged_rows(out)) >= 1, 1),
     "while a checkpoint is written": (
         "run.checkpoint_every=1",
-        lambda out: any(p.name.endswith(".partial") for p in (out / "checkpoints").glob("step_*")),
+        lambda out, hold: any(hold.glob("saving_*")),
         1,
     ),
-    "twice": ("run.checkpoint_every=0", lambda out: len(logged_rows(out)) >= 2, 2),
+    "twice": ("run.checkpoint_every=0", lambda out, hold: len(logged_rows(out)) >= 2, 2),
 }
+HOOKS = str(Path(__file__).resolve().parent / "fault_hooks")
 
 
 @pytest.mark.parametrize("when", CTRL_C)
 def test_ctrl_c_saves_a_checkpoint_and_stops_whenever_it_comes(when, tmp_path, ray_cluster):
-    out = tmp_path / "run"
+    out, hold = tmp_path / "run", tmp_path / "hold"
+    hold.mkdir()
     every, ready, presses = CTRL_C[when]
     cmd = [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", *SMALL, HF,
            "run.steps=200", every, f"run.output_dir={out}"]  # fmt: skip
+    holding = {"RLTRAIN_TEST_HOLD_SAVE": str(hold), "PYTHONPATH": HOOKS} if when != "during a step" else {}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **ray_cluster})  # fmt: skip
+                            env={**os.environ, **ray_cluster, **holding})  # fmt: skip
     deadline = time.monotonic() + 300
-    while not ((out / "metrics.jsonl").exists() and ready(out)):
+    while not ((out / "metrics.jsonl").exists() and ready(out, hold)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.05)
-    for _ in range(presses):
+    proc.send_signal(signal.SIGINT)
+    if presses == 2:  # the second press once the checkpoint the first asked for is being written
+        while not any(hold.glob("saving_*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+    (hold / "release").write_text("")  # the held save completes
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 130, output[-3000:]
     tag = (out / "checkpoints" / "latest").read_text()

@@ -8,7 +8,7 @@ registered here (:data:`PACKED`) cuts the row where the position ids stop counti
 runs attention on each piece: work and memory follow each piece's own length, as with
 flash-attention's variable-length kernels, and no mask over the row is built.
 
-The position ids say everything about the row's structure:
+The position ids say everything about the row's structure (:mod:`rltrain.loss.rows`):
 
 - a **document** (a packed sequence) starts where the position id is 0 and attends causally to
   itself;
@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from rltrain.loss.rows import ancestors, segments
 
 PACKED = "rltrain_packed"
 # keyword arguments a model's attention layer may pass that change nothing here: a flash kernel's
@@ -150,33 +152,6 @@ def packed_attention(
             for b in range(query.shape[0])
         ])  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
-
-
-def segments(position_ids_L: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(start index, end index, first position)`` of each run of the row whose position ids count
-    up by one."""
-    length = position_ids_L.shape[0]
-    breaks = (position_ids_L[1:] != position_ids_L[:-1] + 1).nonzero().flatten().add(1).tolist()
-    bounds = [0, *breaks, length]
-    first = position_ids_L[bounds[:-1]].tolist() if length else []
-    return [(s, e, int(p)) for s, e, p in zip(bounds[:-1], bounds[1:], first)]
-
-
-def ancestors(pieces: list[tuple[int, int, int]], k: int) -> list[tuple[int, int]]:
-    """The index ranges of piece ``k``'s ancestors, in order: for every position below the
-    piece's first one, the nearest earlier token at that position (depth-first layout)."""
-    need, out = pieces[k][2], []
-    for s, e, first in reversed(pieces[:k]):
-        if need <= 0:
-            break
-        if first < need:
-            out.append((s, s + min(e - s, need - first)))
-            need = first
-    if need > 0:
-        raise ValueError(
-            f"a row piece starts at position {pieces[k][2]} with no tokens before it at {need - 1}"
-        )
-    return out[::-1]
 
 
 def band(queries: int, keys: int, window: int | None, device=None) -> torch.Tensor:

@@ -148,13 +148,15 @@ def load_pretrained(auto_cls, path: str, trust: bool, dtype, attn_implementation
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    model_needs = families.needs(model_config)
-    if problem := families.layout_problem(model_needs, key, lc.packing, lc.prefix_sharing):
-        raise ValueError(problem)
     if auto_cls is AutoModelForCausalLM:
         auto_cls = families.causal_lm_class(model_config)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = auto_cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust, **extra, **kwargs)
+    loaded = model[0] if isinstance(model, tuple) else model  # (with output_loading_info)
+    model_needs = families.needs(model_config, loaded)
+    sp = getattr(lc, "sequence_parallel_size", 1)
+    if problem := families.layout_problem(model_needs, key, lc.packing, lc.prefix_sharing, sp):
+        raise ValueError(problem)
     return model, families.shares(model_needs)
 
 

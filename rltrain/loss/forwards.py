@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rltrain.loss import recurrent
+
 
 def head_forward(
     model: torch.nn.Module, forward: Callable[..., Any], from_hidden: bool = True
@@ -160,6 +162,7 @@ def padded_forward(
     """The model's output for padded rows (left-padded prompts: positions count attended tokens);
     ``extra``: more keyword arguments of the model's forward."""
     position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    recurrent.expect(model, None)  # (each row its own sequence)
     if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
         position_ids = position_ids[None].expand(4, *position_ids.shape)
     return model(
@@ -209,10 +212,11 @@ def packed_forward(
     whole row, and documents silently attend to each other. Hence both are passed explicitly here.
     ``extra``: more keyword arguments of the model's forward.
     """
-    if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes,
+    recurrent.expect(model, position_ids_1L)  # a hybrid model's recurrent layers: state per sequence
+    if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes
         position_ids_1L = position_ids_1L[None].expand(
             4, *position_ids_1L.shape
-        )  # a text token's: its position
+        )  # (a text token's: its position)
     return model(
         input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False, **extra
     )

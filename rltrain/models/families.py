@@ -12,10 +12,12 @@ Each need and where it is honoured (docs/models.md has the table of families):
   checked on a probe, or the full-logits path (:func:`rltrain.loss.forwards.output_head`);
 - **positions**: multi-axis rotary positions (Qwen2-VL's M-RoPE) built for packed and tree rows as
   the model's own ``get_rope_index`` builds them for text (:func:`rltrain.loss.forwards.packed_forward`);
-- **recurrent layers** (Gated DeltaNet's linear attention, Mamba-2's state-space layers): their state
-  runs along the row, across a packed row's documents and a tree's branches; they run padded rows
-  (each its own sequence, left padding masked as the model masks it) and refuse packed and tree rows
-  in one line (:func:`layout_problem`); ``learner.prefix_sharing: auto`` leaves them unshared;
+- **recurrent layers** (Gated DeltaNet's linear attention, Mamba-2's state-space layers): their
+  convolution and scan follow each sequence of a packed row and are carried into each branch of a
+  tree (:mod:`rltrain.loss.recurrent`); a model whose recurrent layers run through functions rltrain
+  does not know runs padded rows only (each row its own sequence) and refuses packed and tree rows in
+  one line (:func:`layout_problem`), as sequence parallelism is refused for all of them (the state
+  would have to cross ranks);
 - **position biases** (ALiBi): built from a mask over the row, which packed and tree rows do not
   have: refused there too.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rltrain.loss.forwards import LogitTransform, logit_transform, multi_axis_positions
+from rltrain.loss.recurrent import follows
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")  # what rltrain's attention knows a layer as
 # config keys of layers that carry a state along the sequence, by the kind they name
@@ -43,6 +46,9 @@ class ModelNeeds:
     logit_transform: LogitTransform = field(default_factory=LogitTransform)
     multi_axis_positions: bool = False
     recurrent: tuple[str, ...] = ()  # kinds of layers that carry a state along the row
+    # their state runs through scans rltrain keeps per sequence (rltrain.loss.recurrent); read from
+    # the model itself (None: only its config was read)
+    recurrence_followed: bool | None = None
     position_bias: bool = False  # ALiBi
 
     def features(self) -> list[str]:
@@ -70,8 +76,10 @@ def _read(config, name: str):
     return getattr(text, name, None) if value is None and text is not None else value
 
 
-def needs(config) -> ModelNeeds:
-    """The needs of the model whose transformers ``config`` this is (a loaded model's ``.config``)."""
+def needs(config, model=None) -> ModelNeeds:
+    """The needs of the model whose transformers ``config`` this is (a loaded model's ``.config``);
+    ``model`` (loaded, or built on the meta device) tells whether rltrain keeps its recurrent
+    layers' state per sequence."""
     layer_types = tuple(_read(config, "layer_types") or ())
     recurrent = [kind for kind in dict.fromkeys(layer_types) if kind not in ATTENTION_KINDS]
     for c in (config, getattr(config, "text_config", None)):
@@ -90,18 +98,24 @@ def needs(config) -> ModelNeeds:
         logit_transform=logit_transform(config),
         multi_axis_positions=multi_axis_positions(config),
         recurrent=tuple(recurrent),
+        recurrence_followed=None if model is None or not recurrent else follows(model),
         position_bias=bool(_read(config, "alibi")) or _read(config, "position_embedding_type") == "alibi",
     )
 
 
-def layout_problem(model_needs: ModelNeeds, key: str, packing: bool, sharing: bool | str) -> str | None:
+def layout_problem(
+    model_needs: ModelNeeds, key: str, packing: bool, sharing: bool | str, sequence_parallel: int = 1
+) -> str | None:
     """Why the learners of ``key`` (a config section: ``learner``, ``critic.learners``, ...) cannot
     run this model exactly with these settings, in one line naming the feature and the settings
     that would work; None where they can. ``sharing``: ``learner.prefix_sharing`` (auto shares
     nothing that this refuses, so it never is the problem)."""
-    blocked = [
+    if model_needs.recurrent and model_needs.recurrence_followed and sequence_parallel > 1:
+        return (f"{model_needs.family} has {' and '.join(model_needs.recurrent)} layers, whose state runs along "
+                f"the whole row, which sequence parallelism splits over ranks: set {key}.sequence_parallel_size=1")  # fmt: skip
+    blocked = [] if model_needs.recurrence_followed else [
         f"{kind} layers (their state would run across the row's sequences)" for kind in model_needs.recurrent
-    ]
+    ]  # fmt: skip
     if model_needs.position_bias:
         blocked.append("ALiBi position biases (built from a mask over the row)")
     if not blocked:
@@ -112,12 +126,14 @@ def layout_problem(model_needs: ModelNeeds, key: str, packing: bool, sharing: bo
     if not wanted:
         return None
     return (f"{model_needs.family} has {' and '.join(blocked)}, which packed rows and prefix trees do not keep "
-            f"per sequence yet: set {' and '.join(wanted)} (padded rows run it exactly)")  # fmt: skip
+            f"per sequence: set {' and '.join(wanted)} (padded rows run it exactly)")  # fmt: skip
 
 
 def shares(model_needs: ModelNeeds) -> bool:
     """Whether a prefix tree can run this model (``learner.prefix_sharing: auto`` shares only then)."""
-    return not model_needs.recurrent and not model_needs.position_bias
+    return not model_needs.position_bias and (
+        not model_needs.recurrent or bool(model_needs.recurrence_followed)
+    )
 
 
 def causal_lm_class(config):

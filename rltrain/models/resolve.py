@@ -111,12 +111,22 @@ def check_scoring_models(config: Config, tokenizer) -> None:
 def check_layout(config: Config, key: str, model_path: str, architecture) -> None:
     """The learners of config section ``key`` can run the model exactly in their layout
     (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why."""
-    from rltrain.models.families import layout_problem, needs
+    from rltrain.models.families import causal_lm_class, layout_problem, needs
 
     section = config
     for part in key.split("."):
         section = getattr(section, part)
-    if problem := layout_problem(needs(architecture), key, section.packing, section.prefix_sharing):
+    model_needs = needs(architecture)
+    if model_needs.recurrent:  # whether rltrain follows their state: the modules the model is made of
+        import torch
+
+        with torch.device("meta"):  # the architecture alone: no weights, no compute
+            model = causal_lm_class(architecture).from_config(
+                architecture, trust_remote_code=config.model.trust_remote_code
+            )
+        model_needs = needs(architecture, model)
+    sp = getattr(section, "sequence_parallel_size", 1)
+    if problem := layout_problem(model_needs, key, section.packing, section.prefix_sharing, sp):
         raise ConfigError(f"{key}: {model_path}: {problem}")
 
 

@@ -67,6 +67,42 @@ def build_tokenizer():
     )
 
 
+def family_config(family: str, shape: dict, hidden_size: int):
+    """The transformers config of a built-in tiny model of ``family`` (see :func:`build_tiny_model`)."""
+    from transformers import (
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3_5TextConfig,
+        Qwen3MoeConfig,
+    )
+
+    if family == "qwen3_moe":  # vLLM's CPU experts need sizes divisible by 32
+        config = Qwen3MoeConfig(**shape, head_dim=HEAD_DIM, num_experts=MOE_EXPERTS,
+                                num_experts_per_tok=MOE_TOP_K, moe_intermediate_size=hidden_size,
+                                norm_topk_prob=True)  # fmt: skip
+    elif family == "gpt_oss":  # a window shorter than most completions, sinks, 4 experts
+        config = GptOssConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, num_local_experts=4,
+                              num_experts_per_tok=MOE_TOP_K, layer_types=["sliding_attention", "full_attention"],
+                              # gpt-oss's own YaRN positions, its context of 1,024 = 32 x 32
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 32})  # fmt: skip
+    elif family == "gemma3_text":  # sliding and full layers, the attention scale and the logit soft-cap
+        config = Gemma3TextConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, query_pre_attn_scalar=HEAD_DIM,
+                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)  # fmt: skip
+    elif (
+        family == "qwen3_5_text"
+    ):  # Gated DeltaNet (linear attention, a recurrent state) beside full attention
+        config = Qwen3_5TextConfig(**shape, head_dim=HEAD_DIM, linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
+                                   linear_num_key_heads=1, linear_num_value_heads=2,
+                                   layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    else:
+        config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**shape)
+    return config
+
+
 def build_tiny_model(
     out_dir: str | Path,
     seed: int = 0,
@@ -82,18 +118,12 @@ def build_tiny_model(
     architecture engines build for it; vLLM's Llama, for one, takes LoRA on its output head) or
     ``qwen3_moe`` (:data:`MOE_EXPERTS` experts per layer, top-:data:`MOE_TOP_K`: ``builtin:tiny-moe``),
     ``gpt_oss`` (``builtin:tiny-gpt-oss``) or ``gemma3_text`` (``builtin:tiny-gemma3``), each with a
-    window of :data:`TINY_WINDOW`.
+    window of :data:`TINY_WINDOW`, or ``qwen3_5_text`` (``builtin:tiny-qwen3.5``: a Gated DeltaNet
+    layer and a full-attention one).
     ``router_std``: the routers' initial scale (an MoE's default, 0.02, sits near ties: every expert
     about equally likely; ~0.5 routes decisively)."""
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        Gemma3TextConfig,
-        GptOssConfig,
-        LlamaConfig,
-        Qwen2Config,
-        Qwen3MoeConfig,
-    )
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
@@ -114,22 +144,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    if family == "qwen3_moe":  # vLLM's CPU experts need sizes divisible by 32
-        config = Qwen3MoeConfig(**shape, head_dim=HEAD_DIM, num_experts=MOE_EXPERTS,
-                                num_experts_per_tok=MOE_TOP_K, moe_intermediate_size=hidden_size,
-                                norm_topk_prob=True)  # fmt: skip
-    elif family == "gpt_oss":  # a window shorter than most completions, sinks, 4 experts
-        config = GptOssConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, num_local_experts=4,
-                              num_experts_per_tok=MOE_TOP_K, layer_types=["sliding_attention", "full_attention"],
-                              # gpt-oss's own YaRN positions, its context of 1,024 = 32 x 32
-                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                               "beta_slow": 1.0, "truncate": False,
-                                               "original_max_position_embeddings": 32})  # fmt: skip
-    elif family == "gemma3_text":  # sliding and full layers, the attention scale and the logit soft-cap
-        config = Gemma3TextConfig(**shape, head_dim=HEAD_DIM, sliding_window=TINY_WINDOW, query_pre_attn_scalar=HEAD_DIM,
-                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)  # fmt: skip
-    else:
-        config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**shape)
+    config = family_config(family, shape, hidden_size)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     if router_std is not None:

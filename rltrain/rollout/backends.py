@@ -57,6 +57,24 @@ def decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
+def _start(llm_class, **options):
+    """The engine; where vLLM cannot inspect the model's module because it imports torchvision,
+    which this stack leaves out (PyPI's torchvision wheels are CUDA builds, whose ops do not load
+    beside torch's CPU build: vLLM's Qwen3.5 and vision-language modules), one line says so."""
+    import importlib.util
+
+    try:
+        return llm_class(**options)
+    except Exception as error:
+        if "failed to be inspected" in str(error) and importlib.util.find_spec("torchvision") is None:
+            raise RuntimeError(
+                f"rollout.backend=vllm: vLLM's module for {options['model']} imports torchvision, which is not "
+                "installed (PyPI's torchvision wheels are CUDA builds whose ops do not load beside torch's CPU "
+                "build); set rollout.backend=hf (the in-process engine)"
+            ) from None
+        raise
+
+
 def _sampled_logprobs(c) -> list[float]:
     """The log-prob of each token a vLLM completion output sampled."""
     return [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
@@ -84,7 +102,8 @@ class VLLMBackend:
 
         cuda = torch.cuda.is_available()
         self.rc, self.stop = rc, stop
-        self.llm = LLM(
+        self.llm = _start(
+            LLM,
             model=model_path,
             dtype="bfloat16" if cuda else "float32",
             enforce_eager=runs_eager(rc, cuda),

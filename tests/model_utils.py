@@ -1,11 +1,8 @@
-"""Helpers for tests that compare models: a slightly changed copy of one, the updates of two CLI runs."""
+"""Helpers for tests that compare models: a nudged copy of one; remote code that ignores position ids."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -22,29 +19,6 @@ def nudged(path, scale: float, seed: int = 0, suffix: str = ""):
             if name.endswith(suffix):
                 param.add_(scale * torch.randn(param.shape, generator=g))
     return model
-
-
-def updates_with_and_without_sharing(config: str, overrides: list[str], out, env: dict, start=None) -> dict:
-    """One CLI run of ``config`` per ``learner.prefix_sharing`` value (``true``, ``false``), each in
-    its own folder under ``out``: ``{value: (update, first metrics row)}``, the update being each
-    weight's change from ``start`` (a state dict; by default the first run's ``tiny_model/``, which
-    both runs build alike from the seed)."""
-    runs = {}
-    for sharing in ("true", "false"):
-        folder = out / sharing
-        done = subprocess.run(
-            [sys.executable, "-m", "rltrain.train", "--config", config, *overrides,
-             f"run.output_dir={folder}", f"learner.prefix_sharing={sharing}"],
-            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
-            env={**os.environ, **env},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        if start is None:
-            start = AutoModelForCausalLM.from_pretrained(folder / "tiny_model").state_dict()
-        final = AutoModelForCausalLM.from_pretrained(folder / "final_model").state_dict()
-        metrics = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
-        runs[sharing] = {k: final[k] - start[k] for k in start}, metrics
-    return runs
 
 
 POSITIONLESS = '''"""A causal LM that ignores the position ids it is given (its positions count along the row),

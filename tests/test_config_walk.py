@@ -46,12 +46,14 @@ def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in
     from rltrain.run import preflight as checks
 
     # the prompts' tokenization is the same for every value that leaves the data, the tokenizer and
-    # the rows alone (most of the ~130 configs): done once per distinct input, as preflight did it
+    # the rows alone (most of the ~130 configs): done once per distinct input, as preflight did it.
+    # (The tokenizer by its content: each config's built-in model, tokenizer included, is written
+    # into its own output folder, so its path differs from config to config.)
     tokenized, tokenize = {}, checks.tokenize_prompts
 
     def tokenize_once(rows, tokenizer, data):
         key = (
-            tokenizer.name_or_path,
+            tokenizer.backend_tokenizer.to_str(),
             tokenizer.chat_template,
             data.model_dump_json(),
             hash(tuple(r["prompt"] for r in rows)),

@@ -127,7 +127,14 @@ def packed_attention(
     """transformers attention-function signature: ``query`` ``[B, H, L, D]``, ``key``/``value``
     ``[B, Hkv, L, D]``; returns ``[B, L, H, D]``. Rows without a mask (packed rows, prefix trees)
     are cut by their position ids; a masked (padded) batch runs on transformers' ``sdpa`` (or the
-    eager arithmetic, for soft-capping and sinks)."""
+    eager arithmetic, for soft-capping and sinks). A bidirectional layer (a vision tower's, over one
+    image's patches at a time) runs on ``sdpa`` as it is."""
+    if getattr(module, "is_causal", True) is False:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     asks = layer_asks(module, scaling, kwargs)
     if attention_mask is not None:
         if asks.eager:

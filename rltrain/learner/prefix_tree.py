@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.batch import TrainBatch
+from rltrain.loss import vision
 from rltrain.loss.forwards import head_forward, packed_forward, token_outputs
 from rltrain.loss.logprobs import Truncation, predicted_logprobs
+from rltrain.loss.vision import Images
 
 
 @dataclass
@@ -153,13 +155,22 @@ def tree_logprobs(
     with_entropy: bool = False,
     truncation: Truncation | None = None,
     from_hidden: bool = True,
+    images: list[Images | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rltrain.loss.logprobs.sequence_logprobs` through the tree: ``[B, T]`` log-probs of
     every token given its prefix (each sequence's first token 0), and the entropy.
 
     Each distinct (predicting row token, target) pair is computed once: the shared prompt's
-    predictions once, and at a branch point the shared last token once per member's own next token."""
-    states, head = head_forward(model, lambda **kw: tree_forward(model, tree, **kw), from_hidden)
+    predictions once, and at a branch point the shared last token once per member's own next token.
+    ``images`` (each row's, :class:`rltrain.loss.vision.Images`): a shared prompt's images
+    enter the row once, with the rotary positions each sequence has alone."""
+    seen = {}
+    if images is not None:  # (the tree's cells are the micro-batch's attended ones)
+        attended_BT = (tree.cell_BT >= 0).long()
+        seen = vision.forward_inputs(
+            model, input_ids_BT, attended_BT, images, tree.position_ids_1L, tree.in_row_order
+        )
+    states, head = head_forward(model, lambda **kw: tree_forward(model, tree, **seen, **kw), from_hidden)
     cell_BT = tree.cell_BT
     # a cell's prediction comes from the row token of the cell before it in its sequence
     predicted_BT = torch.zeros_like(cell_BT, dtype=torch.bool)

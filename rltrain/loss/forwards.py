@@ -160,11 +160,14 @@ def padded_forward(
     model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, **extra
 ):
     """The model's output for padded rows (left-padded prompts: positions count attended tokens);
-    ``extra``: more keyword arguments of the model's forward."""
-    position_ids = (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+    ``extra``: more keyword arguments of the model's forward (``position_ids`` among them replace
+    the text positions, as :func:`rltrain.loss.vision.forward_inputs` builds them for images)."""
+    position_ids = extra.pop("position_ids", None)
     recurrent.expect(model, None)  # (each row its own sequence)
-    if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
-        position_ids = position_ids[None].expand(4, *position_ids.shape)
+    if position_ids is None:
+        position_ids = text_positions(attention_mask_BT)
+        if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
+            position_ids = position_ids[None].expand(4, *position_ids.shape)
     return model(
         input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False,
         **extra,
@@ -210,16 +213,26 @@ def packed_forward(
     when it is given **no attention mask and no KV cache**: a 2-D mask (even all ones) or a cache
     object (Qwen2's config turns ``use_cache`` on) makes it fall back to one causal mask over the
     whole row, and documents silently attend to each other. Hence both are passed explicitly here.
-    ``extra``: more keyword arguments of the model's forward.
+    ``extra``: more keyword arguments of the model's forward (``position_ids`` among them: the four
+    axes of an image's rows, :func:`rltrain.loss.vision.forward_inputs`, ``position_ids_1L`` first).
     """
     recurrent.expect(model, position_ids_1L)  # a hybrid model's recurrent layers: state per sequence
-    if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes
-        position_ids_1L = position_ids_1L[None].expand(
-            4, *position_ids_1L.shape
-        )  # (a text token's: its position)
+    position_ids = extra.pop("position_ids", None)
+    if position_ids is None:
+        position_ids = position_ids_1L
+        if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes
+            position_ids = position_ids_1L[None].expand(
+                4, *position_ids_1L.shape
+            )  # (a text token's: its position)
     return model(
-        input_ids=input_ids_1L, position_ids=position_ids_1L, attention_mask=None, use_cache=False, **extra
+        input_ids=input_ids_1L, position_ids=position_ids, attention_mask=None, use_cache=False, **extra
     )
+
+
+def text_positions(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """The positions of padded rows (left-padded prompts): each attended token's count of attended
+    tokens before it, 0 on padding."""
+    return (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def model_config(model: torch.nn.Module):

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rltrain.loss import vision
 from rltrain.loss.forwards import (
     head_forward,
     pack_sequences,
     packed_forward,
     padded_forward,
+    text_positions,
     token_outputs,  # noqa: F401  (reached from here too, as before the split)
 )
+from rltrain.loss.vision import Images
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 HEAD_MIN_CHUNK_ROWS = 1024  # tokens of a chunk of the head's logits, at the least
@@ -278,6 +281,7 @@ def sequence_logprobs(
     packed: bool = False,
     truncation: Truncation | None = None,
     from_hidden: bool = True,
+    images: list[Images | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0);
     with a ``truncation`` (the engine's top_k/top_p/min_p), of the distribution it sampled from.
@@ -289,13 +293,23 @@ def sequence_logprobs(
     the result back to ``[B, T]``: the same values, without computing anything for padding.
     ``from_hidden`` (where the model allows, :func:`head_forward`): from the last hidden states, the
     head applied chunk by chunk; false: from the model's full logits.
+    ``images``: each row's images (:class:`rltrain.loss.vision.Images`, None for a row without),
+    for a vision-language model: each distinct image's features computed once, the rotary positions
+    each sequence has alone.
     """
     if packed:
         return _packed_sequence_logprobs(
-            model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation, from_hidden
+            model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation, from_hidden, images
+        )
+    seen = {}
+    if images is not None:
+        seen = vision.forward_inputs(
+            model, input_ids_BT, attention_mask_BT, images, text_positions(attention_mask_BT)
         )
     states, head = head_forward(
-        model, lambda **extra: padded_forward(model, input_ids_BT, attention_mask_BT, **extra), from_hidden
+        model,
+        lambda **extra: padded_forward(model, input_ids_BT, attention_mask_BT, **seen, **extra),
+        from_hidden,
     )
     # the prediction at t is for token t+1
     logprobs, entropy = predicted_logprobs(
@@ -327,12 +341,19 @@ def predicted_logprobs(
 
 
 def _packed_sequence_logprobs(
-    model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None, from_hidden=True
-):
+    model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None, from_hidden=True,
+    images=None,
+):  # fmt: skip
     keep_BT = attention_mask_BT.bool()
     input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
+    seen = {}
+    if images is not None:
+        order = vision.packed_order(attention_mask_BT)
+        seen = vision.forward_inputs(model, input_ids_BT, attention_mask_BT, images, position_ids_1L, order)
     states, head = head_forward(
-        model, lambda **extra: packed_forward(model, input_ids_1L, position_ids_1L, **extra), from_hidden
+        model,
+        lambda **extra: packed_forward(model, input_ids_1L, position_ids_1L, **seen, **extra),
+        from_hidden,
     )
     logprobs_1L, entropy_1L = predicted_logprobs(
         states[:, :-1], head, input_ids_1L[:, 1:], temperature, with_entropy, truncation

@@ -22,7 +22,6 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 
 @dataclass(frozen=True)
@@ -155,6 +154,10 @@ def forward_inputs(
         feature = order(feature_BT)[None]
     extra = {"position_ids": torch.cat([text_positions[None], rotary])}
     if distinct:
+        from transformers.modeling_outputs import (
+            BaseModelOutputWithPooling,
+        )  # (the loss library needs no transformers)
+
         rows = _features(model, distinct)
         taken = feature[feature >= 0]  # the placeholders in the input's order
         extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(rows[taken],))}

@@ -105,7 +105,7 @@ def grid(name: str, path: str, cases: list[tuple[str, int, int, int, int]], repe
                 times[shared].append(seconds)
         unshared, shared = statistics.median(times[False]), statistics.median(times[True])
         tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
-        auto = PrefixSharing("auto").tree(batch) is not None  # the learners' own rule
+        auto = PrefixSharing("auto").shares(batch)  # the learners' own rule, once its check has passed
         rows.append({
             "model": name, "case": label, "group": group_size, "sequences": len(batch),
             "prompt": prompt, "completion": completion, "shared_fraction": round(tree.shared_fraction, 3),

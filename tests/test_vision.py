@@ -122,7 +122,8 @@ def test_rotary_positions_are_the_models_own_and_text_positions_would_be_wrong()
     assert positions[:, 7].tolist() == [5, 5, 5]  # the vision end token
     # the positions a text row would get differ from the image's from its first placeholder on
     assert not torch.equal(positions[0], torch.arange(len(ids)))
-    with pytest.raises(
-        ValueError, match="placeholder"
-    ):  # a sequence whose images do not fill its placeholders
+    # a sequence whose images do not fill its placeholders; a text model given images
+    with pytest.raises(ValueError, match="placeholder"):
         sequence_logprobs(model, batch.input_ids[3:4], batch.attention_mask[3:4], images=[images[0]])
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM has none"):
+        sequence_logprobs(build("qwen2"), batch.input_ids[5:], batch.attention_mask[5:], images=[None])

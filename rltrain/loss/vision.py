@@ -146,6 +146,11 @@ def forward_inputs(
     ``order``: how the forward's input ``[R, L]`` takes the micro-batch's cells: None for padded
     rows (the ``[B, T]`` layout itself), else a function from ``[B, T]`` values to the row's ``[L]``
     (a packed row: the attended cells in order; a tree: :meth:`PrefixTree.in_row_order`)."""
+    if not hasattr(_inner(model), "get_rope_index"):
+        raise ValueError(
+            f"images go to vision-language models with multi-axis rotary positions (Qwen2-VL, Qwen2.5-VL, "
+            f"Qwen3-VL); {type(_lm(model)).__name__} has none"
+        )
     positions_3BT, feature_BT, distinct = _cells(model, input_ids_BT, attention_mask_BT, images)
     if order is None:
         rotary, feature = positions_3BT, feature_BT

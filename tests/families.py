@@ -174,7 +174,12 @@ def group_batch(seed: int = 0) -> TrainBatch:
         return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
     prompt = draw(14)
-    prompts, completions = [prompt, prompt, prompt, draw(5)], [draw(7), draw(12), draw(9), draw(10)]
+    return laid_out([prompt, prompt, prompt, draw(5)], [draw(7), draw(12), draw(9), draw(10)])
+
+
+def laid_out(prompts: list[list[int]], completions: list[list[int]]) -> TrainBatch:
+    """Prompts left-padded and completions right-padded into one batch (as rltrain.batch.collate
+    lays them out), the completions the response."""
     p, c = max(map(len, prompts)), max(map(len, completions))
     ids = torch.zeros(len(prompts), p + c, dtype=torch.long)
     mask, response = torch.zeros_like(ids), torch.zeros_like(ids)

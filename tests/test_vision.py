@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import build
+from families import build, laid_out
 
 from rltrain.batch import TrainBatch
 from rltrain.learner import attention
@@ -44,15 +44,7 @@ def group_with_images():
     prompts = [shared, shared, shared, [*draw(1), START, *[IMAGE] * 6, END, *draw(4)], two, draw(6)]
     completions = [draw(7), draw(12), draw(9), draw(10), draw(8), draw(6)]
     images = [a, a, a, b, both, None]
-    p, n = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.zeros(len(prompts), p + n, dtype=torch.long)
-    mask, response = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (pr, co) in enumerate(zip(prompts, completions)):
-        ids[i, p - len(pr) : p] = torch.tensor(pr)
-        ids[i, p : p + len(co)] = torch.tensor(co)
-        mask[i, p - len(pr) : p + len(co)] = 1
-        response[i, p : p + len(co)] = 1
-    return TrainBatch(ids, mask, response, torch.ones_like(ids), torch.zeros(len(prompts))), images
+    return laid_out(prompts, completions), images
 
 
 def alone(model, batch: TrainBatch, images, weights):

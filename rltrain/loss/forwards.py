@@ -103,8 +103,7 @@ def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modul
     logits against the head applied to its hidden states (a transform rltrain does not know keeps
     the full-logits path). Under ZeRO-3 the probe is a forward every rank runs: each does, at its
     first call, which every rank makes at the same point."""
-    lm = getattr(model, "module", model)  # a DeepSpeed engine's model
-    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a peft model's
+    lm = causal_lm(model)
     if lm in _HEADS:
         return _HEADS[lm]
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -237,9 +236,13 @@ def text_positions(attention_mask_BT: torch.Tensor) -> torch.Tensor:
 
 def model_config(model: torch.nn.Module):
     """The config of a causal LM, also inside a DeepSpeed engine or a peft model."""
-    lm = getattr(model, "module", model)
-    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    return getattr(lm, "config", None)
+    return getattr(causal_lm(model), "config", None)
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model itself, also inside a DeepSpeed engine or a peft model."""
+    lm = getattr(model, "module", model)  # a DeepSpeed engine's model
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a peft model's
 
 
 def multi_axis_positions(model_or_config) -> bool:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain.loss.forwards import causal_lm
+
 
 @dataclass(frozen=True)
 class Images:
@@ -54,24 +56,19 @@ class Images:
         return (self.grid_thw.prod(-1) // merge**2).tolist()
 
 
-def _lm(model: torch.nn.Module) -> torch.nn.Module:
-    lm = getattr(model, "module", model)  # a DeepSpeed engine's model
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a peft model's
-
-
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The vision-language model inside the conditional-generation wrapper (``get_image_features``,
     ``get_rope_index``)."""
-    lm = _lm(model)
+    lm = causal_lm(model)
     return lm.model if hasattr(lm, "model") and hasattr(lm.model, "get_rope_index") else lm
 
 
 def image_token_id(model: torch.nn.Module) -> int:
-    return int(_lm(model).config.image_token_id)
+    return int(causal_lm(model).config.image_token_id)
 
 
 def _merge(model: torch.nn.Module) -> int:
-    config = _lm(model).config
+    config = causal_lm(model).config
     return int(getattr(config.vision_config, "spatial_merge_size", 1))
 
 
@@ -94,9 +91,8 @@ def _cells(model: torch.nn.Module, input_ids_BT, attention_mask_BT, images: list
     positions = torch.zeros(3, *input_ids_BT.shape, dtype=torch.long, device=input_ids_BT.device)
     feature_BT = torch.full(input_ids_BT.shape, -1, dtype=torch.long, device=input_ids_BT.device)
     merge, token = _merge(model), image_token_id(model)
-    distinct: dict[
-        str, tuple[int, torch.Tensor, torch.Tensor]
-    ] = {}  # key -> (first feature row, patches, grid)
+    # an image's key -> (its first row among the distinct images' features, its patches, its grid)
+    distinct: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
     rows = 0
     for b, seq_images in enumerate(images):
         ids = input_ids_BT[b][keep_BT[b]]
@@ -149,7 +145,7 @@ def forward_inputs(
     if not hasattr(_inner(model), "get_rope_index"):
         raise ValueError(
             f"images go to vision-language models with multi-axis rotary positions (Qwen2-VL, Qwen2.5-VL, "
-            f"Qwen3-VL); {type(_lm(model)).__name__} has none"
+            f"Qwen3-VL); {type(causal_lm(model)).__name__} has none"
         )
     positions_3BT, feature_BT, distinct = _cells(model, input_ids_BT, attention_mask_BT, images)
     if order is None:
@@ -159,9 +155,8 @@ def forward_inputs(
         feature = order(feature_BT)[None]
     extra = {"position_ids": torch.cat([text_positions[None], rotary])}
     if distinct:
-        from transformers.modeling_outputs import (
-            BaseModelOutputWithPooling,
-        )  # (the loss library needs no transformers)
+        # (imported here: the loss library runs without transformers)
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         rows = _features(model, distinct)
         taken = feature[feature >= 0]  # the placeholders in the input's order

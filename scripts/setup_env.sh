@@ -48,6 +48,10 @@ pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
 import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+# DeepSpeed's CPU collective op (shared-memory all-reduce) is compiled on first use, ~1 minute on
+# 2 cores: built here, at install, rather than by the first run (into ~/.cache/torch_extensions)
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+ShareMemCommBuilder().load(verbose=False)
 PY
 echo "$want" > "$STAMP"
 echo "[setup] done" >&2

@@ -413,9 +413,9 @@ def test_the_teacher_and_reward_model_actors_count_in_the_layout_check():
 
 
 def test_user_modules_are_imported_and_checked_before_any_actor(capsys, tmp_path, monkeypatch):
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     (tmp_path / "boom_rewards.py").write_text("raise RuntimeError('no API key')\n")
     (tmp_path / "odd_rewards.py").write_text("def one_arg(completion):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -456,9 +456,9 @@ USER_CODE = {
 
 @pytest.mark.parametrize("case", USER_CODE)
 def test_the_users_code_is_called_once_before_any_actor(case, capsys, tmp_path, monkeypatch):
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     overrides, expected = USER_CODE[case]
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *overrides]
     fails_with_one_line(argv, expected, capsys)
@@ -476,9 +476,9 @@ def test_a_trl_style_reward_function_passes_the_check_before_the_run(tmp_path):
 
 @pytest.mark.parametrize("case", INPUTS)
 def test_bad_inputs_stop_before_any_actor_with_one_line(case, capsys, tmp_path, monkeypatch):
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     build, expected = INPUTS[case]
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path / 'run'}", *build(tmp_path)]
     capsys.readouterr()  # what building the inputs printed (transformers' progress bars)
@@ -491,9 +491,9 @@ def test_a_tracker_not_installed_stops_before_any_actor_with_how_to_install_it(
 ):
     import sys
 
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     monkeypatch.setitem(sys.modules, tracker, None)  # what `import` meets where it is not installed
     argv = [
         "--config",
@@ -713,9 +713,9 @@ def test_the_mismatch_guard_is_on_by_default_where_it_measures_the_engine_alone(
 
 
 def test_settings_that_do_not_fit_an_environment_are_refused_or_noted(tmp_path, capsys, monkeypatch):
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     # the demo's config with an environment added: its warm start answers in the tag format
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", "env.name=builtin:calculator",
             "reward.functions={env: 1.0}"]  # fmt: skip
@@ -760,9 +760,9 @@ def test_a_relative_output_dir_under_a_ray_job_stops_in_one_line_and_an_absolute
 ):
     import json
 
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     monkeypatch.chdir(tmp_path)  # as Ray's copy of --working-dir
     # what `ray job submit --working-dir .` hands the entrypoint
     job = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}

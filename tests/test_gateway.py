@@ -333,9 +333,9 @@ def test_an_agent_that_does_not_load_stops_before_any_actor_in_one_line(
 ):
     from test_config_cli import fails_with_one_line
 
-    import rltrain.train
+    import rltrain.run.launch
 
-    monkeypatch.setattr(rltrain.train, "connect_ray", lambda config: pytest.fail("Ray was started"))
+    monkeypatch.setattr(rltrain.run.launch, "connect_ray", lambda *_: pytest.fail("Ray was started"))
     spec, *more = entrypoint.split()
     argv = ["--config", "configs/cpu_demo.yaml", f"run.output_dir={tmp_path}", f"agent.entrypoint={spec}",
             "rollout.tools.enabled=[]", "reward.functions={agent: 1.0}", "sft_warmup.steps=0", *more]  # fmt: skip

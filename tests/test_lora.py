@@ -121,15 +121,13 @@ def test_a_lora_run_syncs_adapters_to_vllm_resumes_exactly_and_exports_both(tmp_
     with torch.no_grad():
         assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-5
 
-    # resumed from step 2 on the same layout (DeepSpeed's state) and on 1 learner with ZeRO-3 (the
-    # layout-free state): the same weights as the uninterrupted run
+    # resumed from step 2 on 1 learner with ZeRO-3 (the layout-free state: the adapters and their
+    # optimizer state): the same weights as the uninterrupted run (a same-layout resume, DeepSpeed's
+    # own state, is tests/test_resume.py's, whose checkpoints hold what this one's do, adapters aside)
     want = final_weights(straight)
-    for name, overrides in {
-        "resumed": [],
-        "elastic": ["learner.num_learners=1", "learner.zero_stage=3"],
-    }.items():
-        stopped_after_step_2(straight, tmp_path / name)
-        run_trainer(tmp_path / name, *common, "run.resume=true", *overrides, env=env)
-        got = final_weights(tmp_path / name)
-        worst = max((got[k] - want[k]).abs().max().item() for k in want)
-        assert worst < (1e-6 if name == "resumed" else 1e-5), (name, worst)
+    stopped_after_step_2(straight, tmp_path / "elastic")
+    run_trainer(tmp_path / "elastic", *common, "run.resume=true", "learner.num_learners=1", "learner.zero_stage=3",
+                env=env)  # fmt: skip
+    got = final_weights(tmp_path / "elastic")
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst < 1e-5, worst

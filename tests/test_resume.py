@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 # "grpo" resumes through vLLM, the other generates with the in-process engine (HF)
 RESUME_LAYOUTS = {
-    "grpo": [],
+    # (the in-process engine: a resumed run's vLLM engine is the PPO config's and LoRA's resume)
+    "grpo": [HF],
     # dynamic sampling refilling the batch (with a step generated ahead it resumes in
     # tests/test_faults.py: the killed actors' restarts), on two learners that share every packed
     # row (data-parallel size 1), with a per-sequence mean normalized over the step's sequences

@@ -97,7 +97,6 @@ class VLLMBackend:
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
         # __main__ guard and ~20 s on CPU)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(rc.kv_cache_gib))))
         from vllm import LLM
 
         cuda = torch.cuda.is_available()
@@ -118,7 +117,12 @@ class VLLMBackend:
             **(
                 {"gpu_memory_utilization": rc.gpu_memory_utilization}
                 if cuda
-                else _whole_prefills(rc.max_model_len)
+                # the KV cache in bytes: fractions of a GiB too (VLLM_CPU_KVCACHE_SPACE, whole GiB,
+                # overrides it where it is set)
+                else {
+                    "kv_cache_memory_bytes": int(rc.kv_cache_gib * 2**30),
+                    **_whole_prefills(rc.max_model_len),
+                }
             ),
         )
         self.tokenizer = self.llm.get_tokenizer()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rltrain import tasks
 from rltrain.config import BUILTIN_TASK, DataConfig, EvalConfig, SFTWarmupConfig, first_line
+from rltrain.media import images_of
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -217,7 +218,8 @@ def load_rows(config: DataConfig, key: str = "data.source") -> list[dict]:
         records = _read_local(files, key)
     else:
         records = _read_hub(config, key)
-    rows = [_row(where, record, config, key) for where, record in records]
+    base = (path if path.is_dir() else path.parent) if path.exists() else None  # relative image paths' folder
+    rows = [_row(where, record, config, key, base) for where, record in records]
     if not rows:
         raise ValueError(f"{key} {config.source!r} holds no rows")
     return rows
@@ -267,8 +269,11 @@ def _read_hub(config: DataConfig, key: str) -> list[tuple[str, dict]]:
     return [(f"row {i}", record) for i, record in enumerate(dataset)]
 
 
-def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, str]:
-    for column, name in [(config.prompt_key, "prompt_key"), (config.answer_key, "answer_key")]:
+def _row(where: str, record: dict, config: DataConfig, key: str, base: Path | None = None) -> dict:
+    """The row's ``prompt`` and ``answer`` (and ``images``, each one's encoded bytes, checked, where
+    ``data.image_column`` names a column)."""
+    columns = [(config.prompt_key, "prompt_key"), (config.answer_key, "answer_key")]
+    for column, name in [*columns, *([(config.image_column, "image_column")] if config.image_column else [])]:
         if column not in record:
             setting = f" (data.{name})" if key == "data.source" else ""
             raise ValueError(
@@ -294,7 +299,11 @@ def _row(where: str, record: dict, config: DataConfig, key: str) -> dict[str, st
                 f"in {config.source!r}"
             )
         answer = match.group(1).strip()
-    return {"prompt": prompt, "answer": answer}
+    if not config.image_column:
+        return {"prompt": prompt, "answer": answer}
+    at = f"{key} {config.source!r}: {where}, column {config.image_column!r} (data.image_column)"
+    return {"prompt": prompt, "answer": answer,
+            "images": images_of(record[config.image_column], at, config.max_image_pixels, base)}  # fmt: skip
 
 
 def chat_prompt(text: str, tokenizer, config: DataConfig) -> list[int]:

@@ -220,6 +220,13 @@ class DataConfig(Section):
     """Column with the reference answer."""
     system_prompt: str | None = None
     """Optional system message for the chat template."""
+    image_column: str | None = None
+    """Column with each row's images (a vision-language model): one or a list of file paths
+    (relative to the data's folder), data URLs or base64 text, bytes, or a datasets Image column;
+    null: text only. Every image is read and checked when the data loads: a missing file, bytes no
+    decoder reads or one over data.max_image_pixels stops the run in one line naming the row."""
+    max_image_pixels: int = Field(16_777_216, ge=1)
+    """An image with more pixels (width x height) than this is refused (docs/vision.md)."""
     difficulty_sampling: DifficultySampling | None = None
     """Draw prompts by their observed difficulty (`{}` for the defaults: hard at or below a group
     mean reward of 0.25, weight 0.2; easy at 1.0, weight 0.2; normal weight 1); null: shuffled

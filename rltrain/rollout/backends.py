@@ -47,8 +47,11 @@ class GeneratorBackend(Protocol):
 # of a partly prefilled request (`set_offset`), which CPU generators do not have, and the step fails
 # ("CPU Generator does not use offset") once a batch of seeded requests outgrows one step's tokens.
 # The per-step token budget then has to hold the longest prompt.
-def _whole_prefills(max_model_len: int) -> dict[str, Any]:
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+def _cpu_options(rc: RolloutConfig) -> dict[str, Any]:
+    """Whole prefills, and the KV cache in bytes (a fraction of a GiB holds; VLLM_CPU_KVCACHE_SPACE,
+    whole GiB, overrides it where it is set)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(rc.max_model_len, 8192),
+            "kv_cache_memory_bytes": int(rc.kv_cache_gib * 2**30)}  # fmt: skip
 
 
 def decode(tokenizer, token_ids: list[int]) -> str:
@@ -114,16 +117,7 @@ class VLLMBackend:
             # routing replay: every position's routes are recorded where it runs (rltrain.rollout.route_recorder)
             **({"enable_prefix_caching": False} if rc.routing_replay else {}),
             **_lora_options(lora, rc),
-            **(
-                {"gpu_memory_utilization": rc.gpu_memory_utilization}
-                if cuda
-                # the KV cache in bytes: fractions of a GiB too (VLLM_CPU_KVCACHE_SPACE, whole GiB,
-                # overrides it where it is set)
-                else {
-                    "kv_cache_memory_bytes": int(rc.kv_cache_gib * 2**30),
-                    **_whole_prefills(rc.max_model_len),
-                }
-            ),
+            **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else _cpu_options(rc)),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.reload = Reloader(self.llm)

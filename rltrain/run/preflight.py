@@ -52,6 +52,16 @@ class Inputs:
     eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
 
 
+def check_images(config: Config) -> None:
+    """Images the rows hold (read and checked by ``load_rows``) go nowhere yet: refused in one line."""
+    if config.data.image_column:
+        raise ValueError(
+            "data.image_column: the images load and the learner's forwards take them "
+            "(rltrain.loss.vision), but the engine and the training batches do not carry them yet "
+            "(docs/vision.md); a run would train on the text alone"
+        )
+
+
 def preflight(config: Config) -> Inputs:
     """Every check that needs more than the schema (reward and tool specs, output folder, model,
     lengths, every data row), before anything starts; a problem raises a one-line ConfigError."""
@@ -106,6 +116,7 @@ def preflight(config: Config) -> Inputs:
                 else config.data
             )
             rows, held_out = split_held_out(rows, data, config.eval)
+        check_images(config)
         check_reward_functions(config.reward.functions, config.reward.timeout_s, rows[0])
         if config.gateway_episodes:
             check_agent(config, tokenizer)

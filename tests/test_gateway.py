@@ -208,6 +208,42 @@ def test_a_message_of_a_role_the_api_does_not_have_is_refused_naming_the_roles()
         ChatRequest.check({"messages": [{"role": role, "content": "hi"}]})
 
 
+def test_content_parts_other_than_text_are_refused_in_one_line_never_dropped():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from rltrain.episodes.gateway import ChatRequest, Refused
+
+    def parts(*extra: dict) -> dict:
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "How many?"}, *extra]}]}
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    png = f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+    ChatRequest.check(parts())  # text parts alone are served
+    refused = {}
+    for name, part in {
+        "remote": {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        "undecodable": {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        "an image": {"type": "image_url", "image_url": {"url": png}},
+        "audio": {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    }.items():
+        with pytest.raises(Refused) as refusal:
+            ChatRequest.check(parts(part))
+        assert refusal.value.status == 400 and "\n" not in str(refusal.value)
+        refused[name] = str(refusal.value)
+    assert refused["remote"].startswith("messages.0.content.1.image_url: remote image URLs are not fetched")
+    assert "cannot be decoded as an image" in refused["undecodable"]
+    # a good image is read, then refused: a reply to the text alone would be trained on
+    assert refused["an image"].startswith("messages.0.content.1: images are not served yet")
+    assert (
+        refused["audio"]
+        == "messages.0.content.1: content parts of type 'input_audio' are not served (text only)"
+    )
+
+
 def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():
     from rltrain.episodes.gateway import Refused, Sampling
 

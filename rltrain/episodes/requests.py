@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rltrain.media import ImageError, image_bytes
+
 # request fields that would change the distribution sampled from (refused unless they equal the
 # run's), and those that are ignored (they change nothing the policy is trained on)
 SAMPLING = ("temperature", "top_p", "top_k", "min_p")
@@ -18,6 +20,7 @@ REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_pe
            "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
 # a refused field sent empty, false (0 too) or as its default asks for nothing: served as if left out
 ASKS_NOTHING = (None, False, {}, [])
+MAX_IMAGE_PIXELS = 16_777_216  # data.max_image_pixels's default
 DEFAULTS: dict[str, list[Any]] = {"n": [1], "best_of": [1], "response_format": ["text", {"type": "text"}]}
 
 
@@ -46,9 +49,14 @@ class _ToolCall(_Open):
     function: _Function
 
 
+class _ImageURL(_Open):
+    url: str
+
+
 class _ContentPart(_Open):
     type: str
     text: str | None = None
+    image_url: _ImageURL | None = None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # what the OpenAI API accepts
@@ -85,11 +93,33 @@ class ChatRequest(_Open):
     @classmethod
     def check(cls, body: Any) -> ChatRequest:
         try:
-            return cls.model_validate(body)
+            request = cls.model_validate(body)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "the body"
             raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
+        for m, message in enumerate(request.messages):
+            for p, part in enumerate(message.content if isinstance(message.content, list) else []):
+                check_part(part, f"messages.{m}.content.{p}")
+        return request
+
+
+def check_part(part: _ContentPart, where: str) -> None:
+    """A content part the gateway can take: text; an ``image_url`` part is read and checked (a data
+    URL: nothing is fetched), then refused, since the engine and batches do not carry images yet;
+    any other part (audio, files) is refused: never dropped in silence."""
+    if part.type == "text":
+        return
+    if part.type != "image_url" or part.image_url is None:
+        raise Refused(
+            400, "bad_request", f"{where}: content parts of type {part.type!r} are not served (text only)"
+        )
+    try:
+        image_bytes(part.image_url.url, f"{where}.image_url", MAX_IMAGE_PIXELS)
+    except ImageError as e:
+        raise Refused(400, "bad_request", str(e)) from None
+    raise Refused(400, "bad_request", f"{where}: images are not served yet: the engine and the training batches do "
+                  "not carry them (docs/vision.md), and a reply to the text alone would be trained on")  # fmt: skip
 
 
 @dataclass

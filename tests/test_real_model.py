@@ -69,10 +69,13 @@ def test_a_gguf_checkpoint_trains_with_vllm_in_sync_and_exports_whole(tmp_path, 
 def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_local):
     # groups of 4 share a prompt: the reference runs every sequence in its own document of one
     # packed row, the split computes each micro-batch's shared prompt once (learner.prefix_sharing
-    # =true; tied head). (Padded rows round differently at this depth: 2x(3+1) padded unshared is
-    # 2.3e-5 from the packed reference, shared 4e-6.)
-    # (The per-micro-batch control, which differs, runs on the tiny model in tests/test_learner.py:
-    # here the two layouts' updates are the point, at a real model's depth and vocabulary.)
+    # =true; tied head). Padded rows round differently from a packed one at this depth (30 layers,
+    # fp32), by an amount that moves with the machine's kernels: the same code read 4e-6 on one
+    # machine and 4.9e-5 on another (2026-12-02), where 2x(3+1) padded without sharing was 5.0e-5
+    # from the packed reference and 2.2e-6 from the shared split, and the per-micro-batch mean over
+    # the same 2x(3+1) was 1.6 from it: the bound of 1e-4 sits four orders of magnitude below that.
+    # (That control runs on the tiny model in tests/test_learner.py: here the two layouts' updates
+    # are the point, at a real model's depth and vocabulary.)
     batch = synthetic_rollouts(vocab=49152, group_size=4)
     configs = [
         layout_config(1, 8, 2, prefix_sharing=False, max_tokens_per_micro_batch=200),  # 1 packed micro-batch
@@ -81,5 +84,5 @@ def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_lo
     one, two = updates_after_one_step(configs, smollm2["folder"], batch)
     token_diff = relative_difference(two, one)
     print(f"SmolLM2 token-mode 2x(3+1) shared vs 1 packed: {token_diff:.2e}")
-    assert token_diff < 1e-5
+    assert token_diff < 1e-4
     assert torch.count_nonzero(one["model.embed_tokens.weight"]) > 0

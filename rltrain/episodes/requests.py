@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rltrain.config import DataConfig
 from rltrain.media import ImageError, image_bytes
 
 # request fields that would change the distribution sampled from (refused unless they equal the
@@ -20,7 +21,7 @@ REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_pe
            "guided_regex", "guided_choice", "functions", "function_call")  # fmt: skip
 # a refused field sent empty, false (0 too) or as its default asks for nothing: served as if left out
 ASKS_NOTHING = (None, False, {}, [])
-MAX_IMAGE_PIXELS = 16_777_216  # data.max_image_pixels's default
+MAX_IMAGE_PIXELS = DataConfig.model_fields["max_image_pixels"].default  # the data's bound, one literal
 DEFAULTS: dict[str, list[Any]] = {"n": [1], "best_of": [1], "response_format": ["text", {"type": "text"}]}
 
 

@@ -21,7 +21,7 @@ from rltrain.episodes.chat import ChatRenderer
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
-from rltrain.run.diagnostics import layout_config, relative_difference, update_after_one_step
+from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
 
 pytestmark = pytest.mark.slow
@@ -121,21 +121,25 @@ def test_token_mode_update_on_episodes_is_layout_invariant(episodes, guessing_mo
     assert len(batch) == 32 + sum(len(c.earlier) for c in gateway.completions)  # split: 2 sequences
     assert (batch.response_mask * (1 - batch.tool_mask)).sum() > 0  # masked tokens inside completions
 
-    def update(learners, micro_batch, zero, denominator="token", budget=None, sharing=True):
+    def layout(learners, micro_batch, zero, denominator="token", budget=None, sharing=True):
         raw = layout_config(
             learners, micro_batch, zero, denominator, budget, prefix_sharing=sharing
         ).model_dump()
         raw["data"]["max_prompt_tokens"], raw["rollout"]["max_new_tokens"] = 64, 120
-        return update_after_one_step(Config.model_validate(raw), guessing_model, batch)
+        return Config.model_validate(raw)
 
     # the reference computes each sequence in its own row; the layouts share each micro-batch's
     # common prompts (learner.prefix_sharing=true: a group's 4 episodes, a split episode's parts)
-    reference = update(1, 16, 0, sharing=False)
-    diffs = {
-        "2 ranks x micro-batches of 3, ZeRO-2": relative_difference(update(2, 3, 2), reference),
-        "2 ranks packed (budget 400), ZeRO-3": relative_difference(update(2, 1, 3, budget=400), reference),
+    layouts = {
+        "2 ranks x micro-batches of 3, ZeRO-2": layout(2, 3, 2),
+        "2 ranks packed (budget 400), ZeRO-3": layout(2, 1, 3, budget=400),
     }
-    naive = relative_difference(update(2, 3, 2, None), update(1, 16, 0, None))
+    reference, *updates, naive_split, naive_one = updates_after_one_step(
+        [layout(1, 16, 0, sharing=False), *layouts.values(), layout(2, 3, 2, None), layout(1, 16, 0, None)],
+        guessing_model, batch,
+    )  # fmt: skip
+    diffs = {name: relative_difference(u, reference) for name, u in zip(layouts, updates)}
+    naive = relative_difference(naive_split, naive_one)
     print(f"multi-turn episodes: token-mode differences {diffs}; per-micro-batch mean: {naive:.3e}")
     assert max(diffs.values()) < 1e-5, diffs
     assert naive > 1e-2, naive

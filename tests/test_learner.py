@@ -58,9 +58,37 @@ def test_uneven_batch_is_trained_in_full(ray_local, tiny_model_path):
     # 7 sequences on 2 learners with micro-batches of 3: shares 4 and 3, micro-batches (3, 1) and (3, pad);
     # the update must equal one learner taking all 7 in one micro-batch
     batch = synthetic_rollouts(n=7, seed=3)
-    split = update_after_one_step(layout_config(2, 3, 2), tiny_model_path, batch)
-    whole = update_after_one_step(layout_config(1, 7, 0), tiny_model_path, batch)
+    split, whole = updates_after_one_step(
+        [layout_config(2, 3, 2), layout_config(1, 7, 0)], tiny_model_path, batch
+    )
     assert relative_difference(split, whole) < 1e-5
+
+
+def test_a_restarted_group_gives_a_fresh_group_s_update(ray_local, tiny_model_path):
+    # updates_after_one_step runs the configs of a placement in one group of processes, restarted
+    # between them: nothing of the config before may survive a restart (the weights it moved,
+    # AdamW's moments, the schedule's step, ZeRO-3's partitioned parameters and its head-chunk
+    # agreement, the sequence-parallel group). After an AdamW step under ZeRO-3 with sp=2, the
+    # restarted group's SGD step under ZeRO-0 is the fresh group's, bit for bit (the same sums in
+    # the same order); without the restart it would start from weights AdamW moved by ~1e-2 each
+    batch = synthetic_rollouts()
+    before = layout_config(2, 1, 3, optimizer="adamw", lr=1e-2, max_tokens_per_micro_batch=70,
+                           sequence_parallel_size=2)  # fmt: skip
+    after = layout_config(2, 2, 0)
+    fresh = update_after_one_step(after, tiny_model_path, batch)
+    group = LearnerGroup(before, tiny_model_path, total_optimizer_steps=1)
+    try:
+        group.train_step(batch)
+        with pytest.raises(ValueError, match="restart where they are placed"):
+            group.restart(layout_config(1, 2, 0), total_optimizer_steps=1)  # one learner, not two
+        group.restart(after, total_optimizer_steps=1)
+        start = group.state_dict()
+        group.train_step(batch)
+        restarted = {k: v - start[k] for k, v in group.state_dict().items()}
+    finally:
+        group.shutdown()
+    for name in fresh:
+        torch.testing.assert_close(restarted[name], fresh[name], rtol=0, atol=0)
 
 
 # other layouts the checkpoint of 2 learners with ZeRO-2 is resumed on, from its layout-free state
@@ -223,10 +251,10 @@ def test_packed_micro_batches_break_the_per_micro_batch_mean(ray_local, tiny_mod
     # control: the per-micro-batch mean weights a token by its micro-batch's size, so packing the
     # same batch under a small budget changes the update visibly
     batch = synthetic_rollouts()
-    one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch)
-    packed = update_after_one_step(
-        layout_config(2, 1, 0, None, max_tokens_per_micro_batch=16), tiny_model_path, batch
-    )
+    one, packed = updates_after_one_step(
+        [layout_config(1, 8, 0, None), layout_config(2, 1, 0, None, max_tokens_per_micro_batch=16)],
+        tiny_model_path, batch,
+    )  # fmt: skip
     assert relative_difference(packed, one) > 1e-2
 
 
@@ -272,11 +300,11 @@ def test_sequence_parallel_update_is_exact_under_sp_dp_and_accumulation(
 def test_sequence_parallel_with_per_micro_batch_means_changes_the_update(ray_local, tiny_model_path):
     # the verl Ulysses failure: per-micro-batch normalization under SP + accumulation differs visibly
     batch = synthetic_rollouts()
-    one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch)
     config = layout_config(
         2, 1, 2, None, max_tokens_per_micro_batch=budget_for(batch, 1, 4), sequence_parallel_size=2
     )
-    assert relative_difference(update_after_one_step(config, tiny_model_path, batch), one) > 1e-2
+    one, sp = updates_after_one_step([layout_config(1, 8, 0, None), config], tiny_model_path, batch)
+    assert relative_difference(sp, one) > 1e-2
 
 
 def straddling_rollouts() -> TrainBatch:
@@ -336,9 +364,11 @@ def test_gspo_under_sequence_parallelism_uses_each_whole_sequence_ratio(ray_loca
     # sp group); with a rank's own part alone the update is ~1e-3 off (wide clips: nothing clipped)
     batch = straddling_rollouts()
     loss = {"kind": "gspo", "clip_low": 10.0, "clip_high": 10.0, "aggregation": "seq-mean-token-mean"}
-    reference = update_after_one_step(layout_config(1, 5, 0, loss=loss), tiny_model_path, batch)
     sp = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
-    diff = relative_difference(update_after_one_step(sp, tiny_model_path, batch), reference)
+    reference, update = updates_after_one_step(
+        [layout_config(1, 5, 0, loss=loss), sp], tiny_model_path, batch
+    )
+    diff = relative_difference(update, reference)
     assert diff < 1e-5, diff
 
 

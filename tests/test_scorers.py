@@ -365,7 +365,7 @@ def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, ti
         layout_config,
         relative_difference,
         synthetic_rollouts,
-        update_after_one_step,
+        updates_after_one_step,
     )
 
     batch = synthetic_rollouts()
@@ -382,16 +382,16 @@ def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, ti
     batch, _ = with_distillation(batch, teacher, alg)
     assert batch.advantages.shape == batch.input_ids.shape and batch.advantages[keep].std() > 0.1
 
-    def update(*layout, denominator="token", **learner):
-        return update_after_one_step(layout_config(*layout, denominator, **learner), tiny_model_path, batch)
-
-    reference = update(1, 8, 0)
-    token = {
-        "2 learners x micro-batches of 3, ZeRO-2": update(2, 3, 2),
-        "2 learners packed under 16 tokens, ZeRO-3": update(2, 1, 3, max_tokens_per_micro_batch=16),
+    layouts = {
+        "2 learners x micro-batches of 3, ZeRO-2": layout_config(2, 3, 2),
+        "2 learners packed under 16 tokens, ZeRO-3": layout_config(2, 1, 3, max_tokens_per_micro_batch=16),
     }
-    diffs = {name: relative_difference(u, reference) for name, u in token.items()}
-    naive = relative_difference(update(2, 3, 2, denominator=None), update(1, 8, 0, denominator=None))
+    reference, *updates, naive_split, naive_one = updates_after_one_step(
+        [layout_config(1, 8, 0), *layouts.values(), layout_config(2, 3, 2, None), layout_config(1, 8, 0, None)],
+        tiny_model_path, batch,
+    )  # fmt: skip
+    diffs = {name: relative_difference(u, reference) for name, u in zip(layouts, updates)}
+    naive = relative_difference(naive_split, naive_one)
     print(f"distillation: token mode {diffs}; per-micro-batch mode {naive:.3e}")
     assert max(diffs.values()) < 1e-5, diffs
     assert naive > 1e-2, naive

@@ -20,7 +20,7 @@ from rltrain.run.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,
-    update_after_one_step,
+    updates_after_one_step,
 )
 from rltrain.run.eval import evaluate
 from rltrain.run.tracking import PANELS, Tracker, eval_table, panels_for, plot_curves
@@ -289,13 +289,10 @@ def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path
     from rltrain.learner.sft import SFTLearner
 
     batch = synthetic_rollouts()  # tool tokens (masked out of the loss) and an all-masked sequence
-    reference = update_after_one_step(layout_config(1, 8, 0), tiny_model_path, batch, SFTLearner)
-    split = update_after_one_step(layout_config(2, 3, 2), tiny_model_path, batch, SFTLearner)
-    packed = update_after_one_step(
-        layout_config(2, 1, 2, max_tokens_per_micro_batch=16), tiny_model_path, batch, SFTLearner
-    )
-    naive_one = update_after_one_step(layout_config(1, 8, 0, None), tiny_model_path, batch, SFTLearner)
-    naive_split = update_after_one_step(layout_config(2, 3, 2, None), tiny_model_path, batch, SFTLearner)
+    reference, split, packed, naive_one, naive_split = updates_after_one_step(
+        [layout_config(1, 8, 0), layout_config(2, 3, 2), layout_config(2, 1, 2, max_tokens_per_micro_batch=16),
+         layout_config(1, 8, 0, None), layout_config(2, 3, 2, None)], tiny_model_path, batch, SFTLearner,
+    )  # fmt: skip
     assert relative_difference(split, reference) < 1e-5
     assert relative_difference(packed, reference) < 1e-5
     assert relative_difference(naive_split, naive_one) > 1e-2

@@ -222,11 +222,30 @@ class EngineLearner(LearnerState):
         return where()
 
     def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
+        self._join_group(master_addr, master_port)
+        self._start_engine(total_optimizer_steps)
+
+    def restart(self, config: Config, total_optimizer_steps: int) -> None:
+        """Start over from the weights at ``model_path`` on ``config`` in this process, whose
+        torch.distributed group stays (the same ranks; sequence-parallel groups are formed anew): a
+        fresh engine, optimizer, schedule and state, without a new process's imports. Every rank at once."""
+        if (n := self.section(config).num_learners) != self.world_size:
+            raise ValueError(
+                f"{self.ROLE} {self.rank}: a restart keeps the ranks: {n} learners against {self.world_size}"
+            )
+        if hasattr(self.engine, "destroy"):  # (a frozen model without ZeRO-3 runs as a plain module)
+            self.engine.destroy()
+        type(self).__init__(self, config, self.model_path, self.rank, self.world_size)
+        self._set_layout()
+        self._start_engine(total_optimizer_steps)
+
+    def _start_engine(self, total_optimizer_steps: int) -> None:
+        """The model, its optimizer and schedule in a DeepSpeed engine."""
         import deepspeed
         from transformers import get_scheduler
 
         lc = self.lc
-        self._join_group(master_addr, master_port)
+        torch.manual_seed(self.config.run.seed)  # the same start in a fresh process and a restarted one
         model = self._build_model()
         if self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -250,11 +269,9 @@ class EngineLearner(LearnerState):
                 output_head(scored)  # the head path checked on a probe, before any forward takes it
 
     def _join_group(self, master_addr: str, master_port: int) -> None:
-        """Join the group's torch.distributed group; set up packed or sequence-parallel attention
-        and the precision."""
+        """Join the group's torch.distributed group, then :meth:`_set_layout`."""
         import deepspeed
 
-        lc = self.lc
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -264,6 +281,11 @@ class EngineLearner(LearnerState):
             LOCAL_RANK="0" if self.use_cuda else str(self.rank),
         )
         deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        self._set_layout()
+
+    def _set_layout(self) -> None:
+        """Packed or sequence-parallel attention, the precision, the head's chunks under ZeRO-3."""
+        lc = self.lc
         if self.sp > 1:
             self.attn_implementation = sequence_parallel.use_group(self._sequence_parallel_group())
         elif lc.packing or self.sharing.setting is not False:
@@ -271,8 +293,10 @@ class EngineLearner(LearnerState):
             # work grows with each sequence, not the row; padded batches run on sdpa
             self.attn_implementation = attention.register()
         self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
-        if lc.zero_stage == 3 and self.world_size > 1:  # the head's chunks gather alike on every rank
-            logprobs.agree_head_chunks(functools.partial(most_over_ranks, use_cuda=self.use_cuda))
+        agree = lc.zero_stage == 3 and self.world_size > 1  # the head's chunks gather alike on every rank
+        logprobs.agree_head_chunks(
+            functools.partial(most_over_ranks, use_cuda=self.use_cuda) if agree else None
+        )
 
     def _build_model(self) -> torch.nn.Module:
         raise NotImplementedError

@@ -25,10 +25,9 @@ class FrozenLearner(EngineLearner):
 
     trains_adapters = False
 
-    def setup(self, master_addr: str, master_port: int, total_optimizer_steps: int) -> None:
+    def _start_engine(self, total_optimizer_steps: int) -> None:
         import deepspeed
 
-        self._join_group(master_addr, master_port)
         model = self._build_model().eval().requires_grad_(False)
         if self.lc.zero_stage == 3:  # weights sharded over the group, gathered layer by layer
             ds_config = {

@@ -25,6 +25,12 @@ from rltrain.learner.policy import PolicyLearner
 from rltrain.remote import gather, wait_placed
 
 
+def placement_of(lc: Any) -> tuple:
+    """What a learner group's processes are started with: groups that agree on it can run each
+    other's configs (:meth:`LearnerGroup.restart`)."""
+    return (lc.num_learners, lc.cpus_per_learner, lc.gpus_per_learner, lc.placement)
+
+
 class LearnerGroup:
     """Starts the learner actors of one model (``learner_cls.section(config).num_learners`` of
     them, :class:`PolicyLearner` by default) in one placement group, forms their torch.distributed
@@ -37,15 +43,9 @@ class LearnerGroup:
         total_optimizer_steps: int,
         learner_cls: type[EngineLearner] = PolicyLearner,
     ):
-        lc = self.lc = learner_cls.section(config)
-        self.config, self.learner_cls = config, learner_cls
-        # learner.prefix_sharing: whether batches are planned as prefix trees (a tree travels whole);
-        # under auto, until the learners' check has decided (:meth:`_check_sharing`)
-        self.sharing: bool | None = None if lc.prefix_sharing == "auto" else bool(lc.prefix_sharing)
-        if lc.sequence_parallel_size > 1:
-            self.sharing = False
+        self.learner_cls = learner_cls
+        lc = self._configure(config)
         self.names = [f"{learner_cls.ROLE} {i}" for i in range(lc.num_learners)]
-        self.timeout_s = config.run.actor_timeout_s
         bundle = {"CPU": lc.cpus_per_learner} | ({"GPU": lc.gpus_per_learner} if lc.gpus_per_learner else {})
         bundles = [bundle] * lc.num_learners
         self.placement_group = placement_group(bundles, strategy=lc.placement)
@@ -67,6 +67,27 @@ class LearnerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def _configure(self, config: Config) -> Any:
+        lc = self.lc = self.learner_cls.section(config)
+        self.config, self.timeout_s = config, config.run.actor_timeout_s
+        # learner.prefix_sharing: whether batches are planned as prefix trees (a tree travels whole);
+        # under auto, until the learners' check has decided (:meth:`_check_sharing`)
+        self.sharing: bool | None = None if lc.prefix_sharing == "auto" else bool(lc.prefix_sharing)
+        if lc.sequence_parallel_size > 1:
+            self.sharing = False
+        return lc
+
+    def restart(self, config: Config, total_optimizer_steps: int) -> None:
+        """Start every rank over from the model's weights on ``config``, in the same processes:
+        :meth:`EngineLearner.restart`. ``config`` places the group as this one's did
+        (:func:`placement_of`); its other learner keys (ZeRO stage, micro-batches, packing, sharing,
+        sequence parallelism, optimizer) and the loss may differ."""
+        if placement_of(self.learner_cls.section(config)) != placement_of(self.lc):
+            raise ValueError(f"the {self.learner_cls.ROLE}s restart where they are placed: "
+                             f"{placement_of(self.learner_cls.section(config))} against {placement_of(self.lc)}")  # fmt: skip
+        self._configure(config)
+        self._all("restart", config, total_optimizer_steps)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])

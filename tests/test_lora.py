@@ -3,7 +3,6 @@ off, adapter-only sync to vLLM, exact token-mode updates over layouts, checkpoin
 alone that resume exactly (and on another layout), and the two exports."""
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,22 +15,18 @@ from transformers import AutoModelForCausalLM
 from rltrain.config import Config
 from rltrain.learner.group import LearnerGroup
 from rltrain.remote import gather
-from rltrain.run.diagnostics import layout_config, relative_difference, synthetic_rollouts
+from rltrain.run.diagnostics import layout_config, on_learners, relative_difference, synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 LORA = {"rank": 8, "alpha": 16}
 
 
-def adapter_update(config: Config, model_path: str) -> tuple[dict, dict]:
-    """The adapters' change in one step, and the merged weights' change, on fresh learners."""
-    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
-    try:
-        fetch = lambda: gather([group.gathered_state_ref(adapters_only=True)], group.names[:1], 60)[0]  # noqa: E731
-        before, merged_before = fetch(), group.state_dict()
-        group.train_step(synthetic_rollouts())
-        after, merged_after = fetch(), group.state_dict()
-    finally:
-        group.shutdown()
+def adapter_update(group: LearnerGroup) -> tuple[dict, dict]:
+    """The adapters' change in one step, and the merged weights', on learners just started."""
+    fetch = lambda: gather([group.gathered_state_ref(adapters_only=True)], group.names[:1], 60)[0]  # noqa: E731
+    before, merged_before = fetch(), group.state_dict()
+    group.train_step(synthetic_rollouts())
+    after, merged_after = fetch(), group.state_dict()
     return {k: after[k] - before[k] for k in before}, {
         k: merged_after[k] - merged_before[k] for k in merged_before
     }
@@ -55,10 +50,9 @@ def test_the_adapters_update_is_the_same_over_layouts_and_zero_stages_in_token_m
     # and packed: 2 learners, rows of whole sequences under a 28-token budget (ZeRO-2)
     configs += [with_lora(layout_config(2, 1, 2, "token", max_tokens_per_micro_batch=28))]
     configs += [with_lora(layout_config(*lay, 2, None)) for lay in [(1, 2), (2, 3)]]
-    with ThreadPoolExecutor(2) as pool:  # two groups of learners at a time (4 CPUs)
-        (one, merged), *token, (naive_one, _), (naive_two, _) = pool.map(
-            lambda c: adapter_update(c, tiny_model_path), configs
-        )
+    (one, merged), *token, (naive_one, _), (naive_two, _) = on_learners(
+        configs, tiny_model_path, lambda group, _: adapter_update(group)
+    )
     layouts = ["ZeRO-2", "ZeRO-3", "packed, ZeRO-2"]
     token_diffs = {name: relative_difference(two, one) for name, (two, _) in zip(layouts, token)}
     naive_diff = relative_difference(naive_two, naive_one)

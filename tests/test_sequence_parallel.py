@@ -10,8 +10,7 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
-from rltrain.learner import attention
-from rltrain.learner.engine import sequence_parallel
+from rltrain.learner import attention, sequence_parallel
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.run.diagnostics import synthetic_rollouts
 

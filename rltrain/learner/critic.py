@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config, LearnerConfig
-from rltrain.learner.engine import EngineLearner, load_scalar_head
+from rltrain.learner.engine import EngineLearner
 from rltrain.learner.prefix_tree import outputs
+from rltrain.learner.start import load_scalar_head
 from rltrain.loss.losses import question_sums, value_loss
 
 

@@ -14,9 +14,10 @@ import torch
 
 from rltrain.batch import TrainBatch, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
-from rltrain.learner.engine import EngineLearner, load_scalar_head
+from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
 from rltrain.learner.prefix_tree import outputs
+from rltrain.learner.start import load_scalar_head
 from rltrain.loss.forwards import output_head
 
 

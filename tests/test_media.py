@@ -87,7 +87,7 @@ def test_a_bad_image_stops_the_load_naming_its_row(case, tmp_path):
         assert isinstance(raised.value, ImageError) and "column 'image' (data.image_column)" in message
 
 
-def test_the_cli_names_a_bad_image_in_one_line_and_refuses_images_it_cannot_carry_yet(
+def test_the_cli_names_a_bad_image_in_one_line_and_refuses_images_for_a_text_model(
     tmp_path, capsys, monkeypatch
 ):
     import rltrain.run.launch
@@ -103,4 +103,11 @@ def test_the_cli_names_a_bad_image_in_one_line_and_refuses_images_it_cannot_carr
     good = write_rows(tmp_path, [{"image": "ok.png"}])
     assert main([*argv, f"data.source={good}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "would train on the text alone" in err, err
+    # builtin:tiny has no image processor: a run would have nowhere to put the images
+    assert err.count("\n") == 1 and "images need a vision-language model" in err, err
+    assert (
+        main([*argv, f"data.source={good}", "model.name_or_path=builtin:tiny-vl", "env.name=builtin:guess"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "images are not taken with env.name" in err, err

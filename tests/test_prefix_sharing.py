@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config, Qwen3MoeConfig
 
-from rltrain.batch import TrainBatch, plan_packed_micro_batches, shared_prefix_lengths
+from rltrain.batch import TrainBatch
 from rltrain.config import Config, load_config
 from rltrain.learner import attention
 from rltrain.learner.attention import document_attention
@@ -17,6 +17,7 @@ from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs
 from rltrain.loss.logprobs import sequence_logprobs, token_outputs
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models.routers import RouterTap
+from rltrain.plan import plan_packed_micro_batches, shared_prefix_lengths
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 97

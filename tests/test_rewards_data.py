@@ -9,10 +9,11 @@ import psutil
 import pytest
 import torch
 
-from rltrain.batch import Completion, collate, plan_micro_batches
+from rltrain.batch import Completion, collate
 from rltrain.config import DataConfig
 from rltrain.data import arithmetic_rows, load_rows, tokenize_prompts
 from rltrain.models.tiny import build_tokenizer
+from rltrain.plan import plan_micro_batches
 from rltrain.prompt_sampler import PromptSampler
 from rltrain.rewards.functions import RewardScorer, digits_reward, load_reward_fn, soft_overlong_penalty
 

@@ -57,7 +57,8 @@ TINY_MODEL = "builtin:tiny"
 TINY_MOE_MODEL = "builtin:tiny-moe"  # the same, its MLPs a mixture of experts
 # the built-in models, each built locally on the built-in tokenizer: name -> the family it is made of
 BUILTIN_MODELS = {TINY_MODEL: "qwen2", TINY_MOE_MODEL: "qwen3_moe", "builtin:tiny-gpt-oss": "gpt_oss",
-                  "builtin:tiny-gemma3": "gemma3_text", "builtin:tiny-qwen3.5": "qwen3_5_text"}  # fmt: skip
+                  "builtin:tiny-gemma3": "gemma3_text", "builtin:tiny-qwen3.5": "qwen3_5_text",
+                  "builtin:tiny-vl": "qwen2_5_vl"}  # fmt: skip
 BUILTIN_TASK = "builtin:arithmetic"
 SFT_FROM_ENV = "env"  # sft_warmup.source: the environment's demonstrations
 VERIFIERS = "verifiers:"  # env.name: a verifiers taskset (rltrain.episodes.verifiers_env)
@@ -103,14 +104,19 @@ class ModelConfig(Section):
     Qwen2 model and byte-level tokenizer built locally, no download), `builtin:tiny-moe` (a tiny
     Qwen3-MoE on the same tokenizer: 8 experts, top-2), `builtin:tiny-gpt-oss` (gpt-oss: a sliding
     window of 8 tokens, attention sinks, 4 experts), `builtin:tiny-gemma3` (Gemma 3: sliding and
-    full layers, a window of 8, the logit soft-cap) or `builtin:tiny-qwen3.5` (Qwen3.5's hybrid: a
-    Gated DeltaNet layer beside a full-attention one; generated with rollout.backend=hf)."""
+    full layers, a window of 8, the logit soft-cap), `builtin:tiny-qwen3.5` (Qwen3.5's hybrid: a
+    Gated DeltaNet layer beside a full-attention one; generated with rollout.backend=hf) or
+    `builtin:tiny-vl` (Qwen2.5-VL: a vision tower of one block, its processor; data.image_column)."""
     trust_remote_code: bool = False
     """Passed to transformers when loading the model and tokenizer."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of full fine-tuning (rank 0: off)."""
+    freeze_vision: bool = True
+    """A vision-language model's vision tower (and its merger into the language model) keeps its
+    weights: no gradients, no optimizer state, and weight syncs leave it out (the engines hold it
+    from the start). False trains it with the rest."""
 
     @field_validator("name_or_path")
     @classmethod

@@ -9,9 +9,9 @@ One training step on a global batch of scored rollouts:
 1. The group plans the layout: accumulation groups (one optimizer step each), a share per rank,
    micro-batches per share, and empty micro-batches so every rank runs the same number of
    forwards (ZeRO-3 gathers and the token all-reduce are collectives). With ``learner.packing``
-   (:func:`rltrain.batch.plan_packed_micro_batches`) shares balance tokens and micro-batches are
+   (:func:`rltrain.plan.plan_packed_micro_batches`) shares balance tokens and micro-batches are
    bounded by a token budget and run as one padding-free row each; without it
-   (:func:`rltrain.batch.plan_micro_batches`) they hold ``micro_batch_size`` padded sequences.
+   (:func:`rltrain.plan.plan_micro_batches`) they hold ``micro_batch_size`` padded sequences.
 2. In ``token`` mode, every rank counts its loss tokens and sequences per accumulation group and
    sums them over ranks in one all-reduce (:func:`rltrain.loss.masked_mean.step_totals`); the loss's
    ``loss.aggregation`` picks which count divides it.
@@ -40,6 +40,8 @@ from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.start import EngineStart
 from rltrain.learner.state import LearnerState
 from rltrain.loss.masked_mean import step_totals
+from rltrain.loss.vision import Images
+from rltrain.models.images import ImageInputs
 from rltrain.remote import node_address, where
 
 # counted once per step (not per PPO epoch): tokens the unshared layout runs on (padding included),
@@ -152,6 +154,7 @@ class EngineLearner(EngineStart, LearnerState):
             self.lc.prefix_sharing if self.sp == 1 else False
         )  # learner.prefix_sharing
         self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
+        self.image_inputs: ImageInputs | None = None  # a vision-language model's, at its first images
 
     def node_address(self) -> tuple[str, int]:
         return node_address()
@@ -287,6 +290,16 @@ class EngineLearner(EngineStart, LearnerState):
             return mb.input_ids.numel()
         return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
 
+    def _images(self, mb: TrainBatch) -> list[Images | None] | None:
+        """Each sequence's images as the model's forward takes them (its own image processor's
+        patches, on the model's device), None without images."""
+        if mb.images is None:
+            return None
+        if self.image_inputs is None:
+            self.image_inputs = ImageInputs(self.model_path, self.config.model.trust_remote_code)
+        device = self.engine.device
+        return [None if im is None else self.image_inputs(im).to(device) for im in mb.images]
+
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
         device = self.engine.device
-        return mb.replace(**{k: v.to(device) for k, v in vars(mb).items() if v is not None})
+        return mb.replace(**{k: v.to(device) for k, v in vars(mb).items() if isinstance(v, torch.Tensor)})

@@ -12,16 +12,11 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain.batch import (
-    MicroBatchPlan,
-    TrainBatch,
-    plan_micro_batches,
-    plan_packed_micro_batches,
-    shared_prefix_lengths,
-)
+from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
+from rltrain.plan import MicroBatchPlan, plan_micro_batches, plan_packed_micro_batches, shared_prefix_lengths
 from rltrain.remote import gather, wait_placed
 
 
@@ -156,12 +151,14 @@ class LearnerGroup:
                     out[idx] = values
         return out
 
-    def gathered_state_ref(self, adapters_only: bool = False) -> ray.ObjectRef:
-        """Rank 0's full weights (``adapters_only``: its LoRA adapters) as an object reference,
-        gathered with every rank taking part (ZeRO-3); the weights stay in the object store, so
-        they can go to generators directly."""
-        method = "adapter_state_dict" if adapters_only else "gathered_state_dict"
-        refs = [getattr(actor, method).remote() for actor in self.actors]
+    def gathered_state_ref(self, adapters_only: bool = False, synced: bool = False) -> ray.ObjectRef:
+        """Rank 0's full weights (``adapters_only``: its LoRA adapters; ``synced``: what a sync
+        sends) as an object reference, gathered with every rank taking part (ZeRO-3); the weights
+        stay in the object store, so they can go to generators directly."""
+        if adapters_only:
+            refs = [actor.adapter_state_dict.remote() for actor in self.actors]
+        else:
+            refs = [actor.gathered_state_dict.remote(synced) for actor in self.actors]
         self._gather(refs[1:])  # None each (cheap to fetch); rank 0's weights stay in the store
         ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
         return refs[0]

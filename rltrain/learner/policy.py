@@ -18,10 +18,12 @@ from rltrain.learner.engine import EngineLearner
 from rltrain.learner.prefix_tree import tree_logprobs
 from rltrain.learner.route_rows import moe_metrics, replayed_routes, router_rows
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
+from rltrain.loss.forwards import causal_lm
 from rltrain.loss.logprobs import Truncation, sequence_logprobs
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models import adapters
+from rltrain.models.images import placeholder_ids
 from rltrain.models.routers import RouterTap, replay_problem
 
 
@@ -132,21 +134,33 @@ class PolicyLearner(EngineLearner):
         sampling = temperature is None and self.TEMPERATURE is None  # the engine's distribution
         temperature = temperature or self.TEMPERATURE or self.config.rollout.temperature
         rc = self.config.rollout
-        truncation = Truncation(rc.top_k, rc.top_p, rc.min_p) if sampling else None
+        # (a vision-language model's placeholders: never sampled, out of the engine's distribution)
+        banned = placeholder_ids(causal_lm(model).config)
+        truncation = Truncation(rc.top_k, rc.top_p, rc.min_p, banned) if sampling else None
         packed, tree = self.lc.packing, self.sharing.tree(mb)
         if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
             tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
+        images = self._images(mb)
         if tree is not None:
-            return tree_logprobs(model, tree, mb.input_ids, temperature, with_entropy, truncation)
+            return tree_logprobs(
+                model, tree, mb.input_ids, temperature, with_entropy, truncation, images=images
+            )
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
                 truncation,
             )  # fmt: skip
         return sequence_logprobs(
-            model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed, truncation
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            temperature,
+            with_entropy,
+            packed,
+            truncation,
+            images=images,
         )
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.batch import TrainBatch
+from rltrain.batch import TrainBatch, token_keys
 from rltrain.loss import vision
 from rltrain.loss.forwards import head_forward, packed_forward, token_outputs
 from rltrain.loss.logprobs import Truncation, predicted_logprobs
@@ -84,16 +84,22 @@ def first_index(group_N: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def build_tree(
-    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, shareable_BT: torch.Tensor
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    shareable_BT: torch.Tensor,
+    images: list[tuple[bytes, ...] | None] | None = None,
+    image_token: int | None = None,
 ) -> PrefixTree:
     """The prefix tree of a micro-batch (left-padded prompts, right-padded completions: each row's
     attended tokens contiguous). ``shareable_BT``: tokens that may be shared (no member trains on
     them); a row's shareable tokens must lead it. Rows that share nothing are documents of their
-    own, as in a packed row."""
+    own, as in a packed row. ``images``: each row's, whose placeholders (``image_token``) rows
+    share only where the image is the same (:func:`rltrain.batch.token_keys`)."""
     keep_BT = attention_mask_BT.bool()
     device = input_ids_BT.device
     ids_cpu, keep_cpu = input_ids_BT.cpu(), keep_BT.cpu()
     sequences = [ids_cpu[b][keep_cpu[b]].tolist() for b in range(len(ids_cpu))]
+    keys = [token_keys(seq, im, image_token) for seq, im in zip(sequences, images or [None] * len(sequences))]
     shareable_cpu = (shareable_BT.bool() & keep_BT).cpu()
     # each row's shareable lead: tokens before its first unshareable one
     lead = [int(torch.cat([~s[k], torch.ones(1, dtype=torch.bool)]).int().argmax())
@@ -116,19 +122,19 @@ def build_tree(
             emit(members, start, len(sequences[members[0]]))
             return
         end = start
-        while all(end < lead[m] for m in members) and len({sequences[m][end] for m in members}) == 1:
+        while all(end < lead[m] for m in members) and len({keys[m][end] for m in members}) == 1:
             end += 1
         emit(members, start, end)
         branches: dict[object, list[int]] = {}
         for m in members:  # by the next token where it is still shareable; a leaf otherwise
-            branches.setdefault(sequences[m][end] if end < lead[m] else ("leaf", m), []).append(m)
+            branches.setdefault(keys[m][end] if end < lead[m] else ("leaf", m), []).append(m)
         for branch in branches.values():
             node(branch, end)
 
     roots: dict[object, list[int]] = {}
     for b, sequence in enumerate(sequences):
         if sequence:
-            roots.setdefault(sequence[0] if lead[b] > 0 else ("leaf", b), []).append(b)
+            roots.setdefault(keys[b][0] if lead[b] > 0 else ("leaf", b), []).append(b)
     for members in roots.values():
         node(members, 0)
     cell_BT = torch.full(input_ids_BT.shape, -1, dtype=torch.long)
@@ -237,7 +243,8 @@ class PrefixSharing:
         ids = mb.input_ids
         cached = self._trees.get(id(ids))
         if cached is None or cached[0] is not ids:
-            cached = self._trees[id(ids)] = ids, build_tree(ids, mb.attention_mask, ~mb.response_mask.bool())
+            tree = build_tree(ids, mb.attention_mask, ~mb.response_mask.bool(), mb.images, mb.image_token)
+            cached = self._trees[id(ids)] = ids, tree
         return cached[1]
 
     def shares(self, mb: TrainBatch) -> bool:

@@ -9,11 +9,12 @@ import torch
 
 from rltrain import weight_transfer
 from rltrain.models import adapters
+from rltrain.models.images import is_vision_parameter
 
 
 class WeightSender:
     """Mixed into :class:`~rltrain.learner.state.LearnerState` (which sets ``engine``, ``lc``,
-    ``rank`` and ``sent_bytes``)."""
+    ``config``, ``rank`` and ``sent_bytes``)."""
 
     def _sent(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.nn.Parameter, str | None]]:
         """The parameters that ``keep`` names, by every name the model's own state dict has, each
@@ -26,16 +27,24 @@ class WeightSender:
                 yield name, param, first_name.get(id(param))
                 first_name.setdefault(id(param), name)
 
-    def _sent_names(self, adapters_only: bool) -> tuple[Callable[[str], bool], Callable[[str], str]]:
-        """Which parameters a sync sends and the name each goes by: every one by its own name, or
-        the LoRA adapters by peft's file names."""
+    def _sent_names(
+        self, adapters_only: bool, synced: bool = True
+    ) -> tuple[Callable[[str], bool], Callable[[str], str]]:
+        """Which parameters a sync sends and the name each goes by: every one by its own name (a
+        sync leaves a frozen vision side out: ``model.freeze_vision``; ``synced`` false keeps it,
+        as an export does), or the LoRA adapters by peft's file names."""
         if adapters_only:
             return adapters.is_adapter, adapters.file_name
+        if synced and self.config.model.freeze_vision:
+            return (lambda name: not is_vision_parameter(name)), (lambda name: name)
         return (lambda name: True), (lambda name: name)
 
-    def weight_layout(self, adapters_only: bool, bucket_bytes: int) -> weight_transfer.Layout:
-        """What a collective sync sends (rank 0): the tensors, their buckets and the shared names."""
-        keep, rename = self._sent_names(adapters_only)
+    def weight_layout(
+        self, adapters_only: bool, bucket_bytes: int, synced: bool = True
+    ) -> weight_transfer.Layout:
+        """What a collective sync sends (rank 0): the tensors, their buckets and the shared names;
+        ``synced`` false: every parameter (an export's)."""
+        keep, rename = self._sent_names(adapters_only, synced)
         metas, aliases = [], {}
         for name, param, shared in self._sent(keep):
             if shared is not None:
@@ -75,7 +84,7 @@ class WeightSender:
         (None elsewhere)."""
         import deepspeed
 
-        keep, rename = self._sent_names(adapters_only)
+        keep, rename = self._sent_names(adapters_only, synced=False)  # (the layout picks)
         params = {rename(name): param for name, param, shared in self._sent(keep) if shared is None}
         for bucket in layout.buckets:
             group = [params[meta.name] for meta in bucket]

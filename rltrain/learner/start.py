@@ -16,6 +16,7 @@ from rltrain.learner import attention, sequence_parallel
 from rltrain.loss import logprobs
 from rltrain.loss.forwards import output_head
 from rltrain.models import families
+from rltrain.models.images import is_vision_parameter
 
 
 def deepspeed_config(lc: LearnerConfig, world_size: int, bf16: bool) -> dict[str, Any]:
@@ -107,6 +108,10 @@ class EngineStart:
         lc = self.lc
         torch.manual_seed(self.config.run.seed)  # the same start in a fresh process and a restarted one
         model = self._build_model()
+        if self.config.model.freeze_vision:  # a vision-language model's tower keeps its weights
+            for name, param in model.named_parameters():
+                if is_vision_parameter(name):
+                    param.requires_grad_(False)
         if self.config.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters alone

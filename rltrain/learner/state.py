@@ -129,11 +129,11 @@ class LearnerState(WeightSender):
     trains_adapters = False  # the policy's learners with model.lora.rank (PolicyLearner)
     sent_bytes = 0  # of the last weights or adapters gathered
 
-    def _gathered(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """What a sync sends (:meth:`_sent_names`), whole, on rank 0 (None elsewhere), by every name
-        the model's own state dict has, gathered a bucket at a time as the collective sync does.
-        Under ZeRO-3 every rank must call this together."""
-        layout = self.weight_layout(adapters_only, GATHER_BUCKET_BYTES)
+    def _gathered(self, adapters_only: bool = False, synced: bool = False) -> dict[str, torch.Tensor] | None:
+        """What a sync sends (:meth:`_sent_names`; ``synced`` false: every weight), whole, on rank 0
+        (None elsewhere), by every name the model's own state dict has, gathered a bucket at a time
+        as the collective sync does. Under ZeRO-3 every rank must call this together."""
+        layout = self.weight_layout(adapters_only, GATHER_BUCKET_BYTES, synced)
         tensors = self._bucketed(adapters_only, layout)
         state = {name: tensor.to("cpu", copy=True) for name, tensor in tensors if self.rank == 0}
         if self.rank != 0:
@@ -142,10 +142,11 @@ class LearnerState(WeightSender):
         self.sent_bytes = sum(t.numel() * t.element_size() for t in state.values())
         return state
 
-    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def gathered_state_dict(self, synced: bool = False) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (None elsewhere) by the base model's names; with LoRA, each
-        adapted weight merged with its adapter. Under ZeRO-3 every rank must call this together."""
-        state = self._gathered()
+        adapted weight merged with its adapter; ``synced``: what a sync sends (a frozen vision side
+        left out). Under ZeRO-3 every rank must call this together."""
+        state = self._gathered(synced=synced)
         if state is not None and self.lora_rank:
             state = adapters.merged(state, self.config.model.lora)
         return state

@@ -41,14 +41,16 @@ class Truncation:
     vLLM's order: ``min_p`` (drop tokens less likely than ``min_p`` x the most likely one), then
     ``top_k`` (keep the k largest logits, ties included; 0: off), then ``top_p`` (drop the least
     likely tokens whose probabilities sum to at most 1 - p, keeping at least one). Log-probs are
-    then those of the renormalized rest, as the engine reports them."""
+    then those of the renormalized rest, as the engine reports them. ``banned``: tokens never
+    sampled, left out before all of that (a vision-language model's image placeholders)."""
 
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    banned: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0 or bool(self.banned)
 
 
 def truncation_keep(z_NV: torch.Tensor, targets_N: torch.Tensor, truncation: Truncation) -> torch.Tensor:
@@ -56,6 +58,8 @@ def truncation_keep(z_NV: torch.Tensor, targets_N: torch.Tensor, truncation: Tru
     target always among them: a token the engine sampled at the boundary of the kept set, where the
     engine's logits and these differ by float noise, keeps a finite log-prob."""
     keep = torch.ones_like(z_NV, dtype=torch.bool)
+    if truncation.banned:
+        keep[:, list(truncation.banned)] = False
     if truncation.min_p > 0:
         probs = z_NV.softmax(-1)
         keep &= probs >= probs.amax(-1, keepdim=True) * truncation.min_p

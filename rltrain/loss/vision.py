@@ -51,6 +51,9 @@ class Images:
         )
         return cls(pixel_values, grid_thw, keys)
 
+    def to(self, device) -> Images:
+        return Images(self.pixel_values.to(device), self.grid_thw, self.keys)
+
     def tokens(self, merge: int) -> list[int]:
         """Placeholder tokens of each image: its patches over ``merge`` x ``merge`` merged ones."""
         return (self.grid_thw.prod(-1) // merge**2).tolist()

@@ -46,8 +46,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-    """Byte-level BPE with no merges: the 256 byte symbols, the chat special tokens and the tool tags."""
+# builtin:tiny-vl (Qwen2.5-VL's): an image's place in a prompt, and the tokens the processor expands
+# its placeholder to (one per 2 x 2 merged patches of 14 x 14 pixels)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# its images: resized to whole merged patches of 28 x 28 pixels, between 2 x 2 and 8 x 8 of them
+TINY_VL_PIXELS = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}
+# the chat template of builtin:tiny-vl: a message's content may be a list of parts, an image part
+# rendered as Qwen2.5-VL's placeholder (strings render as they do in CHAT_TEMPLATE)
+VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ message.role + '\n' + message.content }}",
+    "{{ message.role + '\n' }}{% if message.content is string %}{{ message.content }}{% else %}"
+    "{% for part in message.content %}{% if part.type in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part.type == 'text' %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}",
+)
+
+
+def build_tokenizer(vision: bool = False):
+    """Byte-level BPE with no merges: the 256 byte symbols, the chat special tokens and the tool tags
+    (``vision``: and :data:`VISION_TOKENS`, with :data:`VL_CHAT_TEMPLATE`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,12 +75,19 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    if vision:
+        tok.add_special_tokens(VISION_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
+        **(
+            {"extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}}
+            if vision
+            else {}
+        ),
     )
 
 
@@ -98,9 +122,38 @@ def family_config(family: str, shape: dict, hidden_size: int):
         config = Qwen3_5TextConfig(**shape, head_dim=HEAD_DIM, linear_key_head_dim=HEAD_DIM, linear_value_head_dim=HEAD_DIM,
                                    linear_num_key_heads=1, linear_num_value_heads=2,
                                    layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    elif family == "qwen2_5_vl":  # a vision tower of one block; rotary positions on 3 axes
+        config = _vl_config(shape)
     else:
         config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**shape)
     return config
+
+
+def _vl_config(shape: dict):
+    """builtin:tiny-vl: Qwen2.5-VL's text model in ``shape`` (its M-RoPE sections over the head's 16
+    frequencies) and a vision tower of one full-attention block (head size 32, vLLM's CPU minimum)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = {k: v for k, v in shape.items() if k != "tie_word_embeddings"}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    vision = {"depth": 1, "hidden_size": HEAD_DIM, "num_heads": 1, "intermediate_size": 2 * HEAD_DIM,
+              "out_hidden_size": shape["hidden_size"], "fullatt_block_indexes": [0]}  # fmt: skip
+    tokenizer = build_tokenizer(vision=True)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(["vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"], VISION_TOKENS)}  # fmt: skip
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            torch_dtype="float32", **ids)  # fmt: skip
+
+
+def _save_processor(out: Path, tokenizer) -> None:
+    """builtin:tiny-vl's processor (its image processor at :data:`TINY_VL_PIXELS`), beside the model."""
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    images = Qwen2VLImageProcessor(size=TINY_VL_PIXELS)
+    Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
+                        chat_template=VL_CHAT_TEMPLATE).save_pretrained(out)  # fmt: skip
 
 
 def build_tiny_model(
@@ -123,13 +176,14 @@ def build_tiny_model(
     ``router_std``: the routers' initial scale (an MoE's default, 0.02, sits near ties: every expert
     about equally likely; ~0.5 routes decisively)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from rltrain.models.families import causal_lm_class
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vision=family == "qwen2_5_vl")
     shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -146,7 +200,7 @@ def build_tiny_model(
     )
     config = family_config(family, shape, hidden_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = causal_lm_class(config).from_config(config)
     if router_std is not None:
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -159,5 +213,7 @@ def build_tiny_model(
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    if family == "qwen2_5_vl":
+        _save_processor(out, tokenizer)
     tokenizer.save_pretrained(out)  # written last: its presence marks a complete folder
     return out

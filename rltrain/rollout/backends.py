@@ -15,10 +15,12 @@ from typing import Any, Protocol
 
 import torch
 
-from rltrain.batch import Segment
+from rltrain.batch import Segment, images_of
 from rltrain.config import RolloutConfig
+from rltrain.media import decoded
 from rltrain.models import adapters
 from rltrain.models.adapters import is_adapter
+from rltrain.models.images import collapsed, placeholder_ids
 from rltrain.rollout.vllm_reload import Reloader
 
 
@@ -38,6 +40,10 @@ class GeneratorBackend(Protocol):
 
     def parameter_names(self) -> list[str]:
         """The engine's own parameter names, shared ones under each name (the weight sync's check)."""
+        ...
+
+    def engine_names(self, names: list[str]) -> list[str]:
+        """Sent (checkpoint) names as the engine's model names its parameters."""
         ...
 
 
@@ -74,6 +80,29 @@ def _start(llm_class, **options):
                 "build); set rollout.backend=hf (the in-process engine)"
             ) from None
         raise
+
+
+def engine_prompt(prompt: list[int]) -> dict:
+    """A prompt as vLLM takes it: its token ids, and with images (an
+    :class:`~rltrain.batch.ImagePrompt`) the images decoded, each placeholder collapsed to the one
+    token vLLM's processor expands again (from the same processor files, to the same count)."""
+    images = images_of(prompt)
+    if not images:
+        return {"prompt_token_ids": list(prompt)}
+    return {"prompt_token_ids": collapsed(list(prompt), prompt.image_token),
+            "multi_modal_data": {"image": [decoded(b) for b in images]}}  # fmt: skip
+
+
+def expanded_alike(prompt: list[int], engine_ids) -> None:
+    """An image prompt's placeholders as the engine expanded them must be the ones the learners
+    train on: the model's processor expanded them the same way, or the run stops saying so."""
+    if images_of(prompt) and list(engine_ids)[: len(prompt)] != list(prompt):
+        token = prompt.image_token
+        raise ValueError(
+            f"vLLM's processor expanded a prompt's {len(prompt.images)} image(s) to "
+            f"{list(engine_ids).count(token)} placeholder tokens, the model's processor to {list(prompt).count(token)}: "
+            "the engine would sample from other inputs than the learners train on"
+        )
 
 
 def _sampled_logprobs(c) -> list[float]:
@@ -131,6 +160,8 @@ class VLLMBackend:
             **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else _cpu_options(rc)),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # a vision-language model's placeholders are never sampled (the learners leave them out too)
+        self.banned = placeholder_ids(self.llm.llm_engine.model_config.hf_config)
         self.reload = Reloader(self.llm)
         self._request_ids = itertools.count()
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
@@ -138,6 +169,10 @@ class VLLMBackend:
         # which costs a third of the generation time of a small model on CPU.
         self._detokenize = bool(stop)
         self.stale_prefixes = False  # the prefix cache holds blocks computed under older weights
+        # a vision-language model's encoder cache after a reload: the reload leaves the scheduler's
+        # record of it behind ("Encoder cache miss" at the next image), and older weights computed it
+        self.stale_encodings = False
+        self.multimodal = bool(self.banned)
         self.adapters = AdapterFolders(lora, _lora_slots(rc)) if lora is not None else None
         self.recorder = None
         if rc.routing_replay:
@@ -159,6 +194,8 @@ class VLLMBackend:
     def _params(self, greedy: bool = False, **kwargs):
         from vllm import SamplingParams
 
+        if self.banned:
+            kwargs["logit_bias"] = {token: float("-inf") for token in self.banned}
         if greedy:
             return SamplingParams(temperature=0.0, **kwargs)
         rc = self.rc
@@ -169,12 +206,14 @@ class VLLMBackend:
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], seeds: list[int], greedy: bool = False
     ) -> list[Segment]:
+        self._reset_stale_encodings()
         params = [self._request_params(greedy, m, s) for m, s in zip(max_tokens, seeds)]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+            [engine_prompt(p) for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
         )
         segments = []
         for prompt, out in zip(prompts, outputs):
+            expanded_alike(prompt, out.prompt_token_ids)
             c = out.outputs[0]
             text = c.text if self._detokenize else decode(self.tokenizer, c.token_ids)
             routes = self._routes(out.request_id, prompt, c.token_ids)
@@ -210,9 +249,7 @@ class VLLMBackend:
             params = self._request_params(greedy, m, seed)
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
             request_id = f"inflight-{next(self._request_ids)}"  # the outputs' name for it
-            engine.add_request(
-                request_id, {"prompt_token_ids": prompt}, params, lora_request=self.lora_request
-            )
+            engine.add_request(request_id, engine_prompt(prompt), params, lora_request=self.lora_request)
             segments[request_id] = Segment([], [], "", "length")
             prompt_of[request_id] = prompt
         try:
@@ -260,24 +297,39 @@ class VLLMBackend:
         if self.recorder is not None:  # (a reload may rebuild a layer's router)
             self._hook_routers()
         self.stale_prefixes = not self.llm.reset_prefix_cache()
+        self.stale_encodings = self.multimodal
+        self._reset_stale_encodings()
 
     def parameter_names(self) -> list[str]:
         return self.llm.apply_model(_parameter_names)[0]
 
+    def engine_names(self, names: list[str]) -> list[str]:
+        """Checkpoint (Hugging Face) names as the engine's model names them (a vision-language
+        model's ``model.language_model.`` is vLLM's ``language_model.model.``)."""
+        return self.llm.apply_model(lambda model: _mapped(model, names))[0]
+
     def reset_stale_prefixes(self) -> None:
         if self.stale_prefixes:
             self.stale_prefixes = not self.llm.reset_prefix_cache()
+        self._reset_stale_encodings()
+
+    def _reset_stale_encodings(self) -> None:
+        """Images' encodings from before the last reload go (with no request in flight: resetting
+        under one desyncs the engine's caches; the next call resets then)."""
+        engine = self.llm.llm_engine
+        if self.stale_encodings and not engine.has_unfinished_requests():
+            engine.reset_encoder_cache()
+            self.stale_encodings = False
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        self._reset_stale_encodings()
         params = self._params(max_tokens=1, prompt_logprobs=0)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": s} for s in sequences],
-            params,
-            use_tqdm=False,
-            lora_request=self.lora_request,
+            [engine_prompt(s) for s in sequences], params, use_tqdm=False, lora_request=self.lora_request
         )
         result = []
         for seq, out in zip(sequences, outputs):
+            expanded_alike(seq, out.prompt_token_ids)
             entries = out.prompt_logprobs  # first entry is None (no prefix)
             result.append([0.0] + [entries[t][seq[t]].logprob for t in range(1, len(seq))])
         return result
@@ -327,6 +379,11 @@ def _lora_options(lora, rc: RolloutConfig) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_rank(lora.rank),
             "max_loras": slots, "max_cpu_loras": slots,
             "lora_target_modules": list(lora.target_modules)}  # fmt: skip
+
+
+def _mapped(model, names: list[str]) -> list[str]:
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return [mapper._map_name(name) or name for name in names] if mapper is not None else names
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:

@@ -21,6 +21,7 @@ from rltrain.config import Config
 from rltrain.episodes.tools import STOP, ToolRunner, generate_with_tools
 from rltrain.episodes.turns import Episodes
 from rltrain.models.adapters import is_adapter
+from rltrain.models.images import is_vision_parameter
 from rltrain.remote import gather, where
 from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode, unsent
 from rltrain.rollout.hf_backend import HFBackend
@@ -214,7 +215,9 @@ class GeneratorActor:
         if self._loaded_names and all(map(is_adapter, self._loaded_names)):
             return []  # an adapter over an unchanged base: no base weight is meant to arrive
         with self._engine:
-            return unsent(self.backend.parameter_names(), self._loaded_names)
+            missing = unsent(self.backend.parameter_names(), self.backend.engine_names(self._loaded_names))
+        # (a frozen vision side is never sent: the engine holds it from the start)
+        return [n for n in missing if not (self.config.model.freeze_vision and is_vision_parameter(n))]
 
 
 class GeneratorPool:

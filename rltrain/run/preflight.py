@@ -18,6 +18,7 @@ from rltrain.config import (
     SFT_FROM_ENV,
     Config,
     ConfigError,
+    first_line,
 )
 from rltrain.data import (
     Prompt,
@@ -52,14 +53,29 @@ class Inputs:
     eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
 
 
-def check_images(config: Config) -> None:
-    """Images the rows hold (read and checked by ``load_rows``) go nowhere yet: refused in one line."""
-    if config.data.image_column:
-        raise ValueError(
-            "data.image_column: the images load and the learner's forwards take them "
-            "(rltrain.loss.vision), but the engine and the training batches do not carry them yet "
-            "(docs/vision.md); a run would train on the text alone"
-        )
+def check_images(config: Config, model_path: str):
+    """With ``data.image_column``: the model's :class:`~rltrain.models.images.ImageInputs`, once
+    the model and the run can take images (else one line saying which setting cannot); None
+    without it."""
+    if not config.data.image_column:
+        return None
+    from rltrain.models.images import ImageInputs
+
+    at = "data.image_column"
+    lc = config.learner
+    for problem, setting in [(config.episodic, "env.name/agent.entrypoint (episodes take text prompts)"),
+                             (lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
+                             (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
+                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
+        if problem:
+            raise ValueError(f"{at}: images are not taken with {setting} yet")
+    inputs = ImageInputs(model_path, config.model.trust_remote_code)
+    try:
+        inputs.image_token  # noqa: B018  (the processor loads and has an image placeholder)
+    except Exception as e:
+        raise ValueError(f"{at}: {config.model.name_or_path!r} has no image processor to render images "
+                         f"with ({first_line(e)}): images need a vision-language model") from None  # fmt: skip
+    return inputs
 
 
 def preflight(config: Config) -> Inputs:
@@ -116,7 +132,7 @@ def preflight(config: Config) -> Inputs:
                 else config.data
             )
             rows, held_out = split_held_out(rows, data, config.eval)
-        check_images(config)
+        images = check_images(config, model_path)
         check_reward_functions(config.reward.functions, config.reward.timeout_s, rows[0])
         if config.gateway_episodes:
             check_agent(config, tokenizer)
@@ -126,8 +142,8 @@ def preflight(config: Config) -> Inputs:
             prompts = episode_prompts(rows, config.data)
             eval_prompts = episode_prompts(held_out, config.data) if held_out else []
         else:
-            prompts = tokenize_prompts(rows, tokenizer, config.data)
-            eval_prompts = tokenize_prompts(held_out, tokenizer, config.data) if held_out else []
+            prompts = tokenize_prompts(rows, tokenizer, config.data, images)
+            eval_prompts = tokenize_prompts(held_out, tokenizer, config.data, images) if held_out else []
         if config.env.name is not None:
             check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:

@@ -36,7 +36,7 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from rltrain.batch import TrainBatch
+from rltrain.batch import ImagePrompt, TrainBatch
 from rltrain.learner.group import LearnerGroup
 from rltrain.remote import ActorFailure, describe, raise_dead_peer
 from rltrain.rollout import GeneratorPool
@@ -74,7 +74,7 @@ class ObjectStoreSync:
     def push(self, learners: LearnerGroup, generators: GeneratorPool, version: int) -> float:
         start = time.perf_counter()
         # the reference goes to the engines without a round trip through the driver
-        generators.load_weights(learners.gathered_state_ref(self.adapters_only), version)
+        generators.load_weights(learners.gathered_state_ref(self.adapters_only, synced=True), version)
         return time.perf_counter() - start
 
 
@@ -173,6 +173,9 @@ def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBat
     learner_BT = learners.per_token(probe, own=True)
     positions = [row.nonzero().squeeze(-1) for row in probe.attention_mask]
     sequences = [ids[at].tolist() for ids, at in zip(probe.input_ids, positions)]
+    if probe.images is not None:  # (each with its images)
+        sequences = [ImagePrompt(seq, im, probe.image_token) if im else seq
+                     for seq, im in zip(sequences, probe.images)]  # fmt: skip
     gap = 0.0
     for engine in generators.prompt_logprobs(sequences, every=True):
         for engine_logprobs, values, at in zip(engine, learner_BT, positions):

@@ -1,0 +1,85 @@
+"""A vision-language model's own image processor, turning a sequence's encoded images into what its
+forward takes (:class:`rltrain.loss.vision.Images`: the patches and their grids), and rendering a
+prompt with images into token ids (its placeholders expanded, one per merged patch), the same way
+wherever it runs: the driver renders prompts, the learners and the in-process engine compute
+patches, and vLLM (which loads the same processor from the model's folder) expands the placeholders
+itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from functools import cached_property
+
+from rltrain.loss.vision import Images
+from rltrain.media import decoded
+
+
+class ImageInputs:
+    """The processor of the model at ``model_path``; :meth:`__call__` gives a sequence's
+    :class:`Images` from its encoded images, each distinct tuple of them processed once (the
+    ``cache`` most recent kept: a group's completions share their prompt's images)."""
+
+    def __init__(self, model_path: str, trust_remote_code: bool = False, cache: int = 256):
+        self.model_path, self.trust = model_path, trust_remote_code
+        self._cache: OrderedDict[tuple[bytes, ...], Images] = OrderedDict()
+        self._size = cache
+
+    @cached_property
+    def processor(self):
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.model_path, trust_remote_code=self.trust)
+
+    @property
+    def image_token(self) -> str:
+        return self.processor.image_token
+
+    def __call__(self, images: tuple[bytes, ...]) -> Images:
+        found = self._cache.get(images)
+        if found is None:
+            out = self.processor.image_processor(images=[decoded(b) for b in images], return_tensors="pt")
+            found = Images.of(out["pixel_values"].float(), out["image_grid_thw"])
+            self._cache[images] = found
+            while len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(images)
+        return found
+
+    def prompt_ids(self, messages: list[dict], images: tuple[bytes, ...]) -> list[int]:
+        """``messages`` (the prompt's, its user turn holding an image part per image) through the
+        chat template with the generation prompt, each image's placeholder expanded."""
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out = self.processor(text=[text], images=[decoded(b) for b in images], return_tensors="pt")
+        return out["input_ids"][0].tolist()
+
+
+def collapsed(ids: list[int], image_token: int) -> list[int]:
+    """``ids`` with each run of ``image_token`` (an expanded image) one token again: what an engine
+    that expands placeholders itself (vLLM) takes with the images."""
+    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
+
+
+# a vision-language model's vision side, by module name: the tower (Qwen2-VL's `visual`, with its
+# merger; `vision_tower`/`vision_model` elsewhere) and the projector into the language model
+VISION_MODULE = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)\.")
+
+
+def is_vision_parameter(name: str) -> bool:
+    """Whether the parameter ``name`` belongs to the model's vision side (``model.freeze_vision``)."""
+    return VISION_MODULE.search(name) is not None
+
+
+def placeholder_ids(config) -> tuple[int, ...]:
+    """A vision-language model's image and video placeholder ids (its config's, or its text
+    config's), which a policy never samples: an engine leaves them out of sampling and the
+    learners' log-probs are of the same distribution (:class:`rltrain.loss.logprobs.Truncation`).
+    Empty for a text model."""
+    ids = []
+    for source in (config, getattr(config, "text_config", None)):
+        for key in ("image_token_id", "video_token_id"):
+            value = getattr(source, key, None)
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+    return tuple(ids)

@@ -61,11 +61,43 @@ def episode_rows(n: int = 2048, seed: int = 1234) -> list[dict[str, str]]:
     return [{"prompt": "guess", "answer": str(rng.randrange(10**6))} for _ in range(n)]
 
 
+SHAPE_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220)}
+SHAPES_QUESTION = "What colour is the square? Answer red, green or blue."
+
+
+def shapes_rows(n: int = 2048, seed: int = 1234, size: int = 56) -> list[dict]:
+    """``builtin:shapes``: a picture of one square on white (``size`` pixels a side: 2 x 2 merged
+    patches of a Qwen2-VL-style processor at 56), drawn on the spot, and the question of its colour:
+    the text is the same in every row, so only the image answers it."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        name = rng.choice(list(SHAPE_COLOURS))
+        image = Image.new("RGB", (size, size), (255, 255, 255))
+        side = rng.randint(size // 4, size // 2)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=SHAPE_COLOURS[name])
+        encoded = io.BytesIO()
+        image.save(encoded, format="PNG")
+        rows.append({"prompt": SHAPES_QUESTION, "answer": name, "images": [encoded.getvalue()]})
+    return rows
+
+
 BUILTIN_SOURCES = {
     BUILTIN_TASK: arithmetic_rows,
     "builtin:guess": episode_rows,
     "builtin:chain": episode_rows,
+    "builtin:shapes": shapes_rows,
 }
+IMAGE_SOURCES = {"builtin:shapes"}  # built-in sources whose rows hold images
+
+
+def holds_images(config: DataConfig) -> bool:
+    """Whether the data's rows hold images (``data.image_column``, or a built-in source of them)."""
+    return bool(config.image_column) or config.source in IMAGE_SOURCES
 
 
 def arithmetic_settings(config: DataConfig, key: str) -> dict:
@@ -122,6 +154,8 @@ def sft_examples(sft: SFTWarmupConfig, rows: list[dict], seed: int) -> list[dict
     its training questions answered directly or (``tool_fraction`` of them) through the calculator;
     ``copy_fraction`` of them instead are given the call's opening tag (``given``: the assistant
     turn's untrained start) and train the rest of the call and the answer copied from its result."""
+    if sft.source in IMAGE_SOURCES:  # the task's own rows, answered (images and all)
+        return [{"prompt": r["prompt"], "completion": r["answer"], "images": r["images"]} for r in rows]
     if sft.source != BUILTIN_TASK:
         examples = load_rows(
             DataConfig(

@@ -128,11 +128,13 @@ def test_sequence_parallelism_over_a_hybrid_model_is_refused_before_any_actor(tm
 
 # each family's CLI runs: (model, engine, config, overrides): gpt-oss on the demo's task; Gemma 3 on
 # an environment's episodes (configs/cpu_env.yaml: a system turn with the calculator's schema,
-# hermes calls, multi-turn trees); the hybrid on the demo's task with the in-process engine
+# hermes calls, multi-turn trees); the hybrid on the demo's task with the in-process engine; the
+# vision-language model on configs/cpu_vision.yaml's pictures (each group's image once in its tree)
 CLI_FAMILIES = {
     "gpt-oss": ("builtin:tiny-gpt-oss", "vllm", "configs/cpu_demo.yaml", []),
     "gemma3 episodes": ("builtin:tiny-gemma3", "vllm", "configs/cpu_env.yaml", ["reward.functions={env: 1.0, digits: 1.0}"]),
     "qwen3.5": ("builtin:tiny-qwen3.5", "hf", "configs/cpu_demo.yaml", []),
+    "vision": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", []),
 }  # fmt: skip
 
 
@@ -159,11 +161,14 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
     # 2 learners, ZeRO-2, packing and prefix sharing on. The engine's log-probs equal the learners'
     # at every step, and with plain SGD the first update is one learner's, each sequence padded in
     # one micro-batch under transformers' own attention, unshared
-    from test_e2e import final_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from rltrain.config import BUILTIN_MODELS
+    from rltrain.models.families import causal_lm_class
     from rltrain.run.diagnostics import relative_difference
+
+    def weights(folder):
+        return causal_lm_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder).state_dict()
 
     model, backend, config, more = CLI_FAMILIES[family]
     sgd = [f"model.name_or_path={model}", f"rollout.backend={backend}", "learner.optimizer=sgd", "learner.lr=0.5",
@@ -179,11 +184,18 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
                         "learner.packing=false", "learner.micro_batch_size=16", "learner.prefix_sharing=false",
                         env=ray_cluster)  # fmt: skip
     assert unshared["perf/tokens_forwarded"] == unshared["perf/forward_tokens"]  # nothing shared there
-    start = AutoModelForCausalLM.from_pretrained(out / f"tiny_{BUILTIN_MODELS[model]}_model").state_dict()
-    step_1 = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_1" / "hf").state_dict()
+    start = weights(out / f"tiny_{BUILTIN_MODELS[model]}_model")
+    step_1 = weights(out / "checkpoints" / "step_1" / "hf")
     update = {k: step_1[k] - start[k] for k in start}
-    reference = {k: v - start[k] for k, v in final_weights(one).items()}
+    reference = {k: v - start[k] for k, v in weights(one / "final_model").items()}
     assert relative_difference(update, reference) < 1e-5
+    if family == "vision":  # the exported model is whole (its processor too) and its tower as it began
+        from transformers import AutoProcessor
+
+        from rltrain.models.images import is_vision_parameter
+
+        assert AutoProcessor.from_pretrained(out / "final_model").image_token == "<|image_pad|>"
+        assert all(update[k].abs().max() == 0 for k in update if is_vision_parameter(k))
     if family == "gemma3 episodes":  # the system turn with the tool's schema and the question: most of it
         assert rows[0]["perf/prefix_shared_fraction"] > 0.5
         assert rows[0]["perf/tokens_forwarded"] < 0.5 * rows[0]["perf/forward_tokens"]

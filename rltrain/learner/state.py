@@ -26,6 +26,7 @@ import torch
 
 from rltrain.learner.sender import WeightSender
 from rltrain.models import adapters
+from rltrain.models.images import has_processor
 
 GATHER_BUCKET_BYTES = 64 * 2**20  # the parameters gathered at once for a whole state dict (ZeRO-3)
 LAYOUT = "layout.json"  # beside each learner section's DeepSpeed state: the layout that wrote it
@@ -165,7 +166,7 @@ class LearnerState(WeightSender):
     def save_hf(self, out_dir: str) -> str | None:
         """The model in Hugging Face format (with LoRA: merged), written by rank 0; why it could
         not be, or None."""
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
 
         state = self.gathered_state_dict()
         if self.rank == 0:
@@ -174,7 +175,10 @@ class LearnerState(WeightSender):
                 (module.get_base_model() if self.lora_rank else module).save_pretrained(
                     out_dir, state_dict=state
                 )
+                # its tokenizer, and a vision-language model's processor (what renders its images)
                 AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+                if has_processor(self.model_path):
+                    AutoProcessor.from_pretrained(self.model_path).save_pretrained(out_dir)
             except (OSError, RuntimeError) as e:
                 return write_failure(e, out_dir)
         return None

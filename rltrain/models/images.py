@@ -83,3 +83,37 @@ def placeholder_ids(config) -> tuple[int, ...]:
             if isinstance(value, int) and value not in ids:
                 ids.append(value)
     return tuple(ids)
+
+
+def has_processor(model_path: str) -> bool:
+    """Whether a local model folder holds a processor's files (an image processor's, at least)."""
+    from pathlib import Path
+
+    folder = Path(model_path)
+    return (folder / "preprocessor_config.json").is_file() or (folder / "processor_config.json").is_file()
+
+
+def run_images(config, model_path: str) -> ImageInputs | None:
+    """Where the rows hold images (:func:`rltrain.data.holds_images`): the model's :class:`ImageInputs`, once
+    the model and the run can take images (else one line saying which setting cannot); None
+    without it."""
+    from rltrain.config import first_line
+    from rltrain.data import holds_images
+
+    if not holds_images(config.data):
+        return None
+    at = "data.image_column" if config.data.image_column else f"data.source={config.data.source}"
+    lc = config.learner
+    for problem, setting in [(config.episodic, "env.name/agent.entrypoint (episodes take text prompts)"),
+                             (lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
+                             (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
+                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
+        if problem:
+            raise ValueError(f"{at}: images are not taken with {setting} yet")
+    inputs = ImageInputs(model_path, config.model.trust_remote_code)
+    try:
+        inputs.image_token  # noqa: B018  (the processor loads and has an image placeholder)
+    except Exception as e:
+        raise ValueError(f"{at}: {config.model.name_or_path!r} has no image processor to render images "
+                         f"with ({first_line(e)}): images need a vision-language model") from None  # fmt: skip
+    return inputs

@@ -18,7 +18,6 @@ from rltrain.config import (
     SFT_FROM_ENV,
     Config,
     ConfigError,
-    first_line,
 )
 from rltrain.data import (
     Prompt,
@@ -36,6 +35,7 @@ from rltrain.episodes.checks import (
     check_tools,
     verifiers_rows,
 )
+from rltrain.models.images import run_images
 from rltrain.models.resolve import check_model, check_scoring_models, load_tokenizer, resolve_model
 from rltrain.rewards.functions import GIVEN, check_reward_functions, load_reward_fn
 from rltrain.run import checkpoint
@@ -51,31 +51,6 @@ class Inputs:
     prompts: list[Prompt]  # training prompts
     rows: list[dict]  # their rows (the supervised warm-up's questions)
     eval_prompts: list[Prompt]  # held out: never trained on (empty without evaluation)
-
-
-def check_images(config: Config, model_path: str):
-    """With ``data.image_column``: the model's :class:`~rltrain.models.images.ImageInputs`, once
-    the model and the run can take images (else one line saying which setting cannot); None
-    without it."""
-    if not config.data.image_column:
-        return None
-    from rltrain.models.images import ImageInputs
-
-    at = "data.image_column"
-    lc = config.learner
-    for problem, setting in [(config.episodic, "env.name/agent.entrypoint (episodes take text prompts)"),
-                             (lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
-                             (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
-                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
-        if problem:
-            raise ValueError(f"{at}: images are not taken with {setting} yet")
-    inputs = ImageInputs(model_path, config.model.trust_remote_code)
-    try:
-        inputs.image_token  # noqa: B018  (the processor loads and has an image placeholder)
-    except Exception as e:
-        raise ValueError(f"{at}: {config.model.name_or_path!r} has no image processor to render images "
-                         f"with ({first_line(e)}): images need a vision-language model") from None  # fmt: skip
-    return inputs
 
 
 def preflight(config: Config) -> Inputs:
@@ -132,7 +107,7 @@ def preflight(config: Config) -> Inputs:
                 else config.data
             )
             rows, held_out = split_held_out(rows, data, config.eval)
-        images = check_images(config, model_path)
+        images = run_images(config, model_path)
         check_reward_functions(config.reward.functions, config.reward.timeout_s, rows[0])
         if config.gateway_episodes:
             check_agent(config, tokenizer)

@@ -21,15 +21,16 @@ from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, Config
 from rltrain.data import (
     LOCAL_FORMATS,
-    chat_prompts,
     local_files,
     sft_conversations,
     sft_examples,
     tokenize_completion,
+    tokenize_prompts,
 )
 from rltrain.episodes.chat import Encoded, render_conversations
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
+from rltrain.models.images import ImageInputs
 from rltrain.run import checkpoint
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
@@ -54,7 +55,13 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
         except ValueError as e:
             raise BadExamples(f"sft_warmup.source {sft.source!r}: {e}") from None
     else:
-        encoded = encode_examples(sft_examples(sft, rows, config.run.seed), tokenizer, config)
+        examples = sft_examples(sft, rows, config.run.seed)
+        images = (
+            ImageInputs(model_path, config.model.trust_remote_code)
+            if any("images" in e for e in examples)
+            else None
+        )
+        encoded = encode_examples(examples, tokenizer, config, images)
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
@@ -87,11 +94,14 @@ def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]
     return render_conversations(written, tokenizer, config.env.render)
 
 
-def encode_examples(examples: list[dict[str, str]], tokenizer, config: Config) -> list[Encoded]:
+def encode_examples(examples: list[dict], tokenizer, config: Config, images=None) -> list[Encoded]:
     """``{"prompt", "completion"}`` examples as (prompt ids, completion ids, tool mask): the prompt
-    in the chat format, followed by an example's ``given`` start of the assistant turn (untrained,
-    as the prompt is), if it has one."""
-    prompts = chat_prompts([e["prompt"] for e in examples], tokenizer, config.data)
+    in the chat format (with an example's ``images``, rendered by the model's processor,
+    ``images``: its :class:`~rltrain.models.images.ImageInputs`), followed by an example's
+    ``given`` start of the assistant turn (untrained, as the prompt is), if it has one."""
+    rows = [{"prompt": e["prompt"], "answer": "", "images": e.get("images")} for e in examples]
+    prompts = [p.token_ids for p in tokenize_prompts(rows, tokenizer, config.data.model_copy(
+        update={"max_prompt_tokens": 10**9}), images)]  # fmt: skip
     return [(prompt + tokenize_completion(e.get("given", ""), tokenizer, eos=False)[0],
              *tokenize_completion(e["completion"], tokenizer)) for prompt, e in zip(prompts, examples)]  # fmt: skip
 

@@ -1,0 +1,195 @@
+"""Images through a run: prompts rendered by a vision-language model's processor
+(builtin:tiny-vl, builtin:shapes), the images kept with a prompt's continuations, trees that share an
+image's placeholders only where the image is the same, placeholders never sampled on either side,
+a frozen vision tower left out of syncs, and real learners' token-mode update the same in every
+layout of a batch with images (the CLI run with vLLM: tests/test_families.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from rltrain.batch import Completion, ImagePrompt, collate, token_keys
+from rltrain.config import DataConfig
+from rltrain.data import shapes_rows, tokenize_prompts
+from rltrain.learner import attention
+from rltrain.learner.prefix_tree import build_tree, tree_logprobs
+from rltrain.loss.logprobs import Truncation, sequence_logprobs
+from rltrain.media import decoded
+from rltrain.models.images import ImageInputs, collapsed, is_vision_parameter
+from rltrain.plan import shared_prefix_lengths
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory) -> str:
+    from rltrain.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("vl") / "model", family="qwen2_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def shape_prompts(tiny_vl):
+    from transformers import AutoTokenizer
+
+    rows = shapes_rows(6, seed=3)
+    return tokenize_prompts(rows, AutoTokenizer.from_pretrained(tiny_vl), DataConfig(), ImageInputs(tiny_vl))
+
+
+def test_an_image_prompt_keeps_its_images_through_continuations_and_transport(shape_prompts):
+    prompt = shape_prompts[0].token_ids
+    assert isinstance(prompt, ImagePrompt) and len(prompt.images) == 1
+    more = prompt + [5, 6]  # a tool round's or an in-flight chunk's continuation
+    assert isinstance(more, ImagePrompt) and more.images == prompt.images and list(more[-2:]) == [5, 6]
+    back = pickle.loads(pickle.dumps(more))  # as Ray carries a request
+    assert back == more and back.images == more.images and back.image_token == more.image_token
+    # vLLM takes one placeholder per image and expands it again: 2 x 2 merged patches of 56 x 56
+    token = prompt.image_token
+    assert list(prompt).count(token) == 4 and collapsed(list(prompt), token).count(token) == 1
+    assert len(collapsed(list(prompt), token)) == len(prompt) - 3
+
+
+def test_rows_of_images_render_through_the_models_processor_and_reach_the_batch(shape_prompts, tiny_vl):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl)
+    texts = {tuple(t for t in p.token_ids if t != p.token_ids.image_token) for p in shape_prompts}
+    assert len(texts) == 1  # the same question in every row: only the image answers it
+    first = shape_prompts[0]
+    expected = processor(
+        text=[processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+            "type": "text", "text": first.row["prompt"]}]}], add_generation_prompt=True, tokenize=False)],
+        images=[decoded(first.row["images"][0])], return_tensors="pt")  # fmt: skip
+    assert list(first.token_ids) == expected["input_ids"][0].tolist()
+    batch = collate([p.token_ids for p in shape_prompts[:2]] + [[1, 2, 3]],
+                    [Completion([7, 8], [0.0, 0.0], [1, 1])] * 3, torch.zeros(3), pad_id=0)  # fmt: skip
+    batch.validate()
+    assert batch.images[:2] == [p.token_ids.images for p in shape_prompts[:2]] and batch.images[2] is None
+    assert batch.image_token == first.token_ids.image_token
+    chosen = batch.select(torch.tensor([1, 2]))
+    assert chosen.images == batch.images[1:] and chosen.image_token == batch.image_token
+
+
+def test_banned_tokens_leave_the_sampled_distribution(tiny_vl):
+    # logits (0, ln 2, ln 3) with token 2 banned: p = (1, 2) / 3 over the rest, so the log-prob of
+    # token 1 is ln(2/3); unbanned it is ln(2/6)
+    logits = torch.log(torch.tensor([[[1.0, 2.0, 3.0]]]))
+
+    class Head(torch.nn.Module):
+        config = None
+
+        def forward(self, input_ids, **_):
+            return type("Out", (), {"logits": logits.expand(1, input_ids.shape[1], 3)})()
+
+    ids = torch.tensor([[0, 1]])
+    banned, _ = sequence_logprobs(Head(), ids, torch.ones_like(ids), truncation=Truncation(banned=(2,)),
+                                  from_hidden=False)  # fmt: skip
+    plain, _ = sequence_logprobs(Head(), ids, torch.ones_like(ids), from_hidden=False)
+    assert banned[0, 1].item() == pytest.approx(torch.log(torch.tensor(2 / 3)).item(), abs=1e-6)
+    assert plain[0, 1].item() == pytest.approx(torch.log(torch.tensor(2 / 6)).item(), abs=1e-6)
+    from transformers import AutoConfig
+
+    from rltrain.models.images import placeholder_ids
+
+    config = AutoConfig.from_pretrained(tiny_vl)
+    assert set(placeholder_ids(config)) == {config.image_token_id, config.video_token_id}
+
+
+def test_a_tree_shares_an_images_placeholders_only_where_the_image_is_the_same(shape_prompts, tiny_vl):
+    # three completions of one picture's question and two of another picture's: the token ids of all
+    # five prompts are equal (the same question, pictures of one size), so a tree by token ids alone
+    # would run the second picture's completions on the first picture's features
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, attn_implementation=attention.register())
+    model.eval()
+    a, b = shape_prompts[0].token_ids, shape_prompts[1].token_ids
+    assert list(a) == list(b) and a.images != b.images
+    prompts = [a, a, a, b, b]
+    completions = [[40, 41, 42], [40, 43], [44], [40, 41, 42], [45, 46]]
+    batch = collate(prompts, [Completion(c, [0.0] * len(c), [1] * len(c)) for c in completions],
+                    torch.zeros(5), pad_id=0)  # fmt: skip
+    images = ImageInputs(tiny_vl)
+    per_row = [images(im) for im in batch.images]
+    tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool(), batch.images,
+                      batch.image_token)  # fmt: skip
+    prompt_len = len(a)
+    keys_a, keys_b = (
+        token_keys(list(a), a.images, a.image_token),
+        token_keys(list(b), b.images, b.image_token),
+    )
+    diverge = next(t for t, (x, y) in enumerate(zip(keys_a, keys_b)) if x != y)
+    assert diverge == list(a).index(a.image_token)  # at the first placeholder
+    # the first picture's prompt once, the second's from its first placeholder on once more, and
+    # every completion token once (they are trained: never shared): 3 + 2 + 1 and 3 + 2
+    assert tree.tokens == prompt_len + (prompt_len - diverge) + (3 + 2 + 1) + (3 + 2)
+    assert shared_prefix_lengths(batch)[3] == diverge  # the planner counts alike
+    with torch.no_grad():
+        shared, _ = tree_logprobs(model, tree, batch.input_ids, images=per_row)
+        padded, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, images=per_row)
+    response = batch.response_mask.bool()
+    torch.testing.assert_close(shared[response], padded[response], rtol=0, atol=1e-5)
+
+
+def test_a_frozen_vision_tower_stays_out_of_syncs_and_an_engine_keeps_its_own(tiny_vl):
+    from transformers import AutoModelForImageTextToText
+
+    from rltrain.config import RolloutConfig
+    from rltrain.rollout.hf_backend import HFBackend
+
+    names = [n for n, _ in AutoModelForImageTextToText.from_pretrained(tiny_vl).named_parameters()]
+    vision = [n for n in names if is_vision_parameter(n)]
+    assert vision and all(n.startswith("model.visual.") for n in vision)
+    assert not any(is_vision_parameter(n) for n in names if not n.startswith("model.visual."))
+    engine = HFBackend(tiny_vl, RolloutConfig(), [], False)
+    state = {k: v + 0.5 for k, v in engine.model.state_dict().items() if not is_vision_parameter(k)}
+    before = {k: v.clone() for k, v in engine.model.state_dict().items() if is_vision_parameter(k)}
+    engine.load_weights(state.items())  # what a sync with model.freeze_vision sends
+    after = engine.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    missing_text = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    with pytest.raises(RuntimeError, match="missing.*lm_head"):
+        engine.load_weights(missing_text.items())
+
+
+@pytest.mark.slow
+def test_token_mode_update_with_images_is_the_same_in_every_layout_and_the_naive_mean_is_not(
+    ray_local, shape_prompts, tiny_vl
+):
+    # 8 sequences: two groups of 4 completions (3-12 tokens) of two pictures' prompts (equal token ids)
+    # through real learners and DeepSpeed, the vision tower trained too (model.freeze_vision=false).
+    # One learner with every sequence padded in one micro-batch, unshared, is the reference; 2 learners
+    # packed with prefix trees under ZeRO-2 (one micro-batch each) and ZeRO-3 (a budget of 60 tokens:
+    # several micro-batches) give its update; the per-micro-batch mean over 2 x (3 + 1) padded
+    # micro-batches does not
+    from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [shape_prompts[0].token_ids] * 4 + [shape_prompts[1].token_ids] * 4
+    lengths = [3, 12, 5, 8, 4, 10, 6, 7]
+    completions = [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
+    batch = collate(prompts, [Completion(c, [0.0] * len(c), [1] * len(c)) for c in completions],
+                    torch.randn(8, generator=g), pad_id=0)  # fmt: skip
+    batch = batch.replace(generator_logprobs=None)
+
+    def unfrozen(config):
+        return config.model_copy(update={"model": config.model.model_copy(update={"freeze_vision": False})})
+
+    layouts = {
+        "ZeRO-2 packed, trees": layout_config(2, 1, 2, max_tokens_per_micro_batch=400, prefix_sharing=True),
+        "ZeRO-3 packed in 60 tokens, trees": layout_config(
+            2, 1, 3, max_tokens_per_micro_batch=60, prefix_sharing=True
+        ),
+    }
+    configs = [layout_config(1, 8, 0, prefix_sharing=False), *layouts.values(),
+               layout_config(2, 3, 0, None, prefix_sharing=False)]  # fmt: skip
+    reference, *updates, naive = updates_after_one_step([unfrozen(c) for c in configs], tiny_vl, batch)
+    diffs = {name: relative_difference(update, reference) for name, update in zip(layouts, updates)}
+    print(
+        f"token-mode update differences with images {diffs}; naive {relative_difference(naive, reference):.3e}"
+    )
+    assert max(diffs.values()) < 1e-5, diffs
+    assert relative_difference(naive, reference) > 1e-2
+    assert any(v.abs().max() > 0 for k, v in reference.items() if is_vision_parameter(k))  # the tower trained

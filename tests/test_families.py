@@ -118,12 +118,26 @@ def test_sequence_parallelism_over_a_hybrid_model_is_refused_before_any_actor(tm
     folder = tmp_path / "qwen3.5"
     families.build("qwen3.5").save_pretrained(folder)
     config = load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "learner.sequence_parallel_size=2",
-                                                   "learner.prefix_sharing=false"])  # fmt: skip
+                                                   "learner.prefix_sharing=false", "rollout.backend=hf"])  # fmt: skip
     with pytest.raises(ConfigError) as refused:
         check_model(config, str(folder))
     line = str(refused.value)
     assert line.startswith("learner:") and "linear_attention layers" in line and "\n" not in line
-    check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}"]), str(folder))
+    check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]), str(folder))
+
+
+def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
+    # vLLM's CPU Gated DeltaNet kernel asserts bf16: an fp32 engine within 1e-4 of the learners is not there
+    from rltrain.config import ConfigError, load_config
+    from rltrain.models.resolve import check_model
+    from rltrain.models.tiny import build_tiny_model
+
+    folder = str(build_tiny_model(tmp_path / "qwen3.5", family="qwen3_5_text"))
+    with pytest.raises(ConfigError) as refused:
+        check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}"]), folder)
+    line = str(refused.value)
+    assert line.startswith("rollout.backend=vllm:") and "rollout.backend=hf" in line and "\n" not in line
+    check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]), folder)
 
 
 # each family's CLI runs: (model, engine, config, overrides): gpt-oss on the demo's task; Gemma 3 on

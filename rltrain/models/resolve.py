@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rltrain.config import BUILTIN_MODELS, Config, ConfigError, first_line
+from rltrain.models import families
 from rltrain.models.pretrained import model_folder
 
 
@@ -155,6 +156,14 @@ def check_model(config: Config, model_path: str) -> None:
                 "model.lora.rank with a mixture of experts: vLLM's CPU engine cannot serve LoRA adapters "
                 "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
                 "(model.lora.rank=0) or generate with rollout.backend=hf"
+            )
+    if config.rollout.backend == "vllm" and "linear_attention" in families.needs(architecture).recurrent:
+        import torch
+
+        if not torch.cuda.is_available():  # (its CPU kernel asserts bf16, at any head size but 64+)
+            raise ConfigError(
+                "rollout.backend=vllm: vLLM's CPU engine runs Gated DeltaNet layers in bf16 only, off the "
+                "learners' fp32 log-probs; generate with rollout.backend=hf (on a GPU vLLM serves them)"
             )
     if config.rollout.routing_replay:
         _check_replay(config, architecture, experts)

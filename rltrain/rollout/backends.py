@@ -65,9 +65,9 @@ def decode(tokenizer, token_ids: list[int]) -> str:
 
 
 def _start(llm_class, **options):
-    """The engine; where vLLM cannot inspect the model's module because it imports torchvision,
-    which this stack leaves out (PyPI's torchvision wheels are CUDA builds, whose ops do not load
-    beside torch's CPU build: vLLM's Qwen3.5 and vision-language modules), one line says so."""
+    """The engine; where vLLM cannot inspect the model's module because it imports torchvision and
+    torchvision is not installed (vLLM's Qwen3.5 and vision-language modules; scripts/setup_env.sh
+    installs a build that loads beside torch's CPU build), one line says so."""
     import importlib.util
 
     try:

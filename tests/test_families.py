@@ -123,7 +123,10 @@ def test_sequence_parallelism_over_a_hybrid_model_is_refused_before_any_actor(tm
         check_model(config, str(folder))
     line = str(refused.value)
     assert line.startswith("learner:") and "linear_attention layers" in line and "\n" not in line
-    check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]), str(folder))
+    check_model(
+        load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]),
+        str(folder),
+    )
 
 
 def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
@@ -137,7 +140,9 @@ def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
         check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}"]), folder)
     line = str(refused.value)
     assert line.startswith("rollout.backend=vllm:") and "rollout.backend=hf" in line and "\n" not in line
-    check_model(load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]), folder)
+    check_model(
+        load_config("configs/cpu_demo.yaml", [f"model.name_or_path={folder}", "rollout.backend=hf"]), folder
+    )
 
 
 # each family's CLI runs: (model, engine, config, overrides): gpt-oss on the demo's task; Gemma 3 on

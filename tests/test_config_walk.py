@@ -51,7 +51,9 @@ def test_values_the_schema_accepts_pass_every_check_before_the_actors_or_stop_in
     # into its own output folder, so its path differs from config to config.)
     tokenized, tokenize = {}, checks.tokenize_prompts
 
-    def tokenize_once(rows, tokenizer, data):
+    def tokenize_once(rows, tokenizer, data, images=None):
+        if images is not None:  # (rows with images: rendered by their model's processor)
+            return tokenize(rows, tokenizer, data, images)
         key = (
             tokenizer.backend_tokenizer.to_str(),
             tokenizer.chat_template,

@@ -5,6 +5,7 @@ images, training batches (how a batch is laid out over ranks and micro-batches i
 
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -44,7 +45,7 @@ class ImagePrompt(list):
     in the order of its placeholders): a list of ints wherever a prompt is one, and a continuation
     of it (``prompt + more_ids``, as tool rounds and in-flight chunks build) keeps its images."""
 
-    def __init__(self, token_ids, images, image_token: int):
+    def __init__(self, token_ids, images=(), image_token: int | None = None):
         super().__init__(token_ids)
         self.images, self.image_token = tuple(images), image_token
 
@@ -114,11 +115,18 @@ class Completion:
         out = asdict(self)
         out["routes"] = None if self.routes is None else self.routes.tolist()
         out["earlier"] = [c.state() for c in self.earlier]
+        out["prompt_ids"] = list(self.prompt_ids)
+        if images := images_of(self.prompt_ids):  # (a gateway's request with images)
+            out["prompt_images"] = [base64.b64encode(b).decode() for b in images], self.prompt_ids.image_token
         return out
 
     @classmethod
     def from_state(cls, state: dict) -> Completion:
-        routes = state.get("routes")
+        state, routes = dict(state), state.get("routes")
+        if images := state.pop("prompt_images", None):
+            state["prompt_ids"] = ImagePrompt(
+                state["prompt_ids"], [base64.b64decode(b) for b in images[0]], images[1]
+            )
         return cls(**{**state, "routes": None if routes is None else np.asarray(routes, dtype=ROUTE_DTYPE),
                       "earlier": [cls.from_state(c) for c in state.get("earlier", [])]})  # fmt: skip
 

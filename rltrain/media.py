@@ -116,3 +116,21 @@ def _base64(payload: str, where: str) -> bytes:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageError(f"{where}: the image's base64 does not decode ({e})") from None
+
+
+def described(messages: list[dict]) -> list[dict]:
+    """``messages`` as rollouts on disk and checkpoints keep them (JSON): each image part's bytes
+    replaced by a line saying which image it was (its size, format and a digest)."""
+    import hashlib
+
+    def part(p: dict) -> dict:
+        if p.get("type") != "image" or not isinstance(p.get("image"), bytes | bytearray):
+            return p
+        from PIL import Image
+
+        with Image.open(io.BytesIO(p["image"])) as image:
+            size = f"{image.width}x{image.height} {image.format}"
+        return {"type": "image", "image": f"<image {size}, sha1 {hashlib.sha1(p['image']).hexdigest()[:12]}>"}
+
+    return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]  # fmt: skip

@@ -29,6 +29,18 @@ async def run(row: dict, base_url: str, api_key: str, model: str) -> float:
         messages.append(reply.model_dump(exclude_none=True))
         return reply
 
+    if mode == "images":  # a picture, a question on it, a follow-up in text, then another picture
+        first, second = row["images"]
+        messages[:] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": first}},
+                                                    {"type": "text", "text": "What colour?"}]}]  # fmt: skip
+        await ask()
+        messages.append({"role": "user", "content": "Sure?"})
+        await ask()
+        messages.append({"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                                     {"type": "image_url", "image_url": {"url": second}}]})  # fmt: skip
+        await ask()
+        HELD[row["id"]] = messages
+        return 1.0
     if mode == "tool_loop":  # call, run the tool, call again, until an answer
         for _ in range(3):
             reply = await ask(tools=TOOLS)

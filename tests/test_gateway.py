@@ -236,8 +236,9 @@ def test_content_parts_other_than_text_are_refused_in_one_line_never_dropped():
         refused[name] = str(refusal.value)
     assert refused["remote"].startswith("messages.0.content.1.image_url: remote image URLs are not fetched")
     assert "cannot be decoded as an image" in refused["undecodable"]
-    # a good image is read, then refused: a reply to the text alone would be trained on
-    assert refused["an image"].startswith("messages.0.content.1: images are not served yet")
+    # a good image is read, then refused where the model takes none: a reply to the text alone would
+    # be trained on (tests/test_vision_run.py serves one to a vision-language model)
+    assert refused["an image"].startswith("messages.0.content.1: this model takes no images")
     assert (
         refused["audio"]
         == "messages.0.content.1: content parts of type 'input_audio' are not served (text only)"

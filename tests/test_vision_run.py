@@ -193,3 +193,51 @@ def test_token_mode_update_with_images_is_the_same_in_every_layout_and_the_naive
     assert max(diffs.values()) < 1e-5, diffs
     assert relative_difference(naive, reference) > 1e-2
     assert any(v.abs().max() > 0 for k, v in reference.items() if is_vision_parameter(k))  # the tower trained
+
+
+def test_the_gateway_serves_image_url_parts_token_in_token_out_and_splits_where_a_new_image_comes(tiny_vl):
+    # an agent sends a picture (a data URL) with its question, a text follow-up, then a second
+    # picture: the first two calls are one sequence (the follow-up's template tokens inserted, the
+    # replies' ids as sampled), the third renders the whole history with both pictures anew
+    import base64
+
+    from test_gateway import AGENT, ScriptedEngine
+    from transformers import AutoTokenizer
+
+    from rltrain.config import load_config
+    from rltrain.episodes.agents import AgentRunner
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    pictures = shapes_rows(2, seed=5)
+    urls = [f"data:image/png;base64,{base64.b64encode(r['images'][0]).decode()}" for r in pictures]
+    seen = []
+
+    def reply(prompt):
+        seen.append(prompt)
+        return tokenizer.encode("red", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    runner = AgentRunner(load_config(None, AGENT), tokenizer, tiny_vl)
+    try:
+        (c,) = runner.run(
+            ScriptedEngine(reply, tokenizer), [{"id": "p", "mode": "images", "images": urls}], [0]
+        )
+    finally:
+        runner.server.stop()
+    first, second = pictures[0]["images"][0], pictures[1]["images"][0]
+    assert [p.images for p in seen] == [(first,), (first,), (first, second)]  # each call with its pictures
+    assert len(c.earlier) == 1  # the new picture split the episode
+    opening, last = c.earlier[0], c
+    token = opening.prompt_ids.image_token
+    assert list(opening.prompt_ids).count(token) == 4 and list(last.prompt_ids).count(token) == 8
+    assert (
+        list(seen[1])
+        == list(opening.prompt_ids) + opening.token_ids[: len(seen[1]) - len(opening.prompt_ids)]
+    )
+    batch = collate([opening.prompt_ids, last.prompt_ids], [opening, last], torch.zeros(2), pad_id=0)
+    assert batch.images == [(first,), (first, second)] and batch.image_token == token
+    # a checkpoint of completions generated ahead keeps their pictures (JSON: base64)
+    import json
+
+    back = Completion.from_state(json.loads(json.dumps(last.state())))
+    assert back.prompt_ids == last.prompt_ids and back.prompt_ids.images == (first, second)
+    assert back.earlier[0].prompt_ids.images == (first,)

@@ -40,6 +40,7 @@ from rltrain.episodes.gateway import GATEWAY, Gateway, OutOfRoom, episode_comple
 from rltrain.episodes.parsers import get_parser
 from rltrain.episodes.requests import Refused, Sampling
 from rltrain.loading import import_attribute
+from rltrain.models.images import ImageInputs, has_processor
 from rltrain.rewards.functions import AGENT, VERIFIERS_ENV
 
 MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
@@ -249,7 +250,8 @@ class AgentRunner:
     """A generator's agents: the gateway over their episodes, its server, and the batcher of the
     rollout in progress."""
 
-    def __init__(self, config, tokenizer):
+    def __init__(self, config, tokenizer, model_path: str | None = None):
+        """``model_path``: the policy's folder (a vision-language model's processor renders images)."""
         rc, agent = config.rollout, config.agent
         # the episode's function: the user's agent, or a verifiers environment's episode (whose
         # reward is the environment's, and whose rollouts run inside its serving resources)
@@ -263,12 +265,16 @@ class AgentRunner:
             self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
         limits = EpisodeLimits.from_config(config)
+        vl = model_path is not None and has_processor(model_path)
+        images = ImageInputs(model_path, config.model.trust_remote_code) if vl else None
         self.gateway = Gateway(
-            lambda tools: ChatRenderer(tokenizer, tools, config.env.render),
+            lambda tools: ChatRenderer(tokenizer, tools, config.env.render, images),
             lambda tools: get_parser(config.tool_parser, tokenizer, tools),
             limits,
             Sampling(rc.temperature, rc.top_p, rc.top_k, rc.min_p),
             MODEL_NAME,
+            images is not None,
+            config.data.max_image_pixels,
         )
         self.batcher: Batcher | None = None
         self.server: GatewayServer | None = None

@@ -44,12 +44,17 @@ def call_id(n: int) -> str:
 
 def canonical(message: dict[str, Any]) -> dict[str, Any]:
     """A message as the template gets it and as prefixes are compared: OpenAI's fields only,
-    ``content`` a string, tool-call arguments parsed from their JSON string."""
+    ``content`` a string (or, with images, its parts: text, and ``{"type": "image", "image": bytes}``
+    for an ``image_url`` part, its data URL decoded), tool-call arguments parsed from their JSON string."""
     out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
     content = out.get("content", "")
-    if isinstance(content, list):  # content parts: the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out["content"] = content if isinstance(content, str) else str(content)
+    if isinstance(content, list):  # content parts: the text ones, and the images where there are any
+        parts = [p for p in content if isinstance(p, dict)]
+        if any(p.get("type") == "image_url" for p in parts):
+            content = [_part(p) for p in parts]
+        else:
+            content = "".join(p.get("text", "") for p in parts)
+    out["content"] = content if isinstance(content, str | list) else str(content)
     if out.get("tool_calls"):
         calls = []
         for call in out["tool_calls"]:
@@ -66,6 +71,21 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
     else:
         out.pop("tool_calls", None)
     return out
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    """A content part as the template and the processor take it (an image's bytes, decoded)."""
+    from rltrain.media import image_bytes  # (the request's check read it already)
+
+    if part.get("type") == "image_url":
+        return {"type": "image", "image": image_bytes(part["image_url"]["url"], "image_url", 2**62)}
+    return {"type": "text", "text": part.get("text", "")}
+
+
+def message_images(messages: Messages) -> tuple[bytes, ...]:
+    """The images of ``messages`` (:func:`canonical`'s), in order."""
+    return tuple(p["image"] for m in messages if isinstance(m.get("content"), list)
+                 for p in m["content"] if p.get("type") == "image")  # fmt: skip
 
 
 def with_call_ids(messages: Messages) -> Messages:
@@ -95,17 +115,21 @@ def with_call_ids(messages: Messages) -> Messages:
 class ChatRenderer:
     """Renders messages with a tokenizer's chat template and the tools' JSON schemas."""
 
-    def __init__(
-        self, tokenizer, tools: list[dict] | None = None, history: Literal["full", "last_turn"] = "full"
-    ):
-        self.tokenizer, self.tools, self.history = tokenizer, tools or None, history
+    def __init__(self, tokenizer, tools: list[dict] | None = None, history: Literal["full", "last_turn"] = "full",
+                 images=None):  # fmt: skip
+        """``images``: a vision-language model's :class:`~rltrain.models.images.ImageInputs`, which
+        renders messages with images (an :class:`~rltrain.batch.ImagePrompt`)."""
+        self.tokenizer, self.tools, self.history, self.images = tokenizer, tools or None, history, images
         self.eos = tokenizer.eos_token_id
         self.name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
         """The template's ids; a template that raises (Mistral's role alternation, its tool-call
         ids) raises :class:`TemplateError` with the template's own message."""
+        images = message_images(messages)
         try:
+            if images:
+                return self.images.render(messages, images, self.tools, add_generation_prompt)
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=True
             )

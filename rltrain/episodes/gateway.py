@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rltrain.batch import Completion, Segment
-from rltrain.episodes.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical
+from rltrain.episodes.chat import TEMPLATE, ChatRenderer, Messages, TemplateError, canonical, message_images
 from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
 from rltrain.episodes.parsers import ParsedTurn, ToolParser
-from rltrain.episodes.requests import ChatRequest, Refused, Sampling
+from rltrain.episodes.requests import MAX_IMAGE_PIXELS, ChatRequest, Refused, Sampling
 from rltrain.episodes.tools import SEED_STRIDE
+from rltrain.media import described
 
 GATEWAY = "gateway_"  # the prefix of an episode's gateway counts (splits, refusals) among its errors
 
@@ -108,7 +109,10 @@ class Gateway:
         limits: EpisodeLimits,
         sampling: Sampling,
         model: str,
+        images: bool = False,  # whether the renderers take images (the model's processor)
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ):
+        self.images, self.max_image_pixels = images, max_image_pixels
         self.make_renderer, self.make_parser = renderer, parser
         self.limits, self.sampling, self.model = limits, sampling, model
         self.episodes: dict[str, AgentEpisode] = {}
@@ -147,7 +151,7 @@ class Gateway:
         is refused before anything of the episode changes; whatever else goes wrong releases it."""
         e = self.episode(episode_id, key)
         try:
-            request = ChatRequest.check(body)
+            request = ChatRequest.check(body, self.images, self.max_image_pixels)
             self.sampling.check(body)
         except Refused as refused:
             with self.lock:
@@ -204,6 +208,7 @@ class Gateway:
             and len(messages) > n
             and messages[:n] == e.history
             and messages[n]["role"] != "assistant"
+            and not message_images(messages[n:])  # (new images: a sequence renders its images first)
         ):
             assert e.renderer is not None
             try:
@@ -262,7 +267,7 @@ class Gateway:
                     e.count(kind)
                 e.tool_calls += len(turn.calls)
                 e.history.append(turn.message())
-                c.messages = list(e.history)  # the sequence's conversation (rollouts on disk)
+                c.messages = described(e.history)  # the sequence's conversation (rollouts on disk)
                 c.text, c.turns = turn.content, c.turns + 1
                 ended = seg.finish_reason == "stop"
                 e.extendable = ended  # a turn cut by its length has no end-of-turn token to go on from

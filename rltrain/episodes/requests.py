@@ -92,7 +92,8 @@ class ChatRequest(_Open):
     max_completion_tokens: int | None = Field(None, gt=0)
 
     @classmethod
-    def check(cls, body: Any) -> ChatRequest:
+    def check(cls, body: Any, images: bool = False, max_pixels: int = MAX_IMAGE_PIXELS) -> ChatRequest:
+        """``images``: whether the model takes images (a vision-language model's processor)."""
         try:
             request = cls.model_validate(body)
         except ValidationError as e:
@@ -101,14 +102,17 @@ class ChatRequest(_Open):
             raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
         for m, message in enumerate(request.messages):
             for p, part in enumerate(message.content if isinstance(message.content, list) else []):
-                check_part(part, f"messages.{m}.content.{p}")
+                check_part(part, f"messages.{m}.content.{p}", images, max_pixels)
         return request
 
 
-def check_part(part: _ContentPart, where: str) -> None:
-    """A content part the gateway can take: text; an ``image_url`` part is read and checked (a data
-    URL: nothing is fetched), then refused, since the engine and batches do not carry images yet;
-    any other part (audio, files) is refused: never dropped in silence."""
+def check_part(
+    part: _ContentPart, where: str, images: bool = False, max_pixels: int = MAX_IMAGE_PIXELS
+) -> None:
+    """A content part the gateway can take: text, and an ``image_url`` part, read and checked (a
+    data URL: nothing is fetched; at most ``max_pixels``), where the model takes images (else
+    refused: a reply to the text alone would be trained on); any other part (audio, files) is
+    refused: never dropped in silence."""
     if part.type == "text":
         return
     if part.type != "image_url" or part.image_url is None:
@@ -116,11 +120,12 @@ def check_part(part: _ContentPart, where: str) -> None:
             400, "bad_request", f"{where}: content parts of type {part.type!r} are not served (text only)"
         )
     try:
-        image_bytes(part.image_url.url, f"{where}.image_url", MAX_IMAGE_PIXELS)
+        image_bytes(part.image_url.url, f"{where}.image_url", max_pixels)
     except ImageError as e:
         raise Refused(400, "bad_request", str(e)) from None
-    raise Refused(400, "bad_request", f"{where}: images are not served yet: the engine and the training batches do "
-                  "not carry them (docs/vision.md), and a reply to the text alone would be trained on")  # fmt: skip
+    if not images:
+        raise Refused(400, "bad_request", f"{where}: this model takes no images (it has no image processor), "
+                      "and a reply to the text alone would be trained on")  # fmt: skip
 
 
 @dataclass

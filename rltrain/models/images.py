@@ -50,9 +50,19 @@ class ImageInputs:
     def prompt_ids(self, messages: list[dict], images: tuple[bytes, ...]) -> list[int]:
         """``messages`` (the prompt's, its user turn holding an image part per image) through the
         chat template with the generation prompt, each image's placeholder expanded."""
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.render(messages, images))
+
+    def render(self, messages: list[dict], images: tuple[bytes, ...], tools=None, add_generation_prompt=True):
+        """``messages`` (an image part per image, in order) through the chat template, each image's
+        placeholder expanded: an :class:`~rltrain.batch.ImagePrompt`."""
+        from rltrain.batch import ImagePrompt
+
+        text = self.processor.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         out = self.processor(text=[text], images=[decoded(b) for b in images], return_tensors="pt")
-        return out["input_ids"][0].tolist()
+        token = self.processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        return ImagePrompt(out["input_ids"][0].tolist(), images, token)
 
 
 def collapsed(ids: list[int], image_token: int) -> list[int]:

@@ -54,7 +54,7 @@ class GeneratorActor:
         if config.gateway_episodes:
             from rltrain.episodes.agents import AgentRunner
 
-            self.agents = AgentRunner(config, self.tokenizer)
+            self.agents = AgentRunner(config, self.tokenizer, model_path)
             self.stop = []  # (rollout.tools are not an episode's: its tools are the agent's or the task's)
         elif config.env.name is not None:
             self.episodes = Episodes(config, self.tokenizer, self.encode)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rltrain.batch import images_of
 from rltrain.config import Config
+from rltrain.media import described
 from rltrain.rewards.functions import reward_name
 
 # failures/ counts of samples (rltrain.run.scoring.score), beside the user code's failures by kind
@@ -152,10 +154,11 @@ def write_rollouts(path: Path, scored, dropped: bool = True) -> None:
     lines = []
     for i, c in enumerate(scored.completions):
         prompt = scored.prompts[i // group]
-        messages = c.messages or [
-            {"role": "user", "content": (prompt.row or {}).get("prompt", "")},
-            {"role": "assistant", "content": c.text},
-        ]
+        question = (prompt.row or {}).get("prompt", "")
+        if images := images_of(prompt.token_ids):  # each picture named (size, format, digest)
+            question = [*({"type": "image", "image": b} for b in images), {"type": "text", "text": question}]
+        messages = c.messages or described([{"role": "user", "content": question},
+                                            {"role": "assistant", "content": c.text}])  # fmt: skip
         record = {
             "prompt_index": prompt.index,
             "messages": messages,

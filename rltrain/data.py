@@ -371,17 +371,15 @@ def tokenize_prompts(rows: list[dict], tokenizer, config: DataConfig, images=Non
     vision-language model's, ``images``: its :class:`~rltrain.models.images.ImageInputs`) as an
     :class:`~rltrain.batch.ImagePrompt`, its images first in the user turn, their placeholders
     expanded by the model's processor."""
-    rendered = chat_prompts([r["prompt"] for r in rows], tokenizer, config)
-    if any(r.get("images") for r in rows):
-        from rltrain.batch import ImagePrompt  # (torch: only where prompts hold images)
-
-        image_token = tokenizer.convert_tokens_to_ids(images.image_token)
-        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-        for i, row in enumerate(rows):
-            if row.get("images"):
-                parts = [{"type": "image"} for _ in row["images"]] + [{"type": "text", "text": row["prompt"]}]
-                ids = images.prompt_ids([*system, {"role": "user", "content": parts}], row["images"])
-                rendered[i] = ImagePrompt(ids, row["images"], image_token)
+    text_only = [i for i, r in enumerate(rows) if not r.get("images")]
+    rendered: list = [None] * len(rows)
+    for i, ids in zip(text_only, chat_prompts([rows[i]["prompt"] for i in text_only], tokenizer, config)):
+        rendered[i] = ids
+    system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    for i, row in enumerate(rows):
+        if row.get("images"):
+            parts = [{"type": "image"} for _ in row["images"]] + [{"type": "text", "text": row["prompt"]}]
+            rendered[i] = images.render([*system, {"role": "user", "content": parts}], row["images"])
     prompts = []
     for i, (row, ids) in enumerate(zip(rows, rendered)):
         if len(ids) > config.max_prompt_tokens:

@@ -34,7 +34,7 @@ def image_bytes(value: Any, where: str, max_pixels: int, base: Path | None = Non
         value.save(buffer, format="PNG")
         data = buffer.getvalue()
     else:
-        data = _raw(value, where, base)
+        data = raw_bytes(value, where, base)
     try:
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
@@ -71,7 +71,8 @@ def decoded(data: bytes):
         return image.convert("RGB")
 
 
-def _raw(value: Any, where: str, base: Path | None) -> bytes:
+def raw_bytes(value: Any, where: str, base: Path | None = None) -> bytes:
+    """``value``'s encoded image bytes as given, not decoded (:func:`image_bytes` checks them)."""
     if isinstance(value, bytes | bytearray):
         return bytes(value)
     if isinstance(value, dict):  # a datasets Image column's {"bytes", "path"}

@@ -75,10 +75,10 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
 
 def _part(part: dict[str, Any]) -> dict[str, Any]:
     """A content part as the template and the processor take it (an image's bytes, decoded)."""
-    from rltrain.media import image_bytes  # (the request's check read it already)
+    from rltrain.media import raw_bytes  # (the request's check decoded and bounded it already)
 
     if part.get("type") == "image_url":
-        return {"type": "image", "image": image_bytes(part["image_url"]["url"], "image_url", 2**62)}
+        return {"type": "image", "image": raw_bytes(part["image_url"]["url"], "image_url")}
     return {"type": "text", "text": part.get("text", "")}
 
 

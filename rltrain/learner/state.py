@@ -175,10 +175,10 @@ class LearnerState(WeightSender):
                 (module.get_base_model() if self.lora_rank else module).save_pretrained(
                     out_dir, state_dict=state
                 )
-                # its tokenizer, and a vision-language model's processor (what renders its images)
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
-                if has_processor(self.model_path):
-                    AutoProcessor.from_pretrained(self.model_path).save_pretrained(out_dir)
+                # its tokenizer, or a vision-language model's processor (its tokenizer and what
+                # renders its images)
+                preprocess = AutoProcessor if has_processor(self.model_path) else AutoTokenizer
+                preprocess.from_pretrained(self.model_path).save_pretrained(out_dir)
             except (OSError, RuntimeError) as e:
                 return write_failure(e, out_dir)
         return None

@@ -47,11 +47,6 @@ class ImageInputs:
         self._cache.move_to_end(images)
         return found
 
-    def prompt_ids(self, messages: list[dict], images: tuple[bytes, ...]) -> list[int]:
-        """``messages`` (the prompt's, its user turn holding an image part per image) through the
-        chat template with the generation prompt, each image's placeholder expanded."""
-        return list(self.render(messages, images))
-
     def render(self, messages: list[dict], images: tuple[bytes, ...], tools=None, add_generation_prompt=True):
         """``messages`` (an image part per image, in order) through the chat template, each image's
         placeholder expanded: an :class:`~rltrain.batch.ImagePrompt`."""

@@ -523,9 +523,9 @@ def test_config_file_must_hold_a_mapping(tmp_path, capsys):
 
 
 def test_python_tool_that_cannot_be_isolated_stops_the_run(tmp_path, capsys, monkeypatch):
-    import rltrain.episodes.sandbox
+    import rltrain.sandbox
 
-    monkeypatch.setattr(rltrain.episodes.sandbox, "isolation_problem", lambda: "no user namespaces")
+    monkeypatch.setattr(rltrain.sandbox, "isolation_problem", lambda: "no user namespaces")
     argv = [
         "--config",
         "configs/cpu_demo.yaml",

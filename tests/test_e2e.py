@@ -18,7 +18,7 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
-from rltrain.episodes.sandbox import isolation_problem
+from rltrain.sandbox import isolation_problem
 from rltrain.learner.group import LearnerGroup
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool

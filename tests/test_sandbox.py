@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.episodes.sandbox import Limits, isolation_problem, run_python
+from rltrain.sandbox import Limits, isolation_problem, run_python
 from rltrain.episodes.tools import ToolRunner, generate_with_tools
 
 needs_isolation = pytest.mark.skipif(
@@ -83,7 +83,7 @@ def test_the_code_writes_and_reads_its_own_folder_only():
 def test_the_python_tool_refuses_when_it_cannot_isolate(monkeypatch):
     monkeypatch.setenv(SECRET, "hunter2")
     # a platform without user namespaces, simulated: unshare(2) fails inside the bootstrap
-    import rltrain.episodes.sandbox as sandbox
+    import rltrain.sandbox as sandbox
 
     monkeypatch.setattr(
         sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("libc.unshare(", "-1 + 0 * libc.getpid(")

@@ -6,7 +6,7 @@
 - :mod:`~rltrain.episodes.turns`: one episode per request, turn by turn;
   :mod:`~rltrain.episodes.episode_state`: one episode's bookkeeping, shared by every multi-turn path;
 - :mod:`~rltrain.episodes.tools` (the tool loop, the calculator, the sandboxed python tool,
-  :mod:`~rltrain.episodes.sandbox`), :mod:`~rltrain.episodes.parsers` (tool calls in the model's
+  :mod:`~rltrain.sandbox`), :mod:`~rltrain.episodes.parsers` (tool calls in the model's
   own format), :mod:`~rltrain.episodes.chat` (the chat template's tokens for what a turn adds);
 - :mod:`~rltrain.episodes.gateway` and :mod:`~rltrain.episodes.agents`: black-box agents through an
   OpenAI-compatible gateway; :mod:`~rltrain.episodes.verifiers_env`: verifiers' tasksets through it.

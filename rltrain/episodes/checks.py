@@ -172,7 +172,7 @@ def check_tools(config: Config) -> None:
             )
     tools = config.rollout.tools
     if "python" in tools.enabled and tools.sandbox.require_isolation:
-        from rltrain.episodes.sandbox import isolation_problem
+        from rltrain.sandbox import isolation_problem
 
         problem = isolation_problem()
         if problem is not None:

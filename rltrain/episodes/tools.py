@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rltrain.episodes.parsers import NO_CALLS_LEFT, TagParser
-from rltrain.episodes.sandbox import DEFAULT_LIMITS, Limits, run_python
+from rltrain.sandbox import DEFAULT_LIMITS, Limits, run_python
 
 if TYPE_CHECKING:
     from rltrain.batch import Completion, Segment
@@ -64,7 +64,7 @@ def calculator(expression: str) -> str:
 
 class ToolRunner:
     """Runs the enabled tools with a time limit and cuts their output. The python tool runs in
-    :mod:`rltrain.episodes.sandbox` (limits, no network, its own folder); ``isolate=False`` keeps only the
+    :mod:`rltrain.sandbox` (limits, no network, its own folder); ``isolate=False`` keeps only the
     limits."""
 
     def __init__(

@@ -135,3 +135,41 @@ def described(messages: list[dict]) -> list[dict]:
 
     return [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
             for m in messages]  # fmt: skip
+
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def checked_message(message: dict, where: str, max_pixels: int) -> dict:
+    """An environment's or a tool's ``message`` with each image part, ``{"type": "image", "image":
+    ...}`` in any form :func:`image_bytes` takes or OpenAI's ``{"type": "image_url", "image_url":
+    {"url": <data URL>}}``, as ``{"type": "image", "image": <bytes>}``, checked (an
+    :class:`ImageError` names the part); a message without images as it is."""
+    content = message.get("content")
+    if not (isinstance(content, list) and any(_is_image_part(p) for p in content)):
+        return message
+    parts = []
+    for p, part in enumerate(content):
+        if _is_image_part(part):
+            value = part.get("image") if part["type"] == "image" else part.get("image_url")
+            value = value.get("url") if isinstance(value, dict) and "url" in value else value
+            part = {"type": "image", "image": image_bytes(value, f"{where}, content part {p}", max_pixels)}
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+
+
+def as_content(value: Any) -> Any:
+    """A tool's return value as a message's content: a list of content parts (text and images) as
+    it is, a PIL image as one image part; anything else as its text."""
+    import sys
+
+    pil = sys.modules.get("PIL.Image")  # (a tool that made a PIL image imported it)
+    if pil is not None and isinstance(value, pil.Image):
+        return [{"type": "image", "image": value}]
+    if isinstance(value, list) and value and all(isinstance(p, dict) and "type" in p for p in value):
+        return value
+    return str(value)

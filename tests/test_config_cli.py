@@ -304,7 +304,7 @@ ENVIRONMENTS = {
     ),
     "unknown built-in environment": (
         lambda t: [*GUESS, "env.name=builtin:chess"],
-        "env.name: unknown built-in 'builtin:chess' (built-ins: builtin:calculator, builtin:guess, builtin:chain)",
+        "env.name: unknown built-in 'builtin:chess' (built-ins: builtin:calculator, builtin:guess, builtin:chain, builtin:shapes)",
     ),
     "environment arguments it does not take": (
         lambda t: [*GUESS, "env.kwargs={top: 9}"],

@@ -18,12 +18,12 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
-from rltrain.sandbox import isolation_problem
 from rltrain.learner.group import LearnerGroup
 from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
 from rltrain.run.diagnostics import synthetic_rollouts
 from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync
+from rltrain.sandbox import isolation_problem
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -148,12 +148,16 @@ def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
 # each family's CLI runs: (model, engine, config, overrides): gpt-oss on the demo's task; Gemma 3 on
 # an environment's episodes (configs/cpu_env.yaml: a system turn with the calculator's schema,
 # hermes calls, multi-turn trees); the hybrid on the demo's task with the in-process engine; the
-# vision-language model on configs/cpu_vision.yaml's pictures (each group's image once in its tree)
+# vision-language model on configs/cpu_vision.yaml's pictures (each group's image once in its tree),
+# and in builtin:shapes' episodes (after a short warm start, a turn that ends gets the picture again,
+# larger: sequences of two images, the second in the completion)
 CLI_FAMILIES = {
     "gpt-oss": ("builtin:tiny-gpt-oss", "vllm", "configs/cpu_demo.yaml", []),
     "gemma3 episodes": ("builtin:tiny-gemma3", "vllm", "configs/cpu_env.yaml", ["reward.functions={env: 1.0, digits: 1.0}"]),
     "qwen3.5": ("builtin:tiny-qwen3.5", "hf", "configs/cpu_demo.yaml", []),
     "vision": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", []),
+    "vision episodes": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", ["env.name=builtin:shapes", "sft_warmup.steps=40",
+                        "reward.functions={env: 1.0, digits: 1.0}", "run.save_rollouts_every=1"]),
 }  # fmt: skip
 
 
@@ -215,6 +219,11 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
 
         assert AutoProcessor.from_pretrained(out / "final_model").image_token == "<|image_pad|>"
         assert all(update[k].abs().max() == 0 for k in update if is_vision_parameter(k))
+    if family == "vision episodes":  # some episode was shown its picture again, in its completion
+        lines = (out / "rollouts" / "step_1.jsonl").read_text().splitlines()
+        shown = [[p for m in json.loads(line)["messages"] if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"] for line in lines]  # fmt: skip
+        assert max(len(s) for s in shown) == 2, shown
     if family == "gemma3 episodes":  # the system turn with the tool's schema and the question: most of it
         assert rows[0]["perf/prefix_shared_fraction"] > 0.5
         assert rows[0]["perf/tokens_forwarded"] < 0.5 * rows[0]["perf/forward_tokens"]

@@ -105,9 +105,12 @@ def test_the_cli_names_a_bad_image_in_one_line_and_refuses_images_for_a_text_mod
     err = capsys.readouterr().err
     # builtin:tiny has no image processor: a run would have nowhere to put the images
     assert err.count("\n") == 1 and "images need a vision-language model" in err, err
-    assert (
-        main([*argv, f"data.source={good}", "model.name_or_path=builtin:tiny-vl", "env.name=builtin:guess"])
-        == 2
-    )
+    # an agent's rows would carry pictures it never sends (it sends its own, as image_url parts)
+    agent = [
+        "agent.entrypoint=gateway_agents:run",
+        "rollout.tools.enabled=[]",
+        "reward.functions={agent: 1.0}",
+    ]
+    assert main([*argv, f"data.source={good}", "model.name_or_path=builtin:tiny-vl", *agent]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "images are not taken with env.name" in err, err
+    assert err.count("\n") == 1 and "images are not taken with agent.entrypoint" in err, err

@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 from rltrain.batch import Segment
-from rltrain.sandbox import Limits, isolation_problem, run_python
 from rltrain.episodes.tools import ToolRunner, generate_with_tools
+from rltrain.sandbox import Limits, isolation_problem, run_python
 
 needs_isolation = pytest.mark.skipif(
     isolation_problem() is not None, reason=f"no isolation here: {isolation_problem()}"

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from rltrain.batch import Completion, ImagePrompt, collate, token_keys
+from rltrain.batch import Completion, ImagePrompt, Segment, collate, token_keys
 from rltrain.config import DataConfig
 from rltrain.data import shapes_rows, tokenize_prompts
 from rltrain.learner import attention
@@ -241,3 +241,125 @@ def test_the_gateway_serves_image_url_parts_token_in_token_out_and_splits_where_
     back = Completion.from_state(json.loads(json.dumps(last.state())))
     assert back.prompt_ids == last.prompt_ids and back.prompt_ids.images == (first, second)
     assert back.earlier[0].prompt_ids.images == (first,)
+
+
+def _play_shapes(tiny_vl, turns: list[str], limits=None, images=True):
+    """``builtin:shapes``' episode (its real process) on a row of builtin:shapes, the policy played by
+    ``turns`` (each an assistant turn's text, sampled as the tiny tokenizer encodes it, then <|im_end|>)."""
+    from transformers import AutoTokenizer
+
+    from rltrain.envs import tool_schemas
+    from rltrain.episodes.chat import ChatRenderer
+    from rltrain.episodes.env_host import EnvHost
+    from rltrain.episodes.episode_state import EpisodeLimits
+    from rltrain.episodes.parsers import HermesParser
+    from rltrain.episodes.turns import run_episodes
+    from rltrain.models.tiny import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl) if images else build_tokenizer()
+    sampled = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in turns]
+    seen = []
+
+    def generate(prompts, max_tokens, seeds):
+        seen.extend(prompts)
+        planned = sampled[len(seen) - 1]
+        return [Segment(planned[: max_tokens[0]], [-0.5] * min(len(planned), max_tokens[0]), turns[len(seen) - 1],
+                        "length" if len(planned) > max_tokens[0] else "stop")]  # fmt: skip
+
+    host = EnvHost("builtin:shapes", {"looks": 2, "zoom": 2})
+    limits = limits or EpisodeLimits(
+        max_new_tokens=400, max_model_len=1024, max_prompt_tokens=200, max_turns=4
+    )
+    renderer = ChatRenderer(
+        tokenizer, tool_schemas(host.tools), images=ImageInputs(tiny_vl) if images else None
+    )
+    row = shapes_rows(1, seed=7)[0]
+    try:
+        (c,) = run_episodes(generate, host, renderer, HermesParser(), tokenizer.encode, [row], [0], limits)
+    finally:
+        host.shutdown()
+    return c, row, seen, renderer
+
+
+def test_an_environments_and_a_tools_images_join_the_sequence_as_the_processor_renders_the_whole_episode(
+    tiny_vl,
+):
+    # builtin:shapes opens with the row's 56 px picture; a wrong answer is shown it 2x larger
+    # (112 px), the look tool returns it 3x larger (168 px); the right colour then ends the episode
+    import json
+
+    from rltrain.media import described
+
+    answer = shapes_rows(1, seed=7)[0]["answer"]
+    call = '<tool_call>{"name": "look", "arguments": {"zoom": 3}}</tool_call>'
+    c, row, seen, renderer = _play_shapes(tiny_vl, ["purple", call, answer])
+    assert (c.finish_reason, c.env_reward, c.turns, c.tool_calls, c.errors) == ("stop", 1.0, 3, 1, {})
+    sequence = list(c.prompt_ids) + c.token_ids
+    images = c.prompt_ids.images
+    assert images[0] == row["images"][0] and [decoded(b).size for b in images[1:]] == [(112, 112), (168, 168)]
+    # each engine call had every image its prompt holds: 1, then 2, then 3
+    assert [len(p.images) for p in seen] == [1, 2, 3] and all(list(p) == sequence[: len(p)] for p in seen)
+    # the whole episode in one rendering by the processor: the sampled turns are the template's own
+    # (their ids as sampled), the rest the template's, each image's placeholder run in its place
+    picture = [{"type": "image", "image": b} for b in images]
+    conversation = [{"role": "user", "content": [picture[0], {"type": "text", "text": row["prompt"]}]},
+                    {"role": "assistant", "content": "purple"},
+                    {"role": "user", "content": [picture[1], {"type": "text", "text": "Look closer."}]},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "look", "arguments": {"zoom": 3}}}]},
+                    {"role": "tool", "name": "look", "content": [picture[2]]},
+                    {"role": "assistant", "content": answer}]  # fmt: skip
+    whole = ImageInputs(tiny_vl).render(conversation, images, renderer.tools, add_generation_prompt=False)
+    assert sequence == list(whole)[:-1]  # (the template's newline after the last <|im_end|>)
+    # 56 / 28 = 2 merged patches a side: 4 placeholders; 112 px: 4 x 4 = 16; 168 px: 6 x 6 = 36
+    token = c.prompt_ids.image_token
+    runs = [len(r) for r in "".join("x" if t == token else " " for t in sequence).split()]
+    assert runs == [4, 16, 36]
+    assert all(m == 0 for t, m in zip(c.token_ids, c.tool_mask) if t == token)  # never loss tokens
+    batch = collate([c.prompt_ids], [c], torch.zeros(1), pad_id=0)
+    assert batch.images == [images] and batch.image_token == token
+    keys = token_keys(sequence, images, token)
+    assert [k[1] for k in keys if isinstance(k, tuple)] == [images[0]] * 4 + [images[1]] * 16 + [
+        images[2]
+    ] * 36
+    # what the run keeps on disk and in checkpoints: each picture named, the sequence's images whole
+    assert json.dumps(c.messages) and c.messages == described(c.messages)
+    assert c.messages[4]["content"][0]["image"].startswith("<image 168x168 PNG, sha1 ")
+    back = Completion.from_state(json.loads(json.dumps(c.state())))
+    assert back.prompt_ids.images == images
+    # the driver's batch of it trains, and where a setting cannot take images the run stops in one line
+    from rltrain.config import load_config
+    from rltrain.data import Prompt
+    from rltrain.run.scoring import ScoredGroups, build_batch
+
+    scored = ScoredGroups([Prompt(0, [], answer, row)] * 2, [c, back], torch.tensor([1.0, 0.0]), {})
+    config = load_config("configs/cpu_vision.yaml", ["algorithm.group_size=2", "env.name=builtin:shapes"])
+    assert build_batch(scored, config, pad_id=0).images == [images, images]
+    lora = load_config(
+        "configs/cpu_vision.yaml", ["algorithm.group_size=2", "env.name=builtin:shapes", "model.lora.rank=4"]
+    )
+    with pytest.raises(ValueError, match=r"an episode's images .* are not taken with model.lora.rank yet"):
+        build_batch(scored, lora, pad_id=0)
+
+
+def test_a_bad_image_an_image_past_the_room_and_an_image_for_a_text_model_end_their_episode_alone(tiny_vl):
+    from rltrain.episodes.episode_state import EpisodeLimits
+
+    # over data.max_image_pixels: the 56 x 56 = 3,136-pixel picture passes, the 112 x 112 one does not
+    limits = EpisodeLimits(400, 1024, 200, max_turns=4, max_image_pixels=56 * 56)
+    c, *_ = _play_shapes(tiny_vl, ["purple"], limits)
+    assert (c.finish_reason, c.errors) == ("error", {"image": 1})
+    assert "12,544 pixels), over data.max_image_pixels=3,136" in c.failures["environment step"]
+    assert len(c.prompt_ids.images) == 1 and [m["role"] for m in c.messages] == ["user", "assistant"]
+    # the zoomed picture's addition (its 16 placeholders) does not fit in what is left: the episode
+    # ends at its length before the image, never inside its placeholders
+    prompt_len = len(
+        _play_shapes(tiny_vl, ["purple"], EpisodeLimits(400, 1024, 200, max_turns=1))[0].prompt_ids
+    )
+    c, *_ = _play_shapes(tiny_vl, ["purple"], EpisodeLimits(400, prompt_len + 20, 200, max_turns=4))
+    token = c.prompt_ids.image_token
+    assert c.finish_reason == "length" and len(c.prompt_ids.images) == 1 and token not in c.token_ids
+    # a model without an image processor: the opening's picture ends the episode, named in one line
+    c, *_ = _play_shapes(tiny_vl, ["purple"], images=False)
+    assert (c.finish_reason, c.errors, c.token_ids) == ("error", {"image": 1}, [])
+    assert "takes none (it has no image processor)" in c.failures["environment reset"]

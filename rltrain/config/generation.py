@@ -41,7 +41,8 @@ class EnvConfig(Section):
     name: str | None = None
     """The environment each rollout is an episode of: a built-in (`builtin:calculator`, the built-in
     task with the calculator as a native tool; `builtin:chain`, arithmetic over turns;
-    `builtin:guess`, a number-guessing game), `module:Class` or `path/to/file.py:Class` (a subclass
+    `builtin:guess`, a number-guessing game; `builtin:shapes`, a picture's colour for a
+    vision-language model, its pictures in the environment's turns and a tool's result), `module:Class` or `path/to/file.py:Class` (a subclass
     of rltrain.envs.Environment), `verifiers:<taskset id>` (a verifiers taskset: a module exporting
     a vf.Taskset subclass, its tasks the run's rows, each episode run through the gateway with a
     harness in the generator's process; pip install 'rltrain[verifiers]'); null: one completion

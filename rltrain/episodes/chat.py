@@ -127,6 +127,10 @@ class ChatRenderer:
         """The template's ids; a template that raises (Mistral's role alternation, its tool-call
         ids) raises :class:`TemplateError` with the template's own message."""
         images = message_images(messages)
+        if images and self.images is None:
+            raise TemplateError(
+                f"messages with images, and no image processor to render them with {self.name}"
+            )
         try:
             if images:
                 return self.images.render(messages, images, self.tools, add_generation_prompt)
@@ -290,13 +294,15 @@ def probe_conversation(opening: Messages, tool: str | None) -> Messages:
     ]
 
 
-def render_problem(tokenizer, tools: list[dict] | None, opening: Messages, history: str) -> str | None:
+def render_problem(
+    tokenizer, tools: list[dict] | None, opening: Messages, history: str, images=None
+) -> str | None:
     """Why episodes that open with ``opening`` would fail under ``env.render=history`` with this
     template (it raises or rewrites their history), or None: :func:`probe_conversation` built as a
-    warm-up example is, an episode is built the same way."""
+    warm-up example is, an episode is built the same way (``images``: as :class:`ChatRenderer`'s)."""
     tool = tools[0]["function"]["name"] if tools else None
     try:
-        ChatRenderer(tokenizer, tools, history).conversation(probe_conversation(opening, tool))  # type: ignore[arg-type]
+        ChatRenderer(tokenizer, tools, history, images).conversation(probe_conversation(opening, tool))  # type: ignore[arg-type]
     except TemplateError as e:
         return str(e)
     return None

@@ -62,12 +62,14 @@ def _check_parser(config: Config, tokenizer, schemas: list[dict] | None = None) 
         raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
 
 
-def check_environment(config: Config, row: dict, tokenizer) -> None:
-    """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row, and its
-    tools' schemas and the chat template's rendering of the additions work; raises ValueError
-    naming the key."""
-    from rltrain.episodes.chat import ChatRenderer, TemplateError, render_problem
+def check_environment(config: Config, row: dict, tokenizer, model_path: str | None = None) -> None:
+    """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row (its images
+    checked, and rendered by the processor of the model at ``model_path``), and its tools' schemas
+    and the chat template's rendering of the additions work; raises ValueError naming the key."""
+    from rltrain.episodes.chat import ChatRenderer, TemplateError, message_images, render_problem
     from rltrain.episodes.environments import load_environment, tool_schemas
+    from rltrain.media import checked_message
+    from rltrain.models.images import ImageInputs, has_processor
 
     env = config.env
     try:
@@ -92,7 +94,16 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
         and not hasattr(instance, "demonstration")
     ):
         raise ValueError(f"sft_warmup.source=env: {env.name} has no demonstration(row) method")
-    renderer = ChatRenderer(tokenizer, schemas, env.render)
+    opening = [
+        checked_message(m, f"env.name: {env.name}.reset", config.data.max_image_pixels) for m in opening
+    ]
+    images = None
+    if message_images(opening):
+        if model_path is None or not has_processor(model_path):
+            raise ValueError(f"env.name: {env.name}.reset opens with images, and model.name_or_path="
+                             f"{config.model.name_or_path} takes none: images need a vision-language model")  # fmt: skip
+        images = ImageInputs(model_path, config.model.trust_remote_code)
+    renderer = ChatRenderer(tokenizer, schemas, env.render, images)
     try:
         prompt = renderer.opening(opening)
     except TemplateError as e:
@@ -105,10 +116,10 @@ def check_environment(config: Config, row: dict, tokenizer) -> None:
         )
     _check_step(config, instance, opening, row)
     _check_parser(config, tokenizer, schemas)
-    problem = render_problem(tokenizer, schemas, opening, env.render)
+    problem = render_problem(tokenizer, schemas, opening, env.render, images)
     if problem is not None:
         other = "last_turn" if env.render == "full" else "full"
-        if render_problem(tokenizer, schemas, opening, other) is not None:
+        if render_problem(tokenizer, schemas, opening, other, images) is not None:
             fix = "; neither env.render mode renders it"
         else:
             fix = "" if f"env.render={other}" in problem else f"; set env.render={other}, which renders it"

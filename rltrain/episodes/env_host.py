@@ -28,14 +28,16 @@ from typing import Any
 from rltrain.episodes import tools as builtin_tools
 from rltrain.episodes.environments import GYM_HINT, Step, load_environment
 from rltrain.episodes.parsers import ToolCall
+from rltrain.media import as_content
 
 Call = tuple[int, str, Any, float]  # (episode, method: reset | step | tool, argument, timeout_s)
 Answer = tuple[str, Any]  # ("ok", value) | ("raised" | "timeout" | "died", message)
 
 
-def run_tool(functions: dict[str, Any], call: ToolCall) -> tuple[str, str | None, str | None]:
-    """``(output, error kind or None, traceback or None)``; a failure's output is the error message
-    to the model, a raising tool's traceback is for the user."""
+def run_tool(functions: dict[str, Any], call: ToolCall) -> tuple[Any, str | None, str | None]:
+    """``(output, error kind or None, traceback or None)``; the output is the tool message's content
+    (text, or content parts with images: :func:`rltrain.media.as_content`); a failure's output is
+    the error message to the model, a raising tool's traceback is for the user."""
     fn = functions.get(call.name)
     if fn is None:
         return (
@@ -49,7 +51,7 @@ def run_tool(functions: dict[str, Any], call: ToolCall) -> tuple[str, str | None
     except TypeError as e:
         return f"error: {call.name}: {e}", "bad_arguments", None
     try:
-        return str(fn(*args, **kwargs)), None, None
+        return as_content(fn(*args, **kwargs)), None, None
     except Exception as e:
         return f"error: {type(e).__name__}: {e}", "tool_raised", traceback.format_exc()
 

@@ -20,8 +20,11 @@ each assistant turn that calls no tool::
 
 rltrain runs the tool calls (each in the episode's own worker process, time-limited: a hung or
 raising tool never stops the run) and appends their results as ``tool`` messages; the chat template
-renders everything an environment adds. ``env.name: module:Class`` (or ``builtin:calculator``,
-``builtin:guess``) picks one, ``env.kwargs`` are its constructor's arguments, and
+renders everything an environment adds. For a vision-language model, a message's content and a
+tool's result may hold images: content parts ``{"type": "image", "image": ...}`` (a PIL image, bytes,
+a path, base64) or ``{"type": "image_url", ...}`` (a data URL); a tool may also return a PIL image
+(``builtin:shapes``). ``env.name: module:Class`` (or ``builtin:calculator``, ``builtin:guess``,
+``builtin:chain``, ``builtin:shapes``) picks one, ``env.kwargs`` are its constructor's arguments, and
 ``reward.functions: {env: 1.0}`` uses the reward its steps give (the last one given; 0 if none).
 
 An environment may also define ``demonstration(row) -> messages``: an expert's conversation for
@@ -240,4 +243,46 @@ class ChainEnv(Environment):
             messages += step.messages
 
 
-BUILTIN: dict[str, type[Environment]] = {"calculator": CalculatorEnv, "guess": GuessEnv, "chain": ChainEnv}
+class ShapesEnv(Environment):
+    """``builtin:shapes``: the colour of the square in a picture, for a vision-language model (rows
+    from ``data.source: builtin:shapes``). The episode opens with the row's picture and question; a
+    wrong answer is shown the picture again, ``zoom`` times larger, until ``looks`` pictures have
+    been shown, and the ``look`` tool returns it enlarged too: images from an environment's messages
+    and from a tool's result. Reward 1 when the answer's last word is the square's colour."""
+
+    def __init__(self, looks: int = 2, zoom: int = 2):
+        if looks < 1 or not 1 <= zoom <= 4:
+            raise ValueError(f"looks={looks} must be at least 1 and zoom={zoom} from 1 to 4")
+        self.looks, self.zoom = looks, zoom
+        self.tools = [self.look]
+
+    def reset(self, row: dict[str, Any]) -> Messages:
+        self.picture, self.answer, self.shown = row["images"][0], row["answer"], 1
+        return [{"role": "user", "content": [{"type": "image", "image": self.picture},
+                                             {"type": "text", "text": row["prompt"]}]}]  # fmt: skip
+
+    def look(self, zoom: int):
+        """The picture again, enlarged.
+
+        Args:
+            zoom: how many times larger, 1 to 4
+        """
+        import io
+
+        from PIL import Image
+
+        factor = max(1, min(4, int(zoom)))
+        with Image.open(io.BytesIO(self.picture)) as image:
+            return image.resize((image.width * factor, image.height * factor), Image.NEAREST)
+
+    def step(self, messages: Messages) -> Step:
+        words = re.findall(r"[a-z]+", str(messages[-1]["content"] or "").lower())
+        if words[-1:] == [self.answer] or self.shown >= self.looks:
+            return Step(reward=float(words[-1:] == [self.answer]), done=True)
+        self.shown += 1
+        closer = [{"type": "image", "image": self.look(self.zoom)}, {"type": "text", "text": "Look closer."}]
+        return Step([{"role": "user", "content": closer}], reward=0.0)
+
+
+BUILTIN: dict[str, type[Environment]] = {"calculator": CalculatorEnv, "guess": GuessEnv, "chain": ChainEnv,
+                                         "shapes": ShapesEnv}  # fmt: skip

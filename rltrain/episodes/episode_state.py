@@ -26,13 +26,14 @@ class EpisodeLimits:
     max_calls: int = sys.maxsize  # chat completions of an agent's episode (the gateway's)
     step_timeout_s: float = 60.0  # an environment's reset and step
     tool_timeout_s: float = 10.0
+    max_image_pixels: int = 16_777_216  # an image an environment or a tool returns (data.max_image_pixels)
 
     @classmethod
     def from_config(cls, config) -> EpisodeLimits:
         rc = config.rollout
         return cls(rc.max_new_tokens, rc.max_model_len, config.max_prompt_tokens, config.env.max_turns,
                    rc.tools.max_calls, config.agent.max_calls, config.env.step_timeout_s,
-                   rc.tools.timeout_s)  # fmt: skip
+                   rc.tools.timeout_s, config.data.max_image_pixels)  # fmt: skip
 
 
 class EpisodeState:

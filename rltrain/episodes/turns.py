@@ -10,7 +10,11 @@ stretch of every live episode in one engine call. After an assistant turn:
 
 The sequence is the ids the engine sampled, with their log-probs and mask 1, and between turns the
 chat template's tokens for what was added (:class:`~rltrain.episodes.chat.ChatRenderer`), mask 0 and
-log-prob 0. Nothing sampled is decoded and encoded again. ``rollout.max_new_tokens`` bounds the
+log-prob 0. Nothing sampled is decoded and encoded again. An environment's messages and a tool's
+result may hold images (content parts, :func:`rltrain.media.checked_message`) for a
+vision-language model: the processor renders them, and the sequence's images (its prompt's
+:class:`~rltrain.batch.ImagePrompt`) grow with each; a bad image, or one a text model is given,
+ends its episode alone (``image``). ``rollout.max_new_tokens`` bounds the
 whole episode after the prompt (added tokens included) and ``rollout.max_model_len`` the context;
 an episode cut by either ends with finish reason ``length``; ``env.max_turns`` assistant turns end
 it with ``turns``; an environment that raises, hangs or dies ends it with ``error``.
@@ -21,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rltrain.batch import Completion, Segment
-from rltrain.episodes.chat import TEMPLATE, ChatRenderer, TemplateError
+from rltrain.batch import Completion, ImagePrompt, Segment, images_of
+from rltrain.episodes.chat import TEMPLATE, ChatRenderer, TemplateError, message_images
 from rltrain.episodes.env_host import EnvHost
 from rltrain.episodes.episode_state import EpisodeLimits, EpisodeState
 from rltrain.episodes.parsers import NO_CALLS_LEFT, ParsedTurn, ToolCall, ToolParser
 from rltrain.episodes.tools import SEED_STRIDE, GenerateFn
+from rltrain.media import ImageError, checked_message, described
 
 TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandbox stops it first
 
@@ -34,15 +39,19 @@ TOOL_SLACK_S = 1.0  # on top of rollout.tools.timeout_s: the python tool's sandb
 class Episodes:
     """A generator's environment side: its host process, template renderer, parser and limits."""
 
-    def __init__(self, config, tokenizer, encode: Callable[[str], list[int]]):
+    def __init__(self, config, tokenizer, encode: Callable[[str], list[int]], model_path: str | None = None):
+        """``model_path``: the policy's folder (a vision-language model's processor renders images)."""
         from rltrain.episodes.environments import tool_schemas
         from rltrain.episodes.parsers import get_parser
         from rltrain.episodes.tools import ToolRunner
+        from rltrain.models.images import ImageInputs, has_processor
 
         rc, env = config.rollout, config.env
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))
         schemas = tool_schemas(self.host.tools)
-        self.renderer = ChatRenderer(tokenizer, schemas, env.render)
+        vl = model_path is not None and has_processor(model_path)
+        images = ImageInputs(model_path, config.model.trust_remote_code) if vl else None
+        self.renderer = ChatRenderer(tokenizer, schemas, env.render, images)
         self.parser = get_parser(config.tool_parser, tokenizer, schemas)
         self.encode = encode  # inline (tag) tool results
         self.limits = EpisodeLimits.from_config(config)
@@ -112,7 +121,9 @@ def run_episodes(
         if status != "ok":
             e.fail(f"env_{status}", failure=("environment reset", value))
             continue
-        e.c.messages = list(value)
+        e.c.messages = _checked(e, list(value), renderer, limits, "environment reset")
+        if not e.live:
+            continue
         try:
             e.c.prompt_ids = renderer.opening(e.c.messages)
         except TemplateError as error:
@@ -144,6 +155,8 @@ def run_episodes(
             live = [e for e in live if e.live]
     finally:
         host.close([e.key for e in episodes])
+    for e in episodes:  # (JSON-ready: each image named; the sequence keeps the images themselves)
+        e.c.messages = described(e.c.messages)
     return [e.c for e in episodes]
 
 
@@ -174,6 +187,10 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
             continue
         results = outputs[e.key]
         if parser.inline_results:  # tag: the result goes on inside the same turn
+            if not isinstance(results[0]["content"], str):
+                e.fail("image", failure=(f"tool {results[0]['name']}", INLINE_IMAGE))
+                e.close_turn(ParsedTurn(e.turn_text))
+                continue
             text = parser.format_result(results[0]["content"])
             e.turn_text += text
             e.add(encode(text))
@@ -181,7 +198,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
                 e.close_turn(ParsedTurn(e.turn_text))
             continue
         e.close_turn(turns[e.key])
-        _append(e, results, renderer)
+        _append(e, results, renderer, limits)
     if not stepping:
         return
     answers = host.call([(e.key, "step", e.c.messages, limits.step_timeout_s) for e in stepping])
@@ -196,7 +213,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
         elif e.c.turns >= limits.max_turns:
             e.end("turns")
         else:
-            _append(e, value["messages"], renderer)
+            _append(e, value["messages"], renderer, limits)
     for e in live:  # a turn of tool calls counts as a turn too
         if e.live and e.c.turns >= limits.max_turns and not e.turn_text:
             e.end("turns")
@@ -248,9 +265,13 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "name": call.name, "content": content, "tool_call_id": call.id}
 
 
-def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer) -> None:
+def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: EpisodeLimits) -> None:
     """What a tool or the environment added, in the template's tokens; a template that raises or
-    rewrites the history ends this episode alone (counted as ``template``, its message shown once)."""
+    rewrites the history ends this episode alone (counted as ``template``, its message shown once).
+    Their images join the sequence's, each whole or, past the room, not at all."""
+    messages = _checked(e, messages, renderer, limits, "environment step")
+    if not e.live:
+        return
     try:
         ids = renderer.additions(e.c.messages, messages)
     except TemplateError as error:
@@ -258,4 +279,36 @@ def _append(e: _Episode, messages: list[dict], renderer: ChatRenderer) -> None:
         e.fail("template", failure=(TEMPLATE, str(error)))
         return
     e.c.messages += messages
+    if new := message_images(messages):
+        token = renderer.images.image_token_id
+        if len(ids) <= e.room():
+            e.c.prompt_ids = ImagePrompt(e.c.prompt_ids, (images_of(e.c.prompt_ids) or ()) + new, token)
+        else:  # the episode ends at its length before the first new image
+            e.add(ids[: ids.index(token)])
+            e.end("length")
+            return
     e.add(ids)
+
+
+INLINE_IMAGE = ("returned content parts (an image), and rollout.tool_parser=tag writes a result inside the "
+                "turn as text: use a parser whose results are tool messages (hermes, or the model's own)")  # fmt: skip
+
+
+def _checked(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: EpisodeLimits, source: str):
+    """``messages`` with their images checked (:func:`rltrain.media.checked_message`); an image that
+    fails its check, or any image for a model without an image processor, ends this episode alone
+    (counted as ``image``, the problem shown once; what it said is left out of the conversation)."""
+    out = []
+    for message in messages:
+        where = f"tool {message.get('name')}" if message.get("role") == "tool" else source
+        try:
+            message = checked_message(message, where, limits.max_image_pixels)
+        except ImageError as error:
+            e.fail("image", failure=(where, str(error)))
+            return []
+        if renderer.images is None and message_images([message]):
+            e.fail("image", failure=(where, f"{where} gave an image, and {renderer.name} takes none (it has "
+                                            "no image processor): images need a vision-language model"))  # fmt: skip
+            return []
+        out.append(message)
+    return out

@@ -36,6 +36,10 @@ class ImageInputs:
     def image_token(self) -> str:
         return self.processor.image_token
 
+    @property
+    def image_token_id(self) -> int:
+        return self.processor.tokenizer.convert_tokens_to_ids(self.image_token)
+
     def __call__(self, images: tuple[bytes, ...]) -> Images:
         found = self._cache.get(images)
         if found is None:
@@ -56,8 +60,7 @@ class ImageInputs:
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         out = self.processor(text=[text], images=[decoded(b) for b in images], return_tensors="pt")
-        token = self.processor.tokenizer.convert_tokens_to_ids(self.image_token)
-        return ImagePrompt(out["input_ids"][0].tolist(), images, token)
+        return ImagePrompt(out["input_ids"][0].tolist(), images, self.image_token_id)
 
 
 def collapsed(ids: list[int], image_token: int) -> list[int]:
@@ -108,13 +111,10 @@ def run_images(config, model_path: str) -> ImageInputs | None:
     if not holds_images(config.data):
         return None
     at = "data.image_column" if config.data.image_column else f"data.source={config.data.source}"
-    lc = config.learner
-    for problem, setting in [(config.episodic, "env.name/agent.entrypoint (episodes take text prompts)"),
-                             (lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
-                             (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
-                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
-        if problem:
-            raise ValueError(f"{at}: images are not taken with {setting} yet")
+    setting = not_with_images(config) or (config.gateway_episodes and "agent.entrypoint or a verifiers env.name "
+                                          "(an agent sends its own images, as image_url parts)")  # fmt: skip
+    if setting:
+        raise ValueError(f"{at}: images are not taken with {setting} yet")
     inputs = ImageInputs(model_path, config.model.trust_remote_code)
     try:
         inputs.image_token  # noqa: B018  (the processor loads and has an image placeholder)
@@ -122,3 +122,15 @@ def run_images(config, model_path: str) -> ImageInputs | None:
         raise ValueError(f"{at}: {config.model.name_or_path!r} has no image processor to render images "
                          f"with ({first_line(e)}): images need a vision-language model") from None  # fmt: skip
     return inputs
+
+
+def not_with_images(config) -> str | None:
+    """The first setting of the run that does not take images yet (rows', an environment's, a
+    tool's or an agent's), or None."""
+    lc = config.learner
+    for problem, setting in [(lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
+                             (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
+                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
+        if problem:
+            return setting
+    return None

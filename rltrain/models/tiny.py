@@ -51,14 +51,19 @@ CHAT_TEMPLATE = (
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # its images: resized to whole merged patches of 28 x 28 pixels, between 2 x 2 and 8 x 8 of them
 TINY_VL_PIXELS = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}
-# the chat template of builtin:tiny-vl: a message's content may be a list of parts, an image part
-# rendered as Qwen2.5-VL's placeholder (strings render as they do in CHAT_TEMPLATE)
-VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{{ message.role + '\n' + message.content }}",
-    "{{ message.role + '\n' }}{% if message.content is string %}{{ message.content }}{% else %}"
+# the chat template of builtin:tiny-vl: a user's, system's or tool's content may be a list of parts,
+# an image part rendered as Qwen2.5-VL's placeholder (strings render as they do in CHAT_TEMPLATE)
+_VL_CONTENT = (
+    "{% if message.content is string %}{{ message.content }}{% else %}"
     "{% for part in message.content %}{% if part.type in ('image', 'image_url') %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% elif part.type == 'text' %}{{ part.text }}{% endif %}"
-    "{% endfor %}{% endif %}",
+    "{% endfor %}{% endif %}"
+)
+VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ message.role + '\n' + message.content }}", "{{ message.role + '\n' }}" + _VL_CONTENT
+).replace(
+    "{{ '\n<tool_response>\n' + message.content + '\n</tool_response>' }}",
+    "{{ '\n<tool_response>\n' }}" + _VL_CONTENT + "{{ '\n</tool_response>' }}",
 )
 
 

@@ -57,7 +57,7 @@ class GeneratorActor:
             self.agents = AgentRunner(config, self.tokenizer, model_path)
             self.stop = []  # (rollout.tools are not an episode's: its tools are the agent's or the task's)
         elif config.env.name is not None:
-            self.episodes = Episodes(config, self.tokenizer, self.encode)
+            self.episodes = Episodes(config, self.tokenizer, self.encode, model_path)
             self.stop = self.episodes.parser.stop
         if rc.backend == "vllm":
             self.backend: GeneratorBackend = VLLMBackend(

@@ -112,7 +112,7 @@ def preflight(config: Config) -> Inputs:
         if config.gateway_episodes:
             check_agent(config, tokenizer)
         if config.env.name is not None and not config.verifiers:
-            check_environment(config, rows[0], tokenizer)
+            check_environment(config, rows[0], tokenizer, model_path)
         if config.episodic:
             prompts = episode_prompts(rows, config.data)
             eval_prompts = episode_prompts(held_out, config.data) if held_out else []

@@ -22,6 +22,7 @@ from rltrain.loss.advantages import (
     whiten,
     zero_variance_groups,
 )
+from rltrain.models.images import not_with_images
 from rltrain.rewards.functions import AGENT, ENV, VERIFIERS_ENV, Calls, RewardScorer, soft_overlong_penalty
 
 
@@ -337,7 +338,12 @@ def build_batch(scored: ScoredGroups, config: Config, pad_id: int, version: int 
     group, valid = group[episode], valid[episode]  # a split episode's parts share its advantage
     filtered = [alg.overlong == "filter" and c.truncated for c in completions]
     exclude = [f or not v for f, v in zip(filtered, valid.tolist())]
-    return collate(prompt_ids, completions, group, pad_id, exclude if any(exclude) else None, version)
+    batch = collate(prompt_ids, completions, group, pad_id, exclude if any(exclude) else None, version)
+    if batch.images is not None and (setting := not_with_images(config)):  # an episode's, not the rows'
+        raise ValueError(
+            f"an episode's images (an environment's, a tool's or an agent's) are not taken with {setting} yet"
+        )
+    return batch
 
 
 def training_sequences(

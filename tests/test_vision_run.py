@@ -243,7 +243,7 @@ def test_the_gateway_serves_image_url_parts_token_in_token_out_and_splits_where_
     assert back.earlier[0].prompt_ids.images == (first,)
 
 
-def _play_shapes(tiny_vl, turns: list[str], limits=None, images=True):
+def _play_shapes(tiny_vl, turns: list[str], limits=None, images=True, parser=None):
     """``builtin:shapes``' episode (its real process) on a row of builtin:shapes, the policy played by
     ``turns`` (each an assistant turn's text, sampled as the tiny tokenizer encodes it, then <|im_end|>)."""
     from transformers import AutoTokenizer
@@ -275,7 +275,9 @@ def _play_shapes(tiny_vl, turns: list[str], limits=None, images=True):
     )
     row = shapes_rows(1, seed=7)[0]
     try:
-        (c,) = run_episodes(generate, host, renderer, HermesParser(), tokenizer.encode, [row], [0], limits)
+        (c,) = run_episodes(
+            generate, host, renderer, parser or HermesParser(), tokenizer.encode, [row], [0], limits
+        )
     finally:
         host.shutdown()
     return c, row, seen, renderer
@@ -363,3 +365,9 @@ def test_a_bad_image_an_image_past_the_room_and_an_image_for_a_text_model_end_th
     c, *_ = _play_shapes(tiny_vl, ["purple"], images=False)
     assert (c.finish_reason, c.errors, c.token_ids) == ("error", {"image": 1}, [])
     assert "takes none (it has no image processor)" in c.failures["environment reset"]
+    # a tool's picture where results are text inside the turn (tag): named, counted as the tool's
+    from rltrain.episodes.parsers import TagParser
+
+    c, *_ = _play_shapes(tiny_vl, ["<tool:look>2</tool>"], parser=TagParser())
+    assert (c.finish_reason, c.errors, c.tool_errors) == ("error", {"image": 1}, 1)
+    assert "rollout.tool_parser=tag writes a result inside the turn as text" in c.failures["tool look"]

@@ -188,7 +188,7 @@ def _after_turns(live, host, renderer, parser, encode, limits) -> None:
         results = outputs[e.key]
         if parser.inline_results:  # tag: the result goes on inside the same turn
             if not isinstance(results[0]["content"], str):
-                e.fail("image", failure=(f"tool {results[0]['name']}", INLINE_IMAGE))
+                e.fail("image", True, (f"tool {results[0]['name']}", INLINE_IMAGE))
                 e.close_turn(ParsedTurn(e.turn_text))
                 continue
             text = parser.format_result(results[0]["content"])
@@ -300,15 +300,16 @@ def _checked(e: _Episode, messages: list[dict], renderer: ChatRenderer, limits: 
     (counted as ``image``, the problem shown once; what it said is left out of the conversation)."""
     out = []
     for message in messages:
-        where = f"tool {message.get('name')}" if message.get("role") == "tool" else source
+        tool = message.get("role") == "tool"  # (a tool's failure counts in tool_errors too)
+        where = f"tool {message.get('name')}" if tool else source
         try:
             message = checked_message(message, where, limits.max_image_pixels)
         except ImageError as error:
-            e.fail("image", failure=(where, str(error)))
+            e.fail("image", tool, (where, str(error)))
             return []
         if renderer.images is None and message_images([message]):
-            e.fail("image", failure=(where, f"{where} gave an image, and {renderer.name} takes none (it has "
-                                            "no image processor): images need a vision-language model"))  # fmt: skip
+            e.fail("image", tool, (where, f"{where} gave an image, and {renderer.name} takes none (it has no "
+                                          "image processor): images need a vision-language model"))  # fmt: skip
             return []
         out.append(message)
     return out

@@ -149,14 +149,15 @@ def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
 # an environment's episodes (configs/cpu_env.yaml: a system turn with the calculator's schema,
 # hermes calls, multi-turn trees); the hybrid on the demo's task with the in-process engine; the
 # vision-language model on configs/cpu_vision.yaml's pictures (each group's image once in its tree),
-# and in builtin:shapes' episodes (after a short warm start, a turn that ends gets the picture again,
-# larger: sequences of two images, the second in the completion)
+# and in builtin:shapes' episodes (after a short warm start on its demonstrations, pictures rendered
+# by the processor, a turn that ends gets the picture again, larger: sequences of two images, the
+# second in the completion)
 CLI_FAMILIES = {
     "gpt-oss": ("builtin:tiny-gpt-oss", "vllm", "configs/cpu_demo.yaml", []),
     "gemma3 episodes": ("builtin:tiny-gemma3", "vllm", "configs/cpu_env.yaml", ["reward.functions={env: 1.0, digits: 1.0}"]),
     "qwen3.5": ("builtin:tiny-qwen3.5", "hf", "configs/cpu_demo.yaml", []),
     "vision": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", []),
-    "vision episodes": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", ["env.name=builtin:shapes", "sft_warmup.steps=40",
+    "vision episodes": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", ["env.name=builtin:shapes", "sft_warmup.steps=40", "sft_warmup.source=env",
                         "reward.functions={env: 1.0, digits: 1.0}", "run.save_rollouts_every=1"]),
 }  # fmt: skip
 

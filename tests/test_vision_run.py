@@ -313,6 +313,12 @@ def test_an_environments_and_a_tools_images_join_the_sequence_as_the_processor_r
                     {"role": "assistant", "content": answer}]  # fmt: skip
     whole = ImageInputs(tiny_vl).render(conversation, images, renderer.tools, add_generation_prompt=False)
     assert sequence == list(whole)[:-1]  # (the template's newline after the last <|im_end|>)
+    # the same conversation written out (a warm start's example) is built exactly as the episode was
+    from rltrain.episodes.chat import render_conversations
+
+    ((prompt, completion, mask),) = render_conversations([(conversation, renderer.tools)], renderer.tokenizer,
+                                                         images=ImageInputs(tiny_vl))  # fmt: skip
+    assert (prompt, prompt.images, completion, mask) == (c.prompt_ids, images, c.token_ids, c.tool_mask)
     # 56 / 28 = 2 merged patches a side: 4 placeholders; 112 px: 4 x 4 = 16; 168 px: 6 x 6 = 36
     token = c.prompt_ids.image_token
     runs = [len(r) for r in "".join("x" if t == token else " " for t in sequence).split()]

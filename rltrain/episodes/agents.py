@@ -40,7 +40,7 @@ from rltrain.episodes.gateway import GATEWAY, Gateway, OutOfRoom, episode_comple
 from rltrain.episodes.parsers import get_parser
 from rltrain.episodes.requests import Refused, Sampling
 from rltrain.loading import import_attribute
-from rltrain.models.images import ImageInputs, has_processor
+from rltrain.models.images import vision_inputs
 from rltrain.rewards.functions import AGENT, VERIFIERS_ENV
 
 MODEL_NAME = "rltrain-policy"  # the model the gateway serves, as /v1/models lists it
@@ -265,8 +265,7 @@ class AgentRunner:
             self.fn = load_agent(agent.entrypoint)
         self.timeout_s, self.concurrency = agent.timeout_s, agent.concurrency
         limits = EpisodeLimits.from_config(config)
-        vl = model_path is not None and has_processor(model_path)
-        images = ImageInputs(model_path, config.model.trust_remote_code) if vl else None
+        images = vision_inputs(config, model_path)
         self.gateway = Gateway(
             lambda tools: ChatRenderer(tokenizer, tools, config.env.render, images),
             lambda tools: get_parser(config.tool_parser, tokenizer, tools),

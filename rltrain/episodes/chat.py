@@ -50,7 +50,7 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
     content = out.get("content", "")
     if isinstance(content, list):  # content parts: the text ones, and the images where there are any
         parts = [p for p in content if isinstance(p, dict)]
-        if any(p.get("type") == "image_url" for p in parts):
+        if any(p.get("type") in ("image_url", "image") for p in parts):
             content = [_part(p) for p in parts]
         else:
             content = "".join(p.get("text", "") for p in parts)
@@ -79,6 +79,8 @@ def _part(part: dict[str, Any]) -> dict[str, Any]:
 
     if part.get("type") == "image_url":
         return {"type": "image", "image": raw_bytes(part["image_url"]["url"], "image_url")}
+    if part.get("type") == "image":  # (checked already: rltrain.media.checked_message)
+        return {"type": "image", "image": part["image"]}
     return {"type": "text", "text": part.get("text", "")}
 
 
@@ -266,6 +268,10 @@ class ChatRenderer:
                 added = added[: len(added) - len(self._generation_prompt())]
             ids, mask = ids + added, mask + [0] * len(added)
             j = k
+        if images := message_images(messages):  # the prompt holds its sequence's images, as an episode's
+            from rltrain.batch import ImagePrompt
+
+            prompt = ImagePrompt(prompt, images, self.images.image_token_id)
         return prompt, ids[len(prompt) :], mask[len(prompt) :]
 
     def _generation_prompt(self) -> list[int]:
@@ -312,18 +318,25 @@ def render_conversations(
     written: list[Conversation],
     tokenizer,
     history: Literal["full", "last_turn"] = "full",
+    images=None,
+    max_pixels: int = 16_777_216,
 ) -> list[Encoded]:
     """Written conversations ``(messages, tool schemas)`` (an environment's demonstrations, or a
     file's in OpenAI's format) as :meth:`ChatRenderer.conversation` encodes them, each as an episode
-    or the gateway would have built it had the policy sampled its assistant turns. A template that
-    raises, or a conversation without an assistant turn, raises ValueError naming the conversation."""
+    or the gateway would have built it had the policy sampled its assistant turns; their images
+    (checked, at most ``max_pixels``) rendered by ``images`` (a vision-language model's
+    :class:`~rltrain.models.images.ImageInputs`). A template that raises, a bad image or a
+    conversation without an assistant turn raises ValueError naming the conversation."""
+    from rltrain.media import checked_message
+
     renderers: dict[str, ChatRenderer] = {}  # one per set of tools
     encoded = []
     for n, (messages, tools) in enumerate(written):
         key = json.dumps(tools, sort_keys=True)
-        renderer = renderers.setdefault(key, ChatRenderer(tokenizer, tools, history))
+        renderer = renderers.setdefault(key, ChatRenderer(tokenizer, tools, history, images))
         try:
-            encoded.append(renderer.conversation([canonical(m) for m in messages]))
-        except ValueError as e:  # TemplateError among them
+            checked = [checked_message(m, f"message {i}", max_pixels) for i, m in enumerate(messages)]
+            encoded.append(renderer.conversation([canonical(m) for m in checked]))
+        except ValueError as e:  # TemplateError and ImageError among them
             raise ValueError(f"conversation {n + 1}: {e}") from None
     return encoded

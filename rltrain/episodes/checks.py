@@ -69,7 +69,7 @@ def check_environment(config: Config, row: dict, tokenizer, model_path: str | No
     from rltrain.episodes.chat import ChatRenderer, TemplateError, message_images, render_problem
     from rltrain.episodes.environments import load_environment, tool_schemas
     from rltrain.media import checked_message
-    from rltrain.models.images import ImageInputs, has_processor
+    from rltrain.models.images import vision_inputs
 
     env = config.env
     try:
@@ -97,12 +97,11 @@ def check_environment(config: Config, row: dict, tokenizer, model_path: str | No
     opening = [
         checked_message(m, f"env.name: {env.name}.reset", config.data.max_image_pixels) for m in opening
     ]
-    images = None
+    images = vision_inputs(config, model_path)
     if message_images(opening):
-        if model_path is None or not has_processor(model_path):
+        if images is None:
             raise ValueError(f"env.name: {env.name}.reset opens with images, and model.name_or_path="
                              f"{config.model.name_or_path} takes none: images need a vision-language model")  # fmt: skip
-        images = ImageInputs(model_path, config.model.trust_remote_code)
     renderer = ChatRenderer(tokenizer, schemas, env.render, images)
     try:
         prompt = renderer.opening(opening)

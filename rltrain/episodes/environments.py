@@ -283,6 +283,10 @@ class ShapesEnv(Environment):
         closer = [{"type": "image", "image": self.look(self.zoom)}, {"type": "text", "text": "Look closer."}]
         return Step([{"role": "user", "content": closer}], reward=0.0)
 
+    def demonstration(self, row: dict[str, Any]) -> Messages:
+        """The right colour at once (``sft_warmup.source: env``)."""
+        return [*self.reset(row), {"role": "assistant", "content": row["answer"]}]
+
 
 BUILTIN: dict[str, type[Environment]] = {"calculator": CalculatorEnv, "guess": GuessEnv, "chain": ChainEnv,
                                          "shapes": ShapesEnv}  # fmt: skip

@@ -44,14 +44,12 @@ class Episodes:
         from rltrain.episodes.environments import tool_schemas
         from rltrain.episodes.parsers import get_parser
         from rltrain.episodes.tools import ToolRunner
-        from rltrain.models.images import ImageInputs, has_processor
+        from rltrain.models.images import vision_inputs
 
         rc, env = config.rollout, config.env
         self.host = EnvHost(env.name, env.kwargs, ToolRunner.from_config(rc.tools, enabled=["python"]))
         schemas = tool_schemas(self.host.tools)
-        vl = model_path is not None and has_processor(model_path)
-        images = ImageInputs(model_path, config.model.trust_remote_code) if vl else None
-        self.renderer = ChatRenderer(tokenizer, schemas, env.render, images)
+        self.renderer = ChatRenderer(tokenizer, schemas, env.render, vision_inputs(config, model_path))
         self.parser = get_parser(config.tool_parser, tokenizer, schemas)
         self.encode = encode  # inline (tag) tool results
         self.limits = EpisodeLimits.from_config(config)

@@ -101,6 +101,14 @@ def has_processor(model_path: str) -> bool:
     return (folder / "preprocessor_config.json").is_file() or (folder / "processor_config.json").is_file()
 
 
+def vision_inputs(config, model_path: str | None) -> ImageInputs | None:
+    """The :class:`ImageInputs` of the model at ``model_path`` where it has a processor (a
+    vision-language model: what renders an environment's, a tool's or an agent's images), else None."""
+    if model_path is None or not has_processor(model_path):
+        return None
+    return ImageInputs(model_path, config.model.trust_remote_code)
+
+
 def run_images(config, model_path: str) -> ImageInputs | None:
     """Where the rows hold images (:func:`rltrain.data.holds_images`): the model's :class:`ImageInputs`, once
     the model and the run can take images (else one line saying which setting cannot); None

@@ -35,7 +35,7 @@ from rltrain.episodes.checks import (
     check_tools,
     verifiers_rows,
 )
-from rltrain.models.images import run_images
+from rltrain.models.images import run_images, vision_inputs
 from rltrain.models.resolve import check_model, check_scoring_models, load_tokenizer, resolve_model
 from rltrain.rewards.functions import GIVEN, check_reward_functions, load_reward_fn
 from rltrain.run import checkpoint
@@ -122,7 +122,7 @@ def preflight(config: Config) -> Inputs:
         if config.env.name is not None:
             check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
-            check_sft_source(config, rows, tokenizer)
+            check_sft_source(config, rows, tokenizer, images or vision_inputs(config, model_path))
         sft = config.sft_warmup
         if sft.steps and sft.copy_fraction and sft.source != BUILTIN_TASK:
             print(f"rltrain: note: sft_warmup.copy_fraction={sft.copy_fraction:g} applies to sft_warmup.source="
@@ -133,9 +133,9 @@ def preflight(config: Config) -> Inputs:
     return Inputs(out, model_path, tokenizer, prompts, rows, eval_prompts)
 
 
-def check_sft_source(config: Config, rows: list[dict], tokenizer) -> None:
+def check_sft_source(config: Config, rows: list[dict], tokenizer, images=None) -> None:
     """The warm start's examples load now (they are used after Ray starts); a file of conversations
-    renders through the policy's chat template."""
+    renders through the policy's chat template (its images through ``images``, the processor's)."""
     from rltrain.episodes.chat import render_conversations
 
     written = sft_conversations(config.sft_warmup.source)
@@ -143,7 +143,7 @@ def check_sft_source(config: Config, rows: list[dict], tokenizer) -> None:
         sft_examples(config.sft_warmup, rows, config.run.seed)
         return
     try:  # the first few through the template (the warm start renders every one, and names any that fails)
-        render_conversations(written[:8], tokenizer, config.env.render)
+        render_conversations(written[:8], tokenizer, config.env.render, images, config.data.max_image_pixels)
     except ValueError as e:
         raise ValueError(f"sft_warmup.source {config.sft_warmup.source!r}: {e}") from None
 

@@ -30,7 +30,7 @@ from rltrain.data import (
 from rltrain.episodes.chat import Encoded, render_conversations
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.sft import SFTLearner
-from rltrain.models.images import ImageInputs
+from rltrain.models.images import vision_inputs
 from rltrain.run import checkpoint
 
 DONE = "rltrain_sft.json"  # written last into sft_model/: the warm-up finished, with these settings
@@ -47,21 +47,19 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     done = folder / DONE
     if done.exists() and json.loads(done.read_text())["settings"] == settings:
         return str(folder)
+    # a vision-language model's processor renders examples with images (it loads at the first)
+    images = vision_inputs(config, model_path)
     if sft.source == SFT_FROM_ENV:
-        encoded = demonstrations(config, rows, tokenizer)
+        encoded = demonstrations(config, rows, tokenizer, images)
     elif (written := sft_conversations(sft.source)) is not None:
         try:  # (preflight rendered the first few)
-            encoded = render_conversations(written, tokenizer, config.env.render)
+            encoded = render_conversations(
+                written, tokenizer, config.env.render, images, config.data.max_image_pixels
+            )
         except ValueError as e:
             raise BadExamples(f"sft_warmup.source {sft.source!r}: {e}") from None
     else:
-        examples = sft_examples(sft, rows, config.run.seed)
-        images = (
-            ImageInputs(model_path, config.model.trust_remote_code)
-            if any("images" in e for e in examples)
-            else None
-        )
-        encoded = encode_examples(examples, tokenizer, config, images)
+        encoded = encode_examples(sft_examples(sft, rows, config.run.seed), tokenizer, config, images)
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
@@ -84,14 +82,15 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     return str(folder)
 
 
-def demonstrations(config: Config, rows: list[dict], tokenizer) -> list[Encoded]:
-    """The environment's ``demonstration(row)`` conversations, rendered as its episodes are."""
+def demonstrations(config: Config, rows: list[dict], tokenizer, images=None) -> list[Encoded]:
+    """The environment's ``demonstration(row)`` conversations, rendered as its episodes are
+    (``images``: a vision-language model's :class:`~rltrain.models.images.ImageInputs`)."""
     from rltrain.episodes.environments import load_environment, tool_schemas
 
     env_class, kwargs = load_environment(config.env.name), config.env.kwargs
     schemas = tool_schemas(env_class(**kwargs).tools)
     written = [(env_class(**kwargs).demonstration(row), schemas) for row in rows]
-    return render_conversations(written, tokenizer, config.env.render)
+    return render_conversations(written, tokenizer, config.env.render, images, config.data.max_image_pixels)
 
 
 def encode_examples(examples: list[dict], tokenizer, config: Config, images=None) -> list[Encoded]:

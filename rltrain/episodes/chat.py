@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
+from rltrain.media import IMAGE_PART_TYPES
+
 if TYPE_CHECKING:
     from rltrain.data import Conversation
 
@@ -50,7 +52,7 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
     content = out.get("content", "")
     if isinstance(content, list):  # content parts: the text ones, and the images where there are any
         parts = [p for p in content if isinstance(p, dict)]
-        if any(p.get("type") in ("image_url", "image") for p in parts):
+        if any(p.get("type") in IMAGE_PART_TYPES for p in parts):
             content = [_part(p) for p in parts]
         else:
             content = "".join(p.get("text", "") for p in parts)

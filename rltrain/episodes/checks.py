@@ -62,14 +62,14 @@ def _check_parser(config: Config, tokenizer, schemas: list[dict] | None = None) 
         raise ValueError(f"rollout.tool_parser={config.tool_parser}: {first_line(e)}") from None
 
 
-def check_environment(config: Config, row: dict, tokenizer, model_path: str | None = None) -> None:
+def check_environment(config: Config, row: dict, tokenizer, images=None) -> None:
     """``env.name`` loads, takes ``env.kwargs``, opens an episode from the first row (its images
-    checked, and rendered by the processor of the model at ``model_path``), and its tools' schemas
-    and the chat template's rendering of the additions work; raises ValueError naming the key."""
+    checked, and rendered by ``images``: a vision-language model's
+    :class:`~rltrain.models.images.ImageInputs`), and its tools' schemas and the chat template's
+    rendering of the additions work; raises ValueError naming the key."""
     from rltrain.episodes.chat import ChatRenderer, TemplateError, message_images, render_problem
     from rltrain.episodes.environments import load_environment, tool_schemas
     from rltrain.media import checked_message
-    from rltrain.models.images import vision_inputs
 
     env = config.env
     try:
@@ -97,7 +97,6 @@ def check_environment(config: Config, row: dict, tokenizer, model_path: str | No
     opening = [
         checked_message(m, f"env.name: {env.name}.reset", config.data.max_image_pixels) for m in opening
     ]
-    images = vision_inputs(config, model_path)
     if message_images(opening):
         if images is None:
             raise ValueError(f"env.name: {env.name}.reset opens with images, and model.name_or_path="

@@ -107,12 +107,14 @@ def preflight(config: Config) -> Inputs:
                 else config.data
             )
             rows, held_out = split_held_out(rows, data, config.eval)
-        images = run_images(config, model_path)
+        # a vision-language model's processor, loaded once: the rows', the environment's and the
+        # warm start's images render through it
+        images = run_images(config, model_path) or vision_inputs(config, model_path)
         check_reward_functions(config.reward.functions, config.reward.timeout_s, rows[0])
         if config.gateway_episodes:
             check_agent(config, tokenizer)
         if config.env.name is not None and not config.verifiers:
-            check_environment(config, rows[0], tokenizer, model_path)
+            check_environment(config, rows[0], tokenizer, images)
         if config.episodic:
             prompts = episode_prompts(rows, config.data)
             eval_prompts = episode_prompts(held_out, config.data) if held_out else []
@@ -122,7 +124,7 @@ def preflight(config: Config) -> Inputs:
         if config.env.name is not None:
             check_environment_fit(config)
         if config.sft_warmup.steps and config.sft_warmup.source != SFT_FROM_ENV:
-            check_sft_source(config, rows, tokenizer, images or vision_inputs(config, model_path))
+            check_sft_source(config, rows, tokenizer, images)
         sft = config.sft_warmup
         if sft.steps and sft.copy_fraction and sft.source != BUILTIN_TASK:
             print(f"rltrain: note: sft_warmup.copy_fraction={sft.copy_fraction:g} applies to sft_warmup.source="

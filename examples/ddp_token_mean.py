@@ -46,6 +46,7 @@ def train_step(rank: int, world_size: int, port: int = 29533, weights_out: dict 
         print(f"step done: {int(total_tokens)} loss tokens in the step, weight {model.module.weight.data}")
     if weights_out is not None:
         weights_out[rank] = [p.detach().clone() for p in model.module.parameters()]
+    dist.barrier()  # no rank tears the group down while another is still in it (gloo aborts then)
     dist.destroy_process_group()
 
 

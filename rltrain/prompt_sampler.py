@@ -11,6 +11,53 @@ from rltrain.data import Prompt
 POOLS = ("hard", "normal", "easy")
 
 
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: 64 well-mixed bits of ``x`` (the same on every machine and Python)."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class Permutation:
+    """A pseudo-random permutation of ``range(n)`` fixed by ``seed``, evaluated at one point (either
+    way) without a list of ``n``: a four-round Feistel network over the next even power of two,
+    walked until it lands in range (expected under two steps)."""
+
+    def __init__(self, n: int, seed: int):
+        bits = max(2, (max(n, 2) - 1).bit_length())
+        self.n, self.half = n, (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        self.keys = [_mix(seed * 4 + r) for r in range(4)]
+
+    def _forward(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << self.half) | right
+
+    def _backward(self, y: int) -> int:
+        left, right = y >> self.half, y & self.mask
+        for key in reversed(self.keys):
+            left, right = right ^ (_mix(left ^ key) & self.mask), left
+        return (left << self.half) | right
+
+    def __call__(self, x: int) -> int:
+        y = self._forward(x)
+        while y >= self.n:
+            y = self._forward(y)
+        return y
+
+    def inverse(self, y: int) -> int:
+        x = self._backward(y)
+        while x >= self.n:
+            x = self._backward(x)
+        return x
+
+
 class PromptSampler:
     """Shuffled passes over the prompts; ``state()``/``load_state()`` make resumption exact.
 
@@ -21,51 +68,72 @@ class PromptSampler:
     ``easy_weight: 0``, say), draws take the epoch's next prompt of any pool, said once and counted
     (``data/pool_fallback_draws``). The pick's randomness is a function of (seed, epoch, draws this
     epoch), and the observed means are part of the state, so a resumed run draws what an
-    uninterrupted one does. A draw costs O(log prompts): each pool keeps a heap of the places of its
-    prompts in the epoch's order (a place stays in the heap it was pushed to when its prompt moves
-    to another pool, and is passed over when it comes up)."""
+    uninterrupted one does.
+
+    A draw costs O(log prompts), and an epoch's start costs the size of the pools it draws from, not
+    the number of prompts (a pool of a few prompts of positive weight ends an epoch every few draws):
+    the epoch's order is a :class:`Permutation` evaluated where asked, each pool keeps the prompts
+    it holds, and a pool's heap of their places in the epoch's order is built when the epoch first
+    draws from it (a place stays in the heap it was pushed to when its prompt moves to another pool,
+    and is passed over when it comes up)."""
 
     def __init__(self, prompts: list[Prompt], seed: int, difficulty=None):
         self.prompts, self.seed, self.difficulty = prompts, seed, difficulty
         self.epoch, self.position = 0, 0  # position: draws this epoch
         self.latest: dict[int, float] = {}  # prompt index -> its latest group mean reward
         self._drawn: set[int] = set()  # places of the epoch's order drawn (difficulty sampling)
-        self._sizes = dict.fromkeys(POOLS, 0) | {"normal": len(prompts)}  # prompts per pool
         self.fallback_draws = 0
-        self._order = self._shuffle(0)
-        self._index_order()
+        if difficulty is None:
+            self._order = self._shuffle(0)
+        else:
+            self._at = {p.index: i for i, p in enumerate(prompts)}  # a prompt's index -> its position
+            self._members = {pool: set() for pool in POOLS} | {"normal": set(range(len(prompts)))}
+            self._start_epoch(0)
+
+    @property
+    def _sizes(self) -> dict[str, int]:
+        if self.difficulty is None:
+            return dict.fromkeys(POOLS, 0) | {"normal": len(self.prompts)}
+        return {pool: len(members) for pool, members in self._members.items()}
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
         random.Random(self.seed * 100_003 + epoch).shuffle(order)
         return order
 
-    def _index_order(self) -> None:
-        """Each pool's heap of the epoch's undrawn places (difficulty sampling)."""
-        if self.difficulty is None:
-            return
-        self._place = {self.prompts[i].index: place for place, i in enumerate(self._order)}
-        self._heaps = {pool: [] for pool in POOLS}
-        for place, i in enumerate(self._order):  # (ascending: each list is a heap already)
-            if place not in self._drawn:
-                self._heaps[self.pool(self.prompts[i].index)].append(place)
+    def _start_epoch(self, epoch: int) -> None:
+        """The epoch's order (difficulty sampling): no pool's heap built yet."""
+        self.epoch, self._permutation = epoch, Permutation(len(self.prompts), self.seed * 100_003 + epoch)
+        self._heaps: dict[str, list[int]] = {}
 
     def _next_epoch(self) -> None:
-        self.epoch, self.position, self._drawn = self.epoch + 1, 0, set()
-        self._order = self._shuffle(self.epoch)
-        self._index_order()
+        self.position, self._drawn = 0, set()
+        if self.difficulty is None:
+            self.epoch += 1
+            self._order = self._shuffle(self.epoch)
+        else:
+            self._start_epoch(self.epoch + 1)
 
     def take(self, n: int) -> list[Prompt]:
         return [self._draw() for _ in range(n)]
 
+    def _heap(self, pool: str) -> list[int]:
+        """The pool's undrawn places in the epoch's order, built at the epoch's first look."""
+        if pool not in self._heaps:
+            heap = [place for i in self._members[pool] if (place := self._permutation(i)) not in self._drawn]
+            heapq.heapify(heap)
+            self._heaps[pool] = heap
+        return self._heaps[pool]
+
     def _head(self, pool: str) -> int | None:
         """The pool's first undrawn place in the epoch's order, or None."""
-        heap = self._heaps[pool]
-        while heap and (
-            heap[0] in self._drawn or self.pool(self.prompts[self._order[heap[0]]].index) != pool
-        ):
+        heap = self._heap(pool)
+        while heap and (heap[0] in self._drawn or self.pool(self._prompt_at(heap[0]).index) != pool):
             heapq.heappop(heap)  # drawn, or its prompt is in another pool now (and in that pool's heap)
         return heap[0] if heap else None
+
+    def _prompt_at(self, place: int) -> Prompt:
+        return self.prompts[self._permutation.inverse(place)]
 
     def _draw(self) -> Prompt:
         if self.difficulty is None:
@@ -99,7 +167,7 @@ class PromptSampler:
             place = first[rng.choices(pools, [weights[pool] for pool in pools])[0]]
         self._drawn.add(place)
         self.position += 1
-        return self.prompts[self._order[place]]
+        return self._prompt_at(place)
 
     def pool(self, index: int) -> str:
         """The pool of the prompt with this index: by its latest group mean reward (unseen: normal)."""
@@ -119,11 +187,15 @@ class PromptSampler:
                 continue
             before, after = self.pool(prompt.index), self._pool_of(float(mean))
             self.latest[prompt.index] = float(mean)
-            if before != after:
-                self._sizes[before] -= 1
-                self._sizes[after] += 1
-                place = self._place.get(prompt.index) if self.difficulty is not None else None
-                if place is not None and place not in self._drawn:
+            if (
+                before != after
+                and self.difficulty is not None
+                and (i := self._at.get(prompt.index)) is not None
+            ):
+                self._members[before].discard(i)
+                self._members[after].add(i)
+                place = self._permutation(i)
+                if after in self._heaps and place not in self._drawn:
                     heapq.heappush(self._heaps[after], place)
 
     def pool_sizes(self) -> dict[str, float]:
@@ -144,8 +216,10 @@ class PromptSampler:
         self._drawn = set(state.get("drawn", []))
         self.latest = {int(i): m for i, m in state.get("latest", {}).items()}
         self.fallback_draws = state.get("fallback_draws", 0)
-        self._sizes = dict.fromkeys(POOLS, 0)
-        for prompt in self.prompts:
-            self._sizes[self.pool(prompt.index)] += 1
-        self._order = self._shuffle(self.epoch)
-        self._index_order()
+        if self.difficulty is None:
+            self._order = self._shuffle(self.epoch)
+            return
+        self._members = {pool: set() for pool in POOLS}
+        for i, prompt in enumerate(self.prompts):
+            self._members[self.pool(prompt.index)].add(i)
+        self._start_epoch(self.epoch)

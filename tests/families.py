@@ -13,7 +13,7 @@ from rltrain.batch import TrainBatch
 from rltrain.learner import attention
 from rltrain.learner.prefix_tree import build_tree, tree_logprobs
 from rltrain.loss.logprobs import sequence_logprobs
-from rltrain.models.families import causal_lm_class
+from rltrain.models.families import attention_interface, causal_lm_class, needs, prepare
 
 VOCAB = 128
 # small shapes every family accepts: 2 layers (3 where a family mixes kinds), 4 query heads and 2
@@ -40,7 +40,7 @@ def config(family: str, **changes):
         return cls(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
                                                      "num_heads": 2, "intermediate_size": 32},
                    tie_word_embeddings=False, **extra)  # fmt: skip
-    return cls(**shape, **extra)
+    return cls(**{**shape, **extra})
 
 
 FAMILIES = {
@@ -119,6 +119,72 @@ FAMILIES = {
         ),
     ),
     "qwen2.5-vl": ("Qwen2_5_VLConfig", dict()),
+    # families outside the first matrix: attention without position ids (Ministral 3, Granite 4.0's
+    # hybrid), ALiBi and attention of its own (Bloom), state in code of its own (RecurrentGemma's
+    # RG-LRU), a short convolution (LFM2), Mamba-1 (Jamba), Kimi's delta attention
+    "ministral3": ("Ministral3Config", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "granite4-hybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            num_hidden_layers=2,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_expand=1,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+            num_local_experts=0,
+            shared_intermediate_size=96,
+        ),
+    ),  # fmt: skip
+    "recurrentgemma": (
+        "RecurrentGemmaConfig",
+        dict(
+            num_hidden_layers=3,
+            block_types=["recurrent", "attention", "recurrent"],
+            lru_width=64,
+            attention_window_size=WINDOW,
+            conv1d_width=4,
+            logits_soft_cap=30.0,
+            partial_rotary_factor=0.5,
+        ),
+    ),  # fmt: skip
+    "bloom": ("BloomConfig", dict(n_layer=2, n_head=4)),
+    "lfm2": (
+        "Lfm2Config",
+        dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    ),
+    "jamba": (
+        "JambaConfig",
+        dict(
+            num_hidden_layers=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_dt_rank=8,
+        ),
+    ),  # fmt: skip
+    "kimi-linear": (
+        "KimiLinearConfig",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            linear_attn_config={
+                "kda_layers": [1],
+                "full_attn_layers": [2],
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+        ),
+    ),  # fmt: skip
     # hybrid models: Gated DeltaNet (linear attention with a recurrent state and a convolution of 4)
     # beside full attention; chunks of 64 hold a whole sequence here, so the tests' rows also cross
     # the chunked scan's chunks with chunk_size below
@@ -156,7 +222,11 @@ def build(family: str, attn_implementation: str | None = None, seed: int = 0, **
     ``changes``: to its config."""
     torch.manual_seed(seed)
     made = config(family, **changes)
-    model = causal_lm_class(made).from_config(made, attn_implementation=attn_implementation or "eager")
+    auto = causal_lm_class(made)
+    if not attention_interface(made):  # (its own attention, as the learners load it)
+        attn_implementation = None
+    model = auto.from_config(made, attn_implementation=attn_implementation or "eager")
+    prepare(model, needs(made, model))
     with torch.no_grad():  # attention sinks start at zero: give each head its own
         for name, param in model.named_parameters():
             if name.endswith("sinks"):

@@ -230,19 +230,67 @@ def test_content_parts_other_than_text_are_refused_in_one_line_never_dropped():
         "an image": {"type": "image_url", "image_url": {"url": png}},
         "audio": {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
     }.items():
-        with pytest.raises(Refused) as refusal:
-            ChatRequest.check(parts(part))
+        with pytest.raises(Refused) as refusal:  # (a bad image: for a model that takes images)
+            ChatRequest.check(parts(part), images=name in ("remote", "undecodable"))
         assert refusal.value.status == 400 and "\n" not in str(refusal.value)
         refused[name] = str(refusal.value)
     assert refused["remote"].startswith("messages.0.content.1.image_url: remote image URLs are not fetched")
     assert "cannot be decoded as an image" in refused["undecodable"]
-    # a good image is read, then refused where the model takes none: a reply to the text alone would
-    # be trained on (tests/test_vision_run.py serves one to a vision-language model)
+    # a good image is refused where the model takes none, before it is decoded (a reply to the text
+    # alone would be trained on; tests/test_vision_run.py serves one to a vision-language model)
     assert refused["an image"].startswith("messages.0.content.1: this model takes no images")
     assert (
         refused["audio"]
         == "messages.0.content.1: content parts of type 'input_audio' are not served (text only)"
     )
+
+
+def test_an_image_part_is_decoded_once_and_never_for_a_text_model(monkeypatch):
+    import base64
+    import io
+
+    from PIL import Image
+
+    import rltrain.media
+    from rltrain.episodes.gateway import ChatRequest, Refused
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    png = f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}}]}]}
+    decoded, raw_bytes = [], rltrain.media.raw_bytes
+    monkeypatch.setattr(rltrain.media, "raw_bytes", lambda *a, **k: decoded.append(1) or raw_bytes(*a, **k))
+    with pytest.raises(Refused):  # a text model: refused before any byte of it is decoded
+        ChatRequest.check(body, images=False)
+    assert decoded == []
+    request = ChatRequest.check(body, images=True)
+    (message,) = [canonical(m) for m in request.message_dicts()]  # what the gateway renders
+    assert message["content"] == [{"type": "image", "image": buffer.getvalue()}] and decoded == [1]
+
+
+def test_an_episode_that_closes_before_its_call_takes_it_counts_the_call_as_to_a_finished_episode(
+    monkeypatch,
+):
+    # the agent's timeout closes the episode after the call found it (its key checked) but before
+    # the call took it (busy): the call is refused as one to a finished episode (401), counted by
+    # the gateway; the handed-on episode is left as it was (nothing counted on it, not busy)
+    from rltrain.episodes import gateway as module
+    from rltrain.episodes.gateway import Refused
+
+    runner = AgentRunner(load_config(None, AGENT), TOKENIZER)
+    gateway = runner.gateway
+    e = gateway.open({"id": "closing"}, seed=0)
+    check = module.ChatRequest.check
+
+    def closing_meanwhile(*args, **kwargs):
+        gateway.close(e)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(module.ChatRequest, "check", closing_meanwhile)
+    with pytest.raises(Refused) as refusal:
+        gateway.begin(e.id, e.key, {"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+    assert refusal.value.status == 401 and gateway.unauthorized == 1
+    assert e.counts == {} and not e.busy and e.sequences() == []
 
 
 def test_a_request_may_repeat_the_runs_sampling_and_ask_for_nothing_else():

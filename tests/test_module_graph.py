@@ -58,7 +58,7 @@ def test_no_module_imports_one_that_imports_it_back():
 FLOORS = {"config": 0, "loss": 0, "ground": 1, "models": 2, "rewards": 3, "learner": 3, "episodes": 4,
           "rollout": 5, "run": 6, "top": 7}  # fmt: skip
 GROUND = {"rltrain", "rltrain.batch", "rltrain.plan", "rltrain.remote", "rltrain.weight_transfer", "rltrain.loading",
-          "rltrain.data", "rltrain.media", "rltrain.sandbox", "rltrain.tasks", "rltrain.prompt_sampler"}  # fmt: skip
+          "rltrain.data", "rltrain.media", "rltrain.sandbox", "rltrain.tasks", "rltrain.prompt_sampler", "rltrain.curves"}  # fmt: skip
 PUBLIC = {"rltrain.masked_mean": "loss", "rltrain.losses": "loss", "rltrain.envs": "episodes"}
 
 

@@ -296,7 +296,7 @@ def model_forward(model_path: str, attn: str):
         tree = sharing.tree(batch)
         if tree is not None:
             return tree_logprobs(model, tree, batch.input_ids)[0]
-        return sequence_logprobs(model, batch.input_ids, batch.attention_mask, packed=True)[0]
+        return sequence_logprobs(model, batch.input_ids, batch.attention_mask, packed=sharing.packed())[0]
 
     return forward
 
@@ -371,7 +371,8 @@ def test_autos_check_compares_every_model_on_a_micro_batch_with_loss_tokens_and_
 def test_a_failed_check_before_the_first_reference_forward_plans_every_batch_unshared(
     ray_local, tiny_model_path, tmp_path
 ):
-    # a model whose tree rows differ from its packed rows (remote code that ignores position ids),
+    # a model whose tree rows differ from its packed rows (remote code that reads position ids as
+    # documents alone: its packed rows are right, as the check of packed rows against padded ones finds),
     # a reference beside the policy (loss.kl_beta), groups of 4 sharing their prompt. The first call
     # is the reference's log-probs before any update: auto's check runs there, on both models, turns
     # sharing off, and those log-probs are the unshared ones; the update after it is planned
@@ -410,3 +411,33 @@ def test_a_failed_check_before_the_first_reference_forward_plans_every_batch_uns
     torch.testing.assert_close(reference[keep], unshared[keep], rtol=0, atol=1e-5)
     assert metrics["train/micro_batches"] == unshared_plan.micro_batches_per_group()[0]
     assert metrics["perf/tokens_forwarded"] == metrics["perf/forward_tokens"]  # nothing shared
+
+
+@pytest.mark.slow
+def test_packed_rows_that_differ_from_padded_ones_stop_the_run_in_one_line(
+    ray_local, tiny_model_path, tmp_path
+):
+    # remote code that ignores position ids runs a packed row as one long sequence: its documents
+    # attend to each other. learner.packing is checked against padded rows on the first micro-batch
+    # that has loss tokens, and the run stops naming the layout and the setting that avoids it (before,
+    # it trained on; only the engine-learner gap hinted at it)
+    from model_utils import positionless_model
+
+    from rltrain.learner.group import LearnerGroup
+    from rltrain.learner.prefix_tree import LayoutMismatch
+    from rltrain.run.diagnostics import layout_config, synthetic_rollouts
+
+    path = positionless_model(tiny_model_path, tmp_path / "ignores", ignored=True)
+    raw = layout_config(1, 1, 0, max_tokens_per_micro_batch=200, prefix_sharing=False).model_dump()
+    raw["model"]["trust_remote_code"] = True
+    group = LearnerGroup(Config.model_validate(raw), path, total_optimizer_steps=1)
+    try:
+        with pytest.raises(LayoutMismatch) as stopped:
+            group.train_step(synthetic_rollouts(group_size=4))
+    finally:
+        group.shutdown()
+    line = str(stopped.value)
+    assert line.startswith(
+        "learner.packing: packed rows give other outputs than padded rows (policy learner by"
+    )
+    assert "set learner.packing=false" in line and "\n" not in line

@@ -451,6 +451,35 @@ def test_a_difficulty_draw_costs_no_pass_over_every_prompt():
     assert lookups[0] < 20 * 512, lookups[0]
 
 
+def test_a_pass_over_a_pool_of_few_prompts_costs_those_prompts_not_every_prompt():
+    # 100k prompts, all solved (easy, weighed 0) but two: every second draw ends the epoch. A fresh
+    # epoch reshuffled and re-pooled every prompt (O(N log N) a draw: ~1e7 pool lookups for 200
+    # draws); it now orders the pools it draws from. Counted: the pool lookups
+    from rltrain.config import DifficultySampling
+    from rltrain.data import Prompt
+    from rltrain.prompt_sampler import Permutation
+
+    n = 100_000
+    prompts = [Prompt(i, [], "") for i in range(n)]
+    sampler = PromptSampler(prompts, seed=0, difficulty=DifficultySampling(easy_weight=0.0))
+    sampler.observe(prompts, [0.5 if i in (7, 8) else 1.0 for i in range(n)])
+    lookups, pool = [0], sampler.pool
+
+    def counted(index: int) -> str:
+        lookups[0] += 1
+        return pool(index)
+
+    sampler.pool = counted
+    drawn = [p.index for p in sampler.take(200)]
+    assert sorted(drawn[:2]) == [7, 8] and sorted(drawn) == [7] * 100 + [8] * 100 and sampler.epoch == 99
+    assert lookups[0] < 20 * 200, lookups[0]
+    # the epoch's order: a permutation of every prompt, evaluated where asked, either way
+    permutation = Permutation(1000, seed=5)
+    places = [permutation(i) for i in range(1000)]
+    assert sorted(places) == list(range(1000)) and places != list(range(1000))
+    assert all(permutation.inverse(place) == i for i, place in enumerate(places))
+
+
 def test_a_difficulty_weight_of_zero_on_a_pool_never_draws_it_and_bad_bounds_are_refused():
     from rltrain.config import ConfigError, DifficultySampling, load_config
     from rltrain.data import Prompt

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from rltrain.batch import Completion
 from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
+from rltrain.curves import PANELS, panels_for, plot_curves
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
 from rltrain.envs import ChainEnv, tool_schemas
 from rltrain.episodes.chat import with_call_ids
@@ -23,7 +24,7 @@ from rltrain.run.diagnostics import (
     updates_after_one_step,
 )
 from rltrain.run.eval import evaluate
-from rltrain.run.tracking import PANELS, Tracker, eval_table, panels_for, plot_curves
+from rltrain.run.tracking import Tracker, eval_table
 
 
 def test_held_out_questions_are_never_training_questions(tmp_path):
@@ -367,9 +368,17 @@ def test_every_learner_and_loss_setting_that_shapes_the_warm_start_is_in_its_cac
                      "learner.precision=bf16", "learner.weight_decay=0.1", "loss.masked_mean_denominator=null",
                      "learner.micro_batch_size=2"]:  # fmt: skip
         assert _settings(load_config(None, [override]), "m") != base, override  # another model: not reused
+    # a vision tower trained (model.freeze_vision=false) trains another model
+    assert _settings(load_config(None, ["model.freeze_vision=false"]), "m") != base
     # what Ray reserves changes nothing that is trained: the cached model is reused
     for override in ["learner.cpus_per_learner=1", "learner.placement=SPREAD"]:
         assert _settings(load_config(None, [override]), "m") == base, override
+    # outside token mode a micro-batch's mean weighs its own tokens: sharing, which plans a group's
+    # tree whole, changes which sequences travel together, and so the update
+    naive = ["loss.masked_mean_denominator=null"]
+    assert _settings(load_config(None, [*naive, "learner.prefix_sharing=false"]), "m") != _settings(
+        load_config(None, naive), "m"
+    )
 
 
 def test_settings_that_leave_the_warmed_up_model_as_it_is_reuse_it_and_a_copy_fraction_that_does_not_apply_is_noted(

@@ -377,3 +377,64 @@ def test_a_bad_image_an_image_past_the_room_and_an_image_for_a_text_model_end_th
     c, *_ = _play_shapes(tiny_vl, ["<tool:look>2</tool>"], parser=TagParser())
     assert (c.finish_reason, c.errors, c.tool_errors) == ("error", {"image": 1}, 1)
     assert "rollout.tool_parser=tag writes a result inside the turn as text" in c.failures["tool look"]
+
+
+@pytest.mark.parametrize("kind", ["llava", "gemma3"])
+def test_a_vision_language_model_whose_processor_gives_no_grids_is_refused_at_start_up_in_one_line(
+    kind, tmp_path
+):
+    # LLaVA's and Gemma 3's processors give an image's pixels without the patch grids that place its
+    # tokens, and their rotary positions have one axis: preflight refuses the run's images, naming
+    # what is missing (read from the processor's output and the config), where the learners once
+    # raised KeyError('image_grid_thw') at the first step
+    from model_utils import vision_model_without_grids
+
+    from rltrain.config import ConfigError, load_config
+    from rltrain.run.preflight import preflight
+
+    folder = vision_model_without_grids(kind, tmp_path / kind)
+    config = load_config("configs/cpu_vision.yaml", [f"model.name_or_path={folder}", "sft_warmup.steps=0",
+                                                     f"run.output_dir={tmp_path / 'run'}"])  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        preflight(config)
+    line = str(refused.value)
+    assert line.startswith("data.source=builtin:shapes:") and "\n" not in line, line
+    assert "image_grid_thw" in line and "rotary positions of several axes" in line and "Qwen2.5-VL" in line
+
+
+def test_every_model_that_scores_images_takes_them_or_the_run_stops_at_start_up(tiny_vl, tmp_path):
+    # a reward model (a sequence classifier: it scores text alone) would score the images'
+    # placeholders as text: refused in one line where the rows hold images; a teacher without an
+    # image processor too. A teacher that renders a picture as the policy does scores it with its own
+    # processor (its folder's, not the policy's)
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config
+
+    from rltrain.config import ConfigError, load_config
+    from rltrain.learner.frozen import TeacherLearner
+    from rltrain.models.tiny import build_tiny_model
+    from rltrain.run.preflight import preflight
+
+    scorer = tmp_path / "scorer"
+    text = AutoConfig.from_pretrained(tiny_vl).text_config.to_dict()
+    keep = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "pad_token_id"}  # fmt: skip
+    config = Qwen2Config(**{k: v for k, v in text.items() if k in keep}, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(scorer)
+    AutoTokenizer.from_pretrained(tiny_vl).save_pretrained(scorer)
+    base = ["sft_warmup.steps=0", f"run.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError) as refused:
+        preflight(load_config("configs/cpu_vision.yaml", [*base, f"reward.model={scorer}",
+                                                          "reward.functions={exact_match: 1.0, model: 1.0}"]))  # fmt: skip
+    line = str(refused.value)
+    assert "images are not taken with reward.model" in line and "placeholders" in line and "\n" not in line
+    distill = [*base, "algorithm.advantage=distill"]
+    with pytest.raises(ConfigError) as refused:
+        preflight(load_config("configs/cpu_vision.yaml", [*distill, f"algorithm.teacher={scorer}"]))
+    line = str(refused.value)
+    assert line.startswith(f"algorithm.teacher: {scorer}: it has no image processor") and "\n" not in line
+    teacher = str(build_tiny_model(tmp_path / "teacher", family="qwen2_5_vl", seed=1))
+    preflight(load_config("configs/cpu_vision.yaml", [*distill, f"algorithm.teacher={teacher}"]))
+    config = load_config("configs/cpu_vision.yaml", [*distill, f"algorithm.teacher={teacher}"])
+    learner = TeacherLearner.__new__(TeacherLearner)
+    learner.config, learner.model_path = config, tiny_vl
+    assert learner._scored_path() == teacher  # the processor its images are rendered with

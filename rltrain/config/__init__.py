@@ -1,7 +1,7 @@
 """The typed, validated config tree: YAML file + dotted ``section.key=value`` overrides.
 
 - :mod:`~rltrain.config.root`: the root :class:`Config` and its cross-section rules;
-  :mod:`~rltrain.config.optimization` (model, learner, loss, algorithm, critic, run) and
+  :mod:`~rltrain.config.optimization` (model, learner, loss, algorithm, critic), :mod:`~rltrain.config.run` and
   :mod:`~rltrain.config.generation` (rollout, data, reward, environments, agents, evaluation): the
   sections; :mod:`~rltrain.config.spellings`: older spellings of keys;
 - :mod:`~rltrain.config.loading`: :func:`load_config`, one :class:`ConfigError` line per problem;
@@ -17,13 +17,14 @@ from rltrain.config.generation import (AgentConfig, DataConfig, DifficultySampli
                                       SFTWarmupConfig, ToolsConfig)  # fmt: skip
 from rltrain.config.help import describe
 from rltrain.config.loading import dump, load_config, validate
-from rltrain.config.optimization import (AUTO_MISMATCH_KL, BUILTIN_MODELS, BUILTIN_TASK, DENOMINATOR_KEY, SFT_FROM_ENV,
+from rltrain.config.optimization import (BUILTIN_MODELS, BUILTIN_TASK, DENOMINATOR_KEY, SFT_FROM_ENV,
                                          TINY_MODEL, TINY_MOE_MODEL, VERIFIERS, Aggregation,
                                          AlgorithmConfig, ConfigError, CriticConfig, CriticLearnerConfig,
                                          Denominator, FrozenLearnerConfig, LearnerConfig, LoraConfig,
-                                         LossConfig, ModelConfig, RolloutCorrectionConfig, RunConfig,
+                                         LossConfig, ModelConfig, RolloutCorrectionConfig,
                                          Section, first_line, resolve_denominator)  # fmt: skip
 from rltrain.config.root import Config
+from rltrain.config.run import AUTO_MISMATCH_KL, RunConfig
 from rltrain.config.spellings import RESPELLED, describe_respelled
 
 __all__ = ["AUTO_MISMATCH_KL", "BUILTIN_MODELS", "BUILTIN_TASK", "DENOMINATOR_KEY", "RESPELLED", "SFT_FROM_ENV", "TINY_MODEL",

@@ -19,7 +19,6 @@ from rltrain.config.generation import (
     SFTWarmupConfig,
 )
 from rltrain.config.optimization import (
-    AUTO_MISMATCH_KL,
     SFT_FROM_ENV,
     VERIFIERS,
     AlgorithmConfig,
@@ -27,9 +26,9 @@ from rltrain.config.optimization import (
     LearnerConfig,
     LossConfig,
     ModelConfig,
-    RunConfig,
     Section,
 )
+from rltrain.config.run import AUTO_MISMATCH_KL, RunConfig
 from rltrain.config.spellings import respell
 
 

@@ -272,7 +272,7 @@ class AgentRunner:
             limits,
             Sampling(rc.temperature, rc.top_p, rc.top_k, rc.min_p),
             MODEL_NAME,
-            images is not None,
+            images is not None and not images.problem,  # (else image parts are refused, 400)
             config.data.max_image_pixels,
         )
         self.batcher: Batcher | None = None

@@ -12,6 +12,7 @@ import difflib
 from rltrain.config import BUILTIN_TASK, SFT_FROM_ENV, Config, ConfigError, first_line
 from rltrain.episodes.parsers import BUILT_IN, get_parser, registered_parsers
 from rltrain.loading import with_deadline
+from rltrain.models.images import not_with_images
 
 
 def check_agent(config: Config, tokenizer) -> None:
@@ -101,6 +102,10 @@ def check_environment(config: Config, row: dict, tokenizer, images=None) -> None
         if images is None:
             raise ValueError(f"env.name: {env.name}.reset opens with images, and model.name_or_path="
                              f"{config.model.name_or_path} takes none: images need a vision-language model")  # fmt: skip
+        if setting := not_with_images(config):
+            raise ValueError(
+                f"env.name: {env.name}.reset opens with images, which are not taken with {setting} yet"
+            )
     renderer = ChatRenderer(tokenizer, schemas, env.render, images)
     try:
         prompt = renderer.opening(opening)

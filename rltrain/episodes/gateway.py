@@ -155,9 +155,12 @@ class Gateway:
             self.sampling.check(body)
         except Refused as refused:
             with self.lock:
-                e.count_request(refused.kind)
+                self._count(e, refused.kind)
             raise
         with self.lock:
+            if not e.open:  # closed since episode() found it: as an unknown or finished episode
+                self.unauthorized += 1
+                raise Refused(401, "unauthorized", "unknown or finished episode, or not its key")
             if e.busy:
                 e.count_request("concurrent")
                 raise Refused(409, "concurrent", "this episode has a call in flight; one call at a time")
@@ -170,7 +173,7 @@ class Gateway:
                 )
             e.busy = True
         try:
-            messages = [canonical(m.model_dump(exclude_none=True)) for m in request.messages]
+            messages = [canonical(m) for m in request.message_dicts()]
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             change = self._prompt(e, messages, tools)  # rendered off the lock: it may take a while
             with self.lock:  # the episode's sequences change only while it is open (close holds the lock)
@@ -184,14 +187,32 @@ class Gateway:
                 raise OutOfRoom(e)
             return e, prompt, room, e.seed + len(e.calls) * SEED_STRIDE
         except BaseException as error:
-            e.busy = False  # whatever went wrong releases the episode; a refusal is counted by its kind
+            with self.lock:  # whatever went wrong releases the episode; a refusal is counted by its kind
+                e.busy = False
+                if isinstance(error, TemplateError):
+                    e.failures.setdefault(TEMPLATE, str(error))
+                if (
+                    isinstance(error, TemplateError | OutOfRoom)
+                    or isinstance(error, Refused)
+                    and error.kind != "late"
+                ):
+                    kind = (
+                        "template"
+                        if isinstance(error, TemplateError)
+                        else "length"
+                        if isinstance(error, OutOfRoom)
+                        else error.kind
+                    )
+                    self._count(e, kind)  # (late: counted at close)
             if isinstance(error, TemplateError):
-                e.failures.setdefault(TEMPLATE, str(error))
-                e.count_request("template")
                 raise Refused(400, "template", str(error)) from None
-            if isinstance(error, OutOfRoom) or (isinstance(error, Refused) and error.kind != "late"):
-                e.count_request("length" if isinstance(error, OutOfRoom) else error.kind)  # (late: at close)
             raise
+
+    def _count(self, e: AgentEpisode, kind: str) -> None:
+        """A refused request of ``e``, counted (under the lock) while the episode is open: once it
+        closed its counts were handed on, and its busy call was counted as late there."""
+        if e.open:
+            e.count_request(kind)
 
     def _prompt(
         self, e: AgentEpisode, messages: Messages, tools: list[dict] | None
@@ -215,7 +236,8 @@ class Gateway:
                 added = e.renderer.additions(e.history, messages[n:])
             except TemplateError:  # the template rewrites earlier turns (env.render=last_turn keeps them)
                 added = None
-                e.count_request("template_rewrites")
+                with self.lock:  # (rendered off the lock; counted while open)
+                    self._count(e, "template_rewrites")
             if added is not None:
                 if len(added) > e.room():
                     raise OutOfRoom(e)
@@ -229,7 +251,8 @@ class Gateway:
         renderer = self.make_renderer(tools)
         prompt = renderer.opening(messages)
         if len(prompt) > self.limits.max_prompt_tokens:
-            e.count_request("prompt_too_long")
+            with self.lock:  # (rendered off the lock; counted while open)
+                self._count(e, "prompt_too_long")
             raise OutOfRoom(e)
 
         def split() -> list[int]:

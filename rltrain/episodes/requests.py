@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from rltrain.config import DataConfig
 from rltrain.media import ImageError, image_bytes
@@ -88,6 +88,8 @@ class ChatRequest(_Open):
 
     messages: list[_Message] = Field(min_length=1)
     tools: list[_Tool] | None = None
+    # each image part's bytes, decoded once by the check: (message, part) -> the encoded image
+    _images: dict[tuple[int, int], bytes] = PrivateAttr(default_factory=dict)
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
 
@@ -102,30 +104,43 @@ class ChatRequest(_Open):
             raise Refused(400, "bad_request", f"{where}: {first['msg']}") from None
         for m, message in enumerate(request.messages):
             for p, part in enumerate(message.content if isinstance(message.content, list) else []):
-                check_part(part, f"messages.{m}.content.{p}", images, max_pixels)
+                if (data := check_part(part, f"messages.{m}.content.{p}", images, max_pixels)) is not None:
+                    request._images[m, p] = data
         return request
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as dicts, each image part as ``{"type": "image", "image": bytes}`` (decoded
+        by the check, not again)."""
+        out = []
+        for m, message in enumerate(self.messages):
+            data = message.model_dump(exclude_none=True)
+            for p in range(len(data["content"]) if isinstance(data.get("content"), list) else 0):
+                if (m, p) in self._images:
+                    data["content"][p] = {"type": "image", "image": self._images[m, p]}
+            out.append(data)
+        return out
 
 
 def check_part(
     part: _ContentPart, where: str, images: bool = False, max_pixels: int = MAX_IMAGE_PIXELS
-) -> None:
-    """A content part the gateway can take: text, and an ``image_url`` part, read and checked (a
-    data URL: nothing is fetched; at most ``max_pixels``), where the model takes images (else
-    refused: a reply to the text alone would be trained on); any other part (audio, files) is
-    refused: never dropped in silence."""
+) -> bytes | None:
+    """A content part the gateway can take: text, and an ``image_url`` part where the model takes
+    images (else refused before it is decoded: a reply to the text alone would be trained on), read
+    and checked (a data URL: nothing is fetched; at most ``max_pixels``): its image's bytes. Any
+    other part (audio, files) is refused: never dropped in silence."""
     if part.type == "text":
-        return
+        return None
     if part.type != "image_url" or part.image_url is None:
         raise Refused(
             400, "bad_request", f"{where}: content parts of type {part.type!r} are not served (text only)"
         )
-    try:
-        image_bytes(part.image_url.url, f"{where}.image_url", max_pixels)
-    except ImageError as e:
-        raise Refused(400, "bad_request", str(e)) from None
     if not images:
         raise Refused(400, "bad_request", f"{where}: this model takes no images (it has no image processor), "
                       "and a reply to the text alone would be trained on")  # fmt: skip
+    try:
+        return image_bytes(part.image_url.url, f"{where}.image_url", max_pixels)
+    except ImageError as e:
+        raise Refused(400, "bad_request", str(e)) from None
 
 
 @dataclass

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rltrain.loss import rows
 from rltrain.loss.rows import ancestors, segments
 
 PACKED = "rltrain_packed"
@@ -146,8 +147,8 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if position_ids is None:
-        raise RuntimeError(f"the {PACKED!r} attention needs position_ids (a packed row)")
+    if position_ids is None:  # a layer that passes none (Ministral 3's, Granite 4.0's): the row's own
+        position_ids = row_positions(query.shape[0], query.shape[2], query.device)
     if position_ids.dim() == 3:  # multi-axis rotary positions (Qwen2-VL): the text axis tells the pieces
         position_ids = position_ids[0]
     if query.shape[0] == 1:  # a packed or tree row (its pieces are planned once for every layer)
@@ -159,6 +160,19 @@ def packed_attention(
             for b in range(query.shape[0])
         ])  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+def row_positions(batch: int, length: int, device) -> torch.Tensor:
+    """The position ids of the row a layer's forward runs, for a layer that passes none: the packed
+    or tree row the forward announced (:func:`rltrain.loss.rows.current`), or where there is none,
+    rows of their own without padding (a padded batch whose mask transformers dropped as causal)."""
+    row = rows.current()
+    if row is not None:
+        if (batch, length) != (1, len(row)):
+            raise RuntimeError(f"the {PACKED!r} attention got {batch} rows of {length} tokens in a forward of "
+                               f"one row of {len(row)}")  # fmt: skip
+        return row.position_ids[None].to(device)
+    return torch.arange(length, device=device)[None].expand(batch, length)
 
 
 def band(queries: int, keys: int, window: int | None, device=None) -> torch.Tensor:

@@ -51,7 +51,7 @@ class CriticLearner(EngineLearner):
 
     def values(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         """``[B, T]``: position ``t`` holds the value of the state before token ``t``."""
-        out_BT = outputs(model, mb, self.sharing.tree(mb), self.lc.packing)[..., 0].float()
+        out_BT = outputs(model, mb, self.sharing.tree(mb), self.sharing.packed())[..., 0].float()
         return F.pad(out_BT[:, :-1], (1, 0))
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:

@@ -37,11 +37,12 @@ from rltrain.batch import TrainBatch, nonempty
 from rltrain.config import Config, LearnerConfig
 from rltrain.learner import sequence_parallel
 from rltrain.learner.prefix_tree import PrefixSharing
-from rltrain.learner.start import EngineStart
+from rltrain.learner.start import EngineStart, most_over_ranks
 from rltrain.learner.state import LearnerState
+from rltrain.loss.forwards import causal_lm
 from rltrain.loss.masked_mean import step_totals
 from rltrain.loss.vision import Images
-from rltrain.models.images import ImageInputs
+from rltrain.models.images import ImageInputs, blank_image, is_vision_parameter
 from rltrain.remote import node_address, where
 
 # counted once per step (not per PPO epoch): tokens the unshared layout runs on (padding included),
@@ -124,6 +125,7 @@ class EngineLearner(EngineStart, LearnerState):
     """
 
     ROLE = "policy learner"  # how errors and placement.json name its ranks
+    trains_tower = True  # a vision-language model's tower trains unless model.freeze_vision
     KEY = "learner"  # the config section that lays it out (errors name its keys)
     PREFIX = "train"  # of the logged metrics: train/..., time/train_s
     PERF = ""  # of the logged cost metrics: perf/forward_tokens, ...
@@ -150,11 +152,14 @@ class EngineLearner(EngineStart, LearnerState):
         self.sp = self.lc.sequence_parallel_size
         self.sp_rank = rank % self.sp
         self.attn_implementation = None
+        # learner.prefix_sharing and packing (packed rows checked against padded ones, but not under
+        # sequence parallelism, whose rows are split over ranks)
         self.sharing = PrefixSharing(
-            self.lc.prefix_sharing if self.sp == 1 else False
-        )  # learner.prefix_sharing
+            self.lc.prefix_sharing if self.sp == 1 else False, self.lc.packing, self.KEY, self.sp == 1
+        )
         self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
         self.image_inputs: ImageInputs | None = None  # a vision-language model's, at its first images
+        self.tower_collective: bool | None = None  # see _tower_everywhere
 
     def node_address(self) -> tuple[str, int]:
         return node_address()
@@ -266,14 +271,15 @@ class EngineLearner(EngineStart, LearnerState):
         raise NotImplementedError
 
     @torch.no_grad()
-    def check_sharing(self, micro_batches: list[TrainBatch]) -> bool | None:
-        """``learner.prefix_sharing: auto``'s check of every model this rank runs, on its share of a
-        batch, every rank at once (:meth:`~rltrain.learner.prefix_tree.PrefixSharing.check`)."""
+    def check_layouts(self, micro_batches: list[TrainBatch]) -> tuple[bool | None, bool]:
+        """The check of prefix trees and packed rows against padded rows, of every model this rank
+        runs, on its share of a batch, every rank at once
+        (:meth:`~rltrain.learner.prefix_tree.PrefixSharing.check`): whether sharing is on (None:
+        undecided) and whether a layout is still unchecked."""
         self.sharing.clear()
         mbs = [self._to_device(nonempty(mb)) for mb in micro_batches]
-        return self.sharing.check(
-            self._shared_forwards(), mbs, self._compared_positions, self.bf16, self.rank
-        )
+        on = self.sharing.check(self._shared_forwards(), mbs, self._compared_positions, self.bf16, self.rank)
+        return on, bool(self.sharing.unchecked)
 
     def _shared_forwards(self) -> dict[str, Any]:
         """Each model's ``[B, T]`` outputs that a shared forward must reproduce, by name."""
@@ -286,19 +292,43 @@ class EngineLearner(EngineStart, LearnerState):
     def _forward_tokens(self, mb: TrainBatch) -> float:
         """Tokens the model runs on for this micro-batch on this rank without sharing: its slice of
         the packed row, or every padded cell."""
-        if not self.lc.packing:
+        if not self.sharing.packed():
             return mb.input_ids.numel()
         return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
 
-    def _images(self, mb: TrainBatch) -> list[Images | None] | None:
+    def _images(self, mb: TrainBatch) -> tuple[list[Images | None] | None, Images | None]:
         """Each sequence's images as the model's forward takes them (its own image processor's
-        patches, on the model's device), None without images."""
-        if mb.images is None:
-            return None
-        if self.image_inputs is None:
-            self.image_inputs = ImageInputs(self.model_path, self.config.model.trust_remote_code)
+        patches, on the model's device), None without images; and the image the vision tower runs
+        on where this rank's micro-batch has none while another rank's has
+        (:func:`rltrain.loss.vision.forward_inputs`'s ``idle``). Called once per forward on every
+        rank: where the tower's forward or backward is a collective (:meth:`_tower_everywhere`), the
+        ranks first agree in one all-reduce whether any of them has images."""
+        has = mb.images is not None and any(im is not None for im in mb.images)
+        anyone = bool(most_over_ranks(int(has), self.use_cuda)) if self._tower_everywhere() else has
+        if not anyone:
+            return None, None
+        if self.image_inputs is None:  # (the scored model's own processor)
+            self.image_inputs = ImageInputs(self._scored_path(), self.config.model.trust_remote_code)
         device = self.engine.device
-        return [None if im is None else self.image_inputs(im).to(device) for im in mb.images]
+        if not has:
+            return [None] * len(mb), self.image_inputs((blank_image(),)).to(device)
+        return [None if im is None else self.image_inputs(im).to(device) for im in mb.images], None
+
+    def _tower_everywhere(self) -> bool:
+        """Whether the model's vision tower runs on every rank whenever it runs on one: its forward
+        gathers its weights under ZeRO-3, and a trained tower's backward reduces its gradients."""
+        if self.tower_collective is None:
+            trained = self.trains_tower and not self.config.model.freeze_vision
+            self.tower_collective = (
+                self.world_size > 1
+                and (self.lc.zero_stage == 3 or trained)
+                and any(is_vision_parameter(name) for name, _ in causal_lm(self.engine).named_parameters())
+            )
+        return self.tower_collective
+
+    def _scored_path(self) -> str:
+        """The folder of the model this learner runs (its processor renders its images)."""
+        return self.model_path
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
         device = self.engine.device

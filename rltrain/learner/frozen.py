@@ -25,6 +25,7 @@ class FrozenLearner(EngineLearner):
     """An :class:`EngineLearner` that only runs :meth:`per_token`."""
 
     trains_adapters = False
+    trains_tower = False
 
     def _start_engine(self, total_optimizer_steps: int) -> None:
         import deepspeed
@@ -66,6 +67,9 @@ class TeacherLearner(FrozenLearner, PolicyLearner):
 
         return self._load_model(AutoModelForCausalLM, self.config.algorithm.teacher)
 
+    def _scored_path(self) -> str:
+        return self.config.algorithm.teacher
+
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         return self._logprobs(self.engine, mb)[0]
 
@@ -96,7 +100,7 @@ class RewardModelLearner(FrozenLearner):
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
-        return outputs(self.engine, mb, self.sharing.tree(mb), self.lc.packing)[..., 0].float()
+        return outputs(self.engine, mb, self.sharing.tree(mb), self.sharing.packed())[..., 0].float()
 
     def _compared_positions(self, mb: TrainBatch) -> torch.Tensor:
         """Each sequence's score: its last token."""

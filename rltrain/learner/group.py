@@ -16,6 +16,7 @@ from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
+from rltrain.learner.prefix_tree import LayoutMismatch
 from rltrain.plan import MicroBatchPlan, plan_micro_batches, plan_packed_micro_batches, shared_prefix_lengths
 from rltrain.remote import gather, wait_placed
 
@@ -67,10 +68,12 @@ class LearnerGroup:
         lc = self.lc = self.learner_cls.section(config)
         self.config, self.timeout_s = config, config.run.actor_timeout_s
         # learner.prefix_sharing: whether batches are planned as prefix trees (a tree travels whole);
-        # under auto, until the learners' check has decided (:meth:`_check_sharing`)
+        # under auto, until the learners' check has decided (:meth:`_check_layouts`)
         self.sharing: bool | None = None if lc.prefix_sharing == "auto" else bool(lc.prefix_sharing)
         if lc.sequence_parallel_size > 1:
             self.sharing = False
+        # packed rows and trees are checked against padded rows at the first call that runs them
+        self.layouts_checked = self.sharing is False and not (lc.packing and lc.sequence_parallel_size == 1)
         return lc
 
     def restart(self, config: Config, total_optimizer_steps: int) -> None:
@@ -108,23 +111,34 @@ class LearnerGroup:
             )
         return plan_micro_batches(len(batch), data_parallel, num_mini_batches, lc.micro_batch_size)
 
-    def _check_sharing(self, batch: TrainBatch) -> None:
-        """``learner.prefix_sharing: auto``: before the group's first shared forward, every rank
-        runs its models shared and unshared on its share of ``batch``; where they differ, sharing is
-        off for the group, and batches are planned unshared from then on (within the token budget
-        of the unshared forward). Nothing to compare in ``batch``: the next call checks."""
-        if self.sharing is not None:
+    def _check_layouts(self, batch: TrainBatch) -> None:
+        """Before the group's first forward in a layout other than padded rows (a prefix tree, a
+        packed row), every rank runs its models in that layout and padded on its share of ``batch``
+        (:meth:`EngineLearner.check_layouts`). ``learner.prefix_sharing: auto``: where they differ,
+        sharing is off for the group, and batches are planned unshared from then on (within the
+        token budget of the unshared forward); a layout the config asks for stops the run
+        (:class:`~rltrain.learner.prefix_tree.LayoutMismatch`). A layout with nothing to compare in
+        ``batch`` is checked at the next call."""
+        if self.layouts_checked:
             return
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, 1)
         shards = [[batch.select(idx).trim() for idx in rank[0]] for rank in plan.groups]
-        self.sharing = self._gather(
-            [a.check_sharing.remote(shards[i // sp]) for i, a in enumerate(self.actors)]
-        )[0]
+        try:
+            sharing, unchecked = self._gather(
+                [a.check_layouts.remote(shards[i // sp]) for i, a in enumerate(self.actors)]
+            )[0]
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, LayoutMismatch):  # one line, not the actor's traceback
+                raise LayoutMismatch(str(error.cause)) from None
+            raise
+        if self.sharing is None:
+            self.sharing = sharing
+        self.layouts_checked = not unchecked
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch.validate()
-        self._check_sharing(batch)
+        self._check_layouts(batch)
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, self.lc.num_mini_batches)
         shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
@@ -139,7 +153,7 @@ class LearnerGroup:
     def per_token(self, batch: TrainBatch, own: bool = False) -> torch.Tensor:
         """The learners' per-token output for the whole batch, ``[N, T]`` (a critic's values), with
         every rank running its micro-batches at the same time (``own``: see the actors' method)."""
-        self._check_sharing(batch)
+        self._check_layouts(batch)
         sp = self.lc.sequence_parallel_size
         plan = self._plan(batch, 1)
         shards = [[batch.select(idx) for idx in rank[0]] for rank in plan.groups]

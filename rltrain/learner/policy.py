@@ -116,7 +116,7 @@ class PolicyLearner(EngineLearner):
         return forwards
 
     def _rows(self, mb: TrainBatch) -> torch.Tensor:
-        return router_rows(mb, self.lc.packing, self.sp, self.sp_rank, self.sharing.tree(mb))
+        return router_rows(mb, self.sharing.packed(), self.sp, self.sp_rank, self.sharing.tree(mb))
 
     def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs: the frozen copy's, or with LoRA the policy's own with
@@ -137,31 +137,22 @@ class PolicyLearner(EngineLearner):
         # (a vision-language model's placeholders: never sampled, out of the engine's distribution)
         banned = placeholder_ids(causal_lm(model).config)
         truncation = Truncation(rc.top_k, rc.top_p, rc.min_p, banned) if sampling else None
-        packed, tree = self.lc.packing, self.sharing.tree(mb)
+        packed, tree = self.sharing.packed(), self.sharing.tree(mb)
         if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
             tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
-        images = self._images(mb)
+        images, idle = self._images(mb)
         if tree is not None:
-            return tree_logprobs(
-                model, tree, mb.input_ids, temperature, with_entropy, truncation, images=images
-            )
+            return tree_logprobs(model, tree, mb.input_ids, temperature, with_entropy, truncation, images=images,
+                                 idle_image=idle)  # fmt: skip
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
                 truncation,
             )  # fmt: skip
-        return sequence_logprobs(
-            model,
-            mb.input_ids,
-            mb.attention_mask,
-            temperature,
-            with_entropy,
-            packed,
-            truncation,
-            images=images,
-        )
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed,
+                                 truncation, images=images, idle_image=idle)  # fmt: skip
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.batch import TrainBatch, token_keys
+from rltrain.batch import TrainBatch, nonempty, token_keys
 from rltrain.loss import vision
 from rltrain.loss.forwards import head_forward, packed_forward, token_outputs
 from rltrain.loss.logprobs import Truncation, predicted_logprobs
@@ -162,6 +162,7 @@ def tree_logprobs(
     truncation: Truncation | None = None,
     from_hidden: bool = True,
     images: list[Images | None] | None = None,
+    idle_image: Images | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rltrain.loss.logprobs.sequence_logprobs` through the tree: ``[B, T]`` log-probs of
     every token given its prefix (each sequence's first token 0), and the entropy.
@@ -169,12 +170,13 @@ def tree_logprobs(
     Each distinct (predicting row token, target) pair is computed once: the shared prompt's
     predictions once, and at a branch point the shared last token once per member's own next token.
     ``images`` (each row's, :class:`rltrain.loss.vision.Images`): a shared prompt's images
-    enter the row once, with the rotary positions each sequence has alone."""
+    enter the row once, with the rotary positions each sequence has alone (``idle_image``: see
+    :func:`rltrain.loss.vision.forward_inputs`)."""
     seen = {}
     if images is not None:  # (the tree's cells are the micro-batch's attended ones)
         attended_BT = (tree.cell_BT >= 0).long()
         seen = vision.forward_inputs(
-            model, input_ids_BT, attended_BT, images, tree.position_ids_1L, tree.in_row_order
+            model, input_ids_BT, attended_BT, images, tree.position_ids_1L, tree.in_row_order, idle_image
         )
     states, head = head_forward(model, lambda **kw: tree_forward(model, tree, **seen, **kw), from_hidden)
     cell_BT = tree.cell_BT
@@ -212,23 +214,41 @@ def outputs(model: torch.nn.Module, mb: TrainBatch, tree: PrefixTree | None, pac
 
 
 # learner.prefix_sharing auto: a micro-batch runs as a prefix tree where that saves this share of
-# its tokens (against one packed row); each model's first shared micro-batch's outputs must match the
-# unshared forward's to this (absolute, log-probs or values; by precision), or sharing goes off
+# its tokens (against one packed row)
 AUTO_MIN_SAVING = 0.1
-SHARING_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+# each model's first micro-batch in each layout a run uses (packed rows, prefix trees) must give the
+# outputs padded rows give to this (absolute, log-probs or values; by precision). Every family the
+# contract runs exactly reads under 1e-5 in fp32 (docs/models.md); a layout that gets a family wrong
+# reads 1e-3 or more (Bloom's ALiBi over a packed row: 9.1e-4 on a 2-layer model, 7e-3 at a step)
+LAYOUT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
+SHARING_TOLERANCE = LAYOUT_TOLERANCE  # (the earlier name)
+
+
+class LayoutMismatch(ValueError):
+    """A layout the run asked for (``packing``, ``prefix_sharing: true``) gives other outputs than
+    padded rows: the run stops with this line."""
 
 
 class PrefixSharing:
-    """One rank's ``learner.prefix_sharing``: which micro-batches run as prefix trees (the same
-    answer for the same micro-batch within a call, so the old log-probs and the update take one
-    path), and ``auto``'s check against the unshared forward (:meth:`check`). Under ``auto`` no
-    micro-batch runs shared before the check has passed."""
+    """One rank's row layouts: which micro-batches run as prefix trees (``learner.prefix_sharing``;
+    the same answer for the same micro-batch within a call, so the old log-probs and the update take
+    one path), whether the others run packed (``learner.packing``), and the check of both against
+    padded rows (:meth:`check`). Under ``auto`` no micro-batch runs shared before the check has
+    passed."""
 
-    def __init__(self, setting: str | bool):
-        self.setting = setting  # "auto", True or False
+    def __init__(
+        self, setting: str | bool, packing: bool = False, key: str = "learner", check_packed: bool = True
+    ):
+        self.setting, self.key = setting, key  # "auto", True or False; the config section it is set in
         # auto: None until checked, then whether the check passed; True/False: the setting's own
         self.on: bool | None = None if setting == "auto" else bool(setting)
-        self.force: bool | None = None  # set during a check: every tree on, or off
+        self.packing = packing
+        # the layouts still to check against padded rows on their first micro-batch
+        self.unchecked = [name for name, used in (("tree", setting is not False), ("packed", packing and check_packed))
+                          if used]  # fmt: skip
+        self.force: str | None = (
+            None  # set during a check: "tree", "packed" or "padded" for every micro-batch
+        )
         self._trees: dict[int, tuple[torch.Tensor, PrefixTree]] = {}  # by input_ids (kept: ids not reused)
 
     @property
@@ -255,13 +275,22 @@ class PrefixSharing:
     def tree(self, mb: TrainBatch) -> PrefixTree | None:
         """The prefix tree a forward on ``mb`` runs as, or None (the unshared layout)."""
         if self.force is not None:
-            return self._tree_of(mb) if self.force else None
+            return self._tree_of(mb) if self.force == "tree" else None
         return self._tree_of(mb) if self.on and self.shares(mb) else None
+
+    def packed(self) -> bool:
+        """Whether an unshared forward runs as one packed row (else padded rows)."""
+        return self.packing if self.force is None else self.force == "packed"
 
     def tokens_forwarded(self, mb: TrainBatch, unshared: float) -> float:
         """Tokens a forward on ``mb`` runs on: the tree's, or ``unshared``."""
         tree = self.tree(mb)
         return unshared if tree is None else tree.tokens
+
+    def _first(self, layout: str, micro_batches: list[TrainBatch], positions) -> TrainBatch | None:
+        """This rank's first micro-batch that runs in ``layout`` and has outputs to compare."""
+        runs = (lambda m: self.shares(m)) if layout == "tree" else (lambda m: True)
+        return next((m for m in micro_batches if runs(m) and positions(m).any()), None)
 
     @torch.no_grad()
     def check(
@@ -272,38 +301,69 @@ class PrefixSharing:
         bf16: bool,
         rank: int,
     ) -> bool | None:
-        """``auto``'s check, on every rank of a group at once, before any model of the group runs
-        shared: each model's ``[B, T]`` outputs (``forwards``) on this rank's first micro-batch that
-        would run shared and has ``positions`` to compare (its loss tokens; a reward model's last
-        tokens), shared and unshared. Where any model differs on any rank beyond rounding, or
-        gives NaN, sharing goes off for the group's run, said in one line; where no rank has such
-        a micro-batch, nothing is decided (None: the group runs unshared and checks its next
-        call). Returns whether sharing is on."""
+        """The check of each layout still unchecked (prefix trees, packed rows) against padded rows,
+        on every rank of a group at once: each model's ``[B, T]`` outputs (``forwards``) on this
+        rank's first micro-batch that runs in that layout and has ``positions`` to compare (its loss
+        tokens; a reward model's last tokens), in the layout and padded.
+
+        Every rank runs the same forwards whatever it holds (ZeRO-3 gathers, the head's chunk
+        agreement and an image tower's forward are collectives): the ranks first agree, in one
+        all-reduce, which layouts any of them has a micro-batch for, and a rank without one runs a
+        blank micro-batch (:func:`rltrain.batch.nonempty`) that compares nothing. A layout no rank
+        has a micro-batch for stays unchecked (the next call checks it).
+
+        Where a model differs on any rank beyond rounding, or gives NaN: under ``auto`` sharing goes
+        off for the group's run, said in one line; a layout the config asked for
+        (``prefix_sharing: true``, ``packing``) raises :class:`LayoutMismatch`, naming it and the
+        setting that avoids it. Returns whether sharing is on (None: undecided)."""
         import torch.distributed as dist
 
-        if self.checked:
+        layouts = list(self.unchecked)
+        if not layouts:
             return self.on
-        mb = next((m for m in micro_batches if self.shares(m) and positions(m).any()), None)
-        differences = torch.zeros(len(forwards) + 1, dtype=torch.float64)  # (found, each model's)
-        if mb is not None:
+        chosen = [self._first(layout, micro_batches, positions) for layout in layouts]
+        found = torch.tensor([mb is not None for mb in chosen], dtype=torch.float64)
+        if dist.is_initialized():  # (every rank runs the forwards of a layout any rank has)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        blank = nonempty(micro_batches[0].select(torch.arange(0)))
+        blank = blank.replace(**{k: v.to(micro_batches[0].input_ids.device)
+                                 for k, v in vars(blank).items() if isinstance(v, torch.Tensor)})  # fmt: skip
+        differences = torch.zeros(len(layouts), len(forwards), dtype=torch.float64)
+        for i, layout in enumerate(layouts):
+            if not found[i]:
+                continue
+            mb = chosen[i] if chosen[i] is not None else blank
             keep = positions(mb).bool()
-            differences[0] = 1.0
-            for i, forward in enumerate(forwards.values()):
+            for j, forward in enumerate(forwards.values()):
                 outs = []
-                for self.force in (True, False):
+                for self.force in (layout, "padded"):
                     outs.append(forward(mb).float())
                 self.force = None
-                worst = float((outs[0] - outs[1])[keep].abs().max())
-                differences[i + 1] = worst if worst == worst else float("inf")  # NaN never passes
-        if dist.is_initialized():  # (every rank decides alike: one all-reduce)
+                worst = float((outs[0] - outs[1])[keep].abs().max()) if keep.any() else 0.0
+                differences[i, j] = worst if worst == worst else float("inf")  # NaN never passes
+        if dist.is_initialized():  # (every rank decides alike)
             dist.all_reduce(differences, op=dist.ReduceOp.MAX)
-        if differences[0] == 0:
-            return None
-        tolerance = SHARING_TOLERANCE[torch.bfloat16 if bf16 else torch.float32]
-        failed = {name: d for name, d in zip(forwards, differences[1:].tolist()) if not d <= tolerance}
-        self.on = not failed
-        if failed and rank == 0:
+        tolerance = LAYOUT_TOLERANCE[torch.bfloat16 if bf16 else torch.float32]
+        for i, layout in enumerate(layouts):
+            if not found[i]:
+                continue
+            self.unchecked.remove(layout)
+            failed = {name: d for name, d in zip(forwards, differences[i].tolist()) if not d <= tolerance}
             said = ", ".join(f"{name} by {d:.3g}" for name, d in failed.items())
-            print(f"learner.prefix_sharing: auto: the shared forward differs from the unshared one ({said}; "
-                  f"> {tolerance:g}) on the first shared micro-batch; going on unshared", flush=True)  # fmt: skip
+            if layout == "tree":
+                self.on = not failed if self.setting == "auto" else self.on
+                if failed and self.setting == "auto" and rank == 0:
+                    print(f"{self.key}.prefix_sharing: auto: the shared forward differs from padded rows ({said}; "
+                          f"> {tolerance:g}) on the first shared micro-batch; going on unshared", flush=True)  # fmt: skip
+                elif failed and self.setting is True:
+                    raise LayoutMismatch(
+                        f"{self.key}.prefix_sharing: prefix-tree rows give other outputs than padded rows ({said}; "
+                        f"> {tolerance:g}) on the first shared micro-batch: this model is not run exactly "
+                        f"shared; set {self.key}.prefix_sharing=false (or auto, which checks and goes on unshared)"
+                    )
+            elif failed:
+                raise LayoutMismatch(
+                    f"{self.key}.packing: packed rows give other outputs than padded rows ({said}; > {tolerance:g}) "
+                    f"on the first micro-batch: this model is not run exactly packed; set {self.key}.packing=false"
+                )
         return self.on

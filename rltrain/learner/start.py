@@ -54,13 +54,17 @@ def load_pretrained(auto_cls, path: str, trust: bool, dtype, attn_implementation
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     if auto_cls is AutoModelForCausalLM:
         auto_cls = families.causal_lm_class(model_config)
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    # a model whose attention does not go through transformers' attention functions keeps its own
+    # (it then runs padded rows alone: the layout check below)
+    own = not families.attention_interface(model_config)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation and not own else {}
     model = auto_cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust, **extra, **kwargs)
     loaded = model[0] if isinstance(model, tuple) else model  # (with output_loading_info)
     model_needs = families.needs(model_config, loaded)
     sp = getattr(lc, "sequence_parallel_size", 1)
     if problem := families.layout_problem(model_needs, key, lc.packing, lc.prefix_sharing, sp):
         raise ValueError(problem)
+    families.prepare(loaded, model_needs)
     return model, families.shares(model_needs)
 
 
@@ -145,7 +149,19 @@ class EngineStart:
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 there
             LOCAL_RANK="0" if self.use_cuda else str(self.rank),
         )
-        deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
+        extra = {}
+        if self.config.run.check_collectives:  # every collective's op and shapes compared across ranks first
+            import datetime
+
+            import torch.distributed as dist
+
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+            dist.set_debug_level_from_env()
+            # a rank missing from a collective is named before the driver's own timeout names them all
+            extra["timeout"] = datetime.timedelta(seconds=self.config.run.actor_timeout_s / 2)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False, **extra
+        )
         self._set_layout()
 
     def _set_layout(self) -> None:

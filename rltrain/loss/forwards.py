@@ -65,7 +65,7 @@ def logit_transform(config) -> LogitTransform:
     for name in ("lm_head_multiplier", "logit_scale"):
         multiplier *= float(read(name) or 1.0)
     multiplier /= float(read("logits_scaling") or 1.0)
-    softcap = read("final_logit_softcapping")
+    softcap = read("final_logit_softcapping") or read("logits_soft_cap")  # (Gemma's; RecurrentGemma's)
     return LogitTransform(multiplier, float(softcap) if softcap else None)
 
 
@@ -94,6 +94,7 @@ class TransformedHead(torch.nn.Module):
 # its transformed head's output on its last hidden states
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PROBE_TOKENS = 8
+PROBE_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative; 1e-2 in half precisions
 
 
 def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -146,7 +147,12 @@ def _probe(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Modu
         _probing[0] = False
         hook.remove()
     mine = head(taken[-1]).float()
-    return bool((mine - logits.float()).abs().max() <= 1e-3 * max(1.0, float(logits.float().abs().max())))
+    # the same products in the same precision: a transform the head misses shows above rounding (a
+    # soft-cap of 30 on logits of ~1 changes them by ~1e-4)
+    tolerance = PROBE_TOLERANCE.get(logits.dtype, 1e-2)
+    return bool(
+        (mine - logits.float()).abs().max() <= tolerance * max(1.0, float(logits.float().abs().max()))
+    )
 
 
 @functools.cache
@@ -173,12 +179,32 @@ def padded_forward(
     )  # fmt: skip
 
 
+def trailing_order(model: torch.nn.Module, attention_mask_BT: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T]``: for a model whose padded rows keep their padding after each sequence (a layer
+    whose handling of padding rltrain cannot know, :attr:`rltrain.models.families.ModelNeeds.trailing_padding`,
+    set on the model at load), each row's columns with its attended ones first; None where the rows
+    are laid out so already or the model reads padding as padding."""
+    if not getattr(causal_lm(model), "_rltrain_trailing_padding", False):
+        return None
+    order = torch.sort(~attention_mask_BT.bool(), dim=-1, stable=True).indices
+    return None if bool((order == torch.arange(order.shape[1], device=order.device)).all()) else order
+
+
+def unordered(values_BT: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Values of rows laid out by ``order`` (:func:`trailing_order`) back in the input's columns."""
+    index = order.reshape(*order.shape, *[1] * (values_BT.dim() - 2)).expand_as(values_BT)
+    return values_BT.new_zeros(values_BT.shape).scatter(1, index, values_BT)
+
+
 def token_outputs(
     model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, packed: bool = False
 ) -> torch.Tensor:
     """The model's per-position output ``logits`` ``[B, T, C]`` for a head with few outputs (a value
     head), computed padded or on one packed row and laid out like the input (0 on padding)."""
     if not packed:
+        if (order := trailing_order(model, attention_mask_BT)) is not None:
+            out = token_outputs(model, input_ids_BT.gather(1, order), attention_mask_BT.gather(1, order))
+            return unordered(out, order)
         return padded_forward(model, input_ids_BT, attention_mask_BT).logits
     keep_BT = attention_mask_BT.bool()
     out_1LC = packed_forward(model, *pack_sequences(input_ids_BT, attention_mask_BT)).logits

@@ -28,6 +28,8 @@ from rltrain.loss.forwards import (
     padded_forward,
     text_positions,
     token_outputs,  # noqa: F401  (reached from here too, as before the split)
+    trailing_order,
+    unordered,
 )
 from rltrain.loss.vision import Images
 
@@ -286,6 +288,7 @@ def sequence_logprobs(
     truncation: Truncation | None = None,
     from_hidden: bool = True,
     images: list[Images | None] | None = None,
+    idle_image: Images | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0);
     with a ``truncation`` (the engine's top_k/top_p/min_p), of the distribution it sampled from.
@@ -299,16 +302,22 @@ def sequence_logprobs(
     head applied chunk by chunk; false: from the model's full logits.
     ``images``: each row's images (:class:`rltrain.loss.vision.Images`, None for a row without),
     for a vision-language model: each distinct image's features computed once, the rotary positions
-    each sequence has alone.
+    each sequence has alone; ``idle_image``: the tower's input where no row has one but another
+    rank's micro-batch does (:func:`rltrain.loss.vision.forward_inputs`).
     """
     if packed:
-        return _packed_sequence_logprobs(
-            model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation, from_hidden, images
-        )
+        return _packed_sequence_logprobs(model, input_ids_BT, attention_mask_BT, temperature, with_entropy,
+                                         truncation, from_hidden, images, idle_image)  # fmt: skip
+    if (order := trailing_order(model, attention_mask_BT)) is not None:  # padding after each sequence
+        logprobs_BT, entropy_BT = sequence_logprobs(
+            model, input_ids_BT.gather(1, order), attention_mask_BT.gather(1, order), temperature, with_entropy,
+            False, truncation, from_hidden, images, idle_image,
+        )  # fmt: skip
+        return unordered(logprobs_BT, order), None if entropy_BT is None else unordered(entropy_BT, order)
     seen = {}
     if images is not None:
         seen = vision.forward_inputs(
-            model, input_ids_BT, attention_mask_BT, images, text_positions(attention_mask_BT)
+            model, input_ids_BT, attention_mask_BT, images, text_positions(attention_mask_BT), idle=idle_image
         )
     states, head = head_forward(
         model,
@@ -346,14 +355,16 @@ def predicted_logprobs(
 
 def _packed_sequence_logprobs(
     model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None, from_hidden=True,
-    images=None,
+    images=None, idle_image=None,
 ):  # fmt: skip
     keep_BT = attention_mask_BT.bool()
     input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
     seen = {}
     if images is not None:
         order = vision.packed_order(attention_mask_BT)
-        seen = vision.forward_inputs(model, input_ids_BT, attention_mask_BT, images, position_ids_1L, order)
+        seen = vision.forward_inputs(
+            model, input_ids_BT, attention_mask_BT, images, position_ids_1L, order, idle_image
+        )
     states, head = head_forward(
         model,
         lambda **extra: packed_forward(model, input_ids_1L, position_ids_1L, **seen, **extra),

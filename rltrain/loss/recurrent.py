@@ -11,12 +11,14 @@ its prompt (prime-rl, verl, SkyRL and slime shipped the same for packing).
 
 Those functions of the model's modules are replaced, once, by ones that follow the sequences of the
 row :func:`rltrain.loss.forwards.packed_forward` runs (:func:`expect`; the row's structure from its
-position ids, :func:`rltrain.loss.rows.parents`), in that forward and in its recomputation in the
+position ids, :class:`rltrain.loss.rows.Row`), in that forward and in its recomputation in the
 backward (gradient checkpointing), until the model's next forward; any other forward (padded rows,
 generation) runs them as they were:
 
 - the **convolution** of each token reads the inputs of its own sequence's previous tokens (zeros
-  before a sequence's start; for a branch, the end of the prompt it continues);
+  before a sequence's start; for a branch, the end of the prompt it continues): each piece of the row
+  with the ``K - 1`` inputs before it prepended, one depthwise ``conv1d`` over all of them (memory and
+  time linear in the row, as the padded forward's);
 - the **scan** runs piece by piece (a piece ends at every token another piece continues from), each
   from its parent's final state, zero for a document's first piece, with the model's own scan and
   its own chunking: a shared prompt's state is computed once and carried into each of its branches,
@@ -36,7 +38,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rltrain.loss.rows import parents
+from rltrain.loss import rows
+from rltrain.loss.rows import Row
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
 # a chunked scan's name -> (its initial-state keyword, its final-state keyword, whether it returns
@@ -44,8 +47,14 @@ CONVOLUTIONS = ("causal_conv1d_fn",)
 SCANS = {"torch_chunk_gated_delta_rule": ("initial_state", "output_final_state", True),
          "mamba2_chunk_scan": ("initial_states", "return_final_states", False)}  # fmt: skip
 FUSED = ("mamba2_split_conv1d_scan_combined",)  # would run the row whole: off (None: not fused)
-_row: list = [None]  # the row the recurrent layers follow now (None: each row its own sequence)
-_next: list = [None]  # the row of the forward packed_forward is starting
+# what a modeling module calls to carry state along a row, that rltrain does not keep per sequence
+# (Mamba-1's selective scan, Kimi's delta attention); the decoding steps' functions (one token
+# after a cache) never run in the learners' forwards
+UNFOLLOWED = ("selective_scan_fn", "mamba_selective_scan", "mamba_inner_fn", "chunk_kimi_delta_attention",
+              "chunk_kda")  # fmt: skip
+DECODING = ("causal_conv1d_update", "mamba2_selective_state_update", "mamba_selective_state_update",
+            "selective_state_update", "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention")  # fmt: skip
+FOLLOWED = (*CONVOLUTIONS, *SCANS, *FUSED)
 
 
 def recurrent_modules(model: torch.nn.Module) -> list:
@@ -62,32 +71,20 @@ def follows(model: torch.nn.Module) -> bool:
 
 def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None:
     """The next forward of ``model`` runs the row these position ids describe (``[1, L]``; None: rows
-    of their own, as a padded batch): its recurrent layers, and their recomputation in the backward
-    (gradient checkpointing), follow that row's sequences until the model's next forward starts.
-    Nothing happens for a model without such layers."""
+    of their own, as a padded batch): :func:`rltrain.loss.rows.expect`, and a hybrid model's
+    recurrent layers follow that row's sequences (their functions replaced once, here)."""
     lm = getattr(model, "module", model)
     lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    if not getattr(lm, "_rltrain_rows", False):
-        modules = recurrent_modules(lm)
-        for module in modules:
+    if not getattr(lm, "_rltrain_recurrent", False):
+        for module in recurrent_modules(lm):
             _wrap(module)
-        lm._rltrain_rows = True
-        lm._rltrain_recurrent = bool(modules)
-        if modules:
-            lm.register_forward_pre_hook(_take_row)
-    if lm._rltrain_recurrent:
-        _next[0] = None if position_ids_1L is None else Row(position_ids_1L[0])
-
-
-def _take_row(*_) -> None:
-    """A forward of the model starts: its recurrent layers follow the row :func:`expect` set for
-    it, or each row its own sequence (a forward rltrain did not start: generation, say)."""
-    _row[0], _next[0] = _next[0], None
+        lm._rltrain_recurrent = True
+    rows.expect(lm, position_ids_1L)
 
 
 def _wrap(module) -> None:
-    """Replace the module's convolution, scans and fused paths, once, by ones that follow
-    :data:`_row` where it is set and its length is the input's."""
+    """Replace the module's convolution, scans and fused paths, once, by ones that follow the
+    current row (:func:`rltrain.loss.rows.current`) where it is set and its length is the input's."""
     if getattr(module, "_rltrain_wrapped", False):
         return
     for name in CONVOLUTIONS:
@@ -104,94 +101,93 @@ def _wrap(module) -> None:
 
 def _unless_row(original: Callable) -> Callable:
     def fused(*args, **kwargs):
-        return None if _row[0] is not None else original(*args, **kwargs)
+        return None if rows.current() is not None else original(*args, **kwargs)
 
     return fused
 
 
 def _convolution(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        row = _row[0]
-        if row is None or tuple(hidden_states.shape[::2]) != (1, len(row.parent)):
+        row = rows.current()
+        if row is None or tuple(hidden_states.shape[::2]) != (1, len(row)):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return row.convolve(hidden_states, weight, bias, activation)
+        return convolve(row, hidden_states, weight, bias, activation)
 
     return causal_conv1d_fn
 
 
 def _scan(original: Callable, initial_key: str, final_key: str, pair: bool) -> Callable:
     def scan(*args, **kwargs):
-        row = _row[0]
+        row = rows.current()
         first = next(a for a in args if torch.is_tensor(a))
-        if (
-            row is None
-            or tuple(first.shape[:2]) != (1, len(row.parent))
-            or kwargs.get(initial_key) is not None
-        ):
+        if row is None or tuple(first.shape[:2]) != (1, len(row)) or kwargs.get(initial_key) is not None:
             return original(*args, **kwargs)
-        out, state = row.scan(original, initial_key, final_key, args, kwargs)
+        out, state = piecewise_scan(row, original, initial_key, final_key, args, kwargs)
         return (out, state if kwargs.get(final_key) else None) if pair or kwargs.get(final_key) else out
 
     return scan
 
 
-class Row:
-    """One packed or tree row's sequences: each token's parent (:func:`rltrain.loss.rows.parents`)
-    and the pieces the scans run (runs of consecutive tokens, cut after every token a later piece
-    continues from)."""
+def crossing_windows(row: Row, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens whose ``kernel``-wide window, taken along the row, would reach past where their
+    sequence continues from (each segment's first ``kernel - 1`` tokens), and their true windows:
+    ``(columns [F], windows [F, kernel])`` of row indices, oldest first, ``L`` (a zero column)
+    before a sequence's start. Walked per segment, not per token."""
+    columns, windows = [], []
+    for s, e, _ in row.segments:
+        chain, j = [], row.parent[s]
+        for _ in range(kernel - 1):  # the K - 1 inputs before the segment, newest first
+            chain.append(j if j >= 0 else len(row))
+            j = row.parent[j] if j >= 0 else -1
+        inputs = chain[::-1] + list(range(s, min(e, s + kernel - 1)))
+        for i in range(min(e - s, kernel - 1)):
+            columns.append(s + i)
+            windows.append(inputs[i : i + kernel])  # (ending at the segment's token i)
+    return torch.tensor(columns, dtype=torch.long), torch.tensor(windows, dtype=torch.long).view(-1, kernel)
 
-    def __init__(self, position_ids_L: torch.Tensor):
-        self.parent = parents(position_ids_L)
-        length = len(self.parent)
-        continued = {p for i, p in enumerate(self.parent) if p >= 0 and p != i - 1}
-        starts = [i for i in range(length) if i == 0 or self.parent[i] != i - 1 or (i - 1) in continued]
-        self.pieces = list(zip(starts, [*starts[1:], length]))
-        self.device = position_ids_L.device
-        self._windows: dict[int, torch.Tensor] = {}
 
-    def window(self, kernel: int) -> torch.Tensor:
-        """``[L, kernel]``: the row indices of each token's ``kernel - 1`` predecessors in its own
-        sequence, oldest first, then its own; ``L`` (a zero column) before a sequence's start."""
-        if kernel not in self._windows:
-            length = len(self.parent)
-            index = torch.empty(length, kernel, dtype=torch.long)
-            for i in range(length):
-                j = i
-                for k in range(kernel - 1, -1, -1):
-                    index[i, k] = j if j >= 0 else length
-                    j = self.parent[j] if j >= 0 else -1
-            self._windows[kernel] = index.to(self.device)
-        return self._windows[kernel]
+def convolve(row: Row, hidden_states, weight, bias, activation) -> torch.Tensor:
+    """``[1, C, L]`` through the depthwise causal convolution ``weight`` ``[C, K]``, each token over
+    its own sequence's inputs, then the activation (as ``causal_conv1d_fn`` does): one ``conv1d``
+    along the whole row, as the padded forward runs one along each sequence, and the few tokens
+    whose window would cross into another sequence (each segment's first ``K - 1``,
+    :func:`crossing_windows`) recomputed over their own: memory and time linear in the row."""
+    from transformers.activations import ACT2FN
 
-    def convolve(self, hidden_states, weight, bias, activation) -> torch.Tensor:
-        """``[1, C, L]`` through the depthwise causal convolution ``weight`` ``[C, K]``, each token over
-        its own sequence's inputs, then the activation (as ``causal_conv1d_fn`` does)."""
-        from transformers.activations import ACT2FN
+    kernel, length = weight.shape[-1], len(row)
+    key = ("conv", kernel)
+    if key not in row.cache:
+        row.cache[key] = tuple(t.to(row.device) for t in crossing_windows(row, kernel))
+    columns, windows = row.cache[key]
+    x = hidden_states[0].to(weight.dtype)  # [C, L]
+    out = F.conv1d(x[None], weight[:, None, :], bias, padding=kernel - 1, groups=weight.shape[0])[
+        0, :, :length
+    ]
+    crossing = (F.pad(x, (0, 1))[:, windows] * weight[:, None, :]).sum(-1)  # [C, F]
+    if bias is not None:
+        crossing = crossing + bias[:, None]
+    out = out.index_copy(1, columns, crossing)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out[None].to(hidden_states.dtype)
 
-        x = F.pad(hidden_states[0].to(weight.dtype), (0, 1))  # [C, L + 1]: the zero column
-        out = (x[:, self.window(weight.shape[-1])] * weight[:, None, :]).sum(-1)  # [C, L, K] -> [C, L]
-        if bias is not None:
-            out = out + bias[:, None]
-        if activation is not None:
-            out = ACT2FN[activation](out)
-        return out[None].to(hidden_states.dtype)
 
-    def scan(self, original: Callable, initial_key: str, final_key: str, args, kwargs):
-        """``original`` once per piece, from its parent piece's final state: (output, the last
-        piece's final state)."""
-        length = len(self.parent)
+def piecewise_scan(row: Row, original: Callable, initial_key: str, final_key: str, args, kwargs):
+    """``original`` once per piece of the row, from its parent piece's final state: (output, the last
+    piece's final state)."""
+    length = len(row)
 
-        def cut(value, s: int, e: int):  # a sequence-shaped tensor's part: [1, L, ...] -> [1, n, ...]
-            along = torch.is_tensor(value) and value.dim() >= 3 and tuple(value.shape[:2]) == (1, length)
-            return value[:, s:e] if along else value
+    def cut(value, s: int, e: int):  # a sequence-shaped tensor's part: [1, L, ...] -> [1, n, ...]
+        along = torch.is_tensor(value) and value.dim() >= 3 and tuple(value.shape[:2]) == (1, length)
+        return value[:, s:e] if along else value
 
-        states: dict[int, torch.Tensor] = {}  # a piece's last index -> its final state
-        outs = []
-        for s, e in self.pieces:
-            before = self.parent[s]
-            piece_kwargs = {k: cut(v, s, e) for k, v in kwargs.items()}
-            piece_kwargs |= {initial_key: states.get(before) if before >= 0 else None, final_key: True}
-            out, state = original(*(cut(a, s, e) for a in args), **piece_kwargs)
-            states[e - 1] = state
-            outs.append(out)
-        return torch.cat(outs, dim=1), states[self.pieces[-1][1] - 1]
+    states: dict[int, torch.Tensor] = {}  # a piece's last index -> its final state
+    outs = []
+    for s, e in row.pieces:
+        before = row.parent[s]
+        piece_kwargs = {k: cut(v, s, e) for k, v in kwargs.items()}
+        piece_kwargs |= {initial_key: states.get(before) if before >= 0 else None, final_key: True}
+        out, state = original(*(cut(a, s, e) for a in args), **piece_kwargs)
+        states[e - 1] = state
+        outs.append(out)
+    return torch.cat(outs, dim=1), states[row.pieces[-1][1] - 1]

@@ -137,6 +137,7 @@ def forward_inputs(
     images: list[Images | None],
     text_positions: torch.Tensor,
     order=None,
+    idle: Images | None = None,
 ) -> dict:
     """The keyword arguments that carry a micro-batch's images into one forward of the model:
     ``position_ids`` (``[4, R, L]``: ``text_positions`` ``[R, L]`` first, then the three rotary axes)
@@ -144,7 +145,12 @@ def forward_inputs(
 
     ``order``: how the forward's input ``[R, L]`` takes the micro-batch's cells: None for padded
     rows (the ``[B, T]`` layout itself), else a function from ``[B, T]`` values to the row's ``[L]``
-    (a packed row: the attended cells in order; a tree: :meth:`PrefixTree.in_row_order`)."""
+    (a packed row: the attended cells in order; a tree: :meth:`PrefixTree.in_row_order`).
+
+    ``idle``: an image for the vision tower of a micro-batch without images whose peers on other
+    ranks have some (a ZeRO-3 tower's forward gathers its weights, a trained tower's backward
+    reduces its gradients: collectives every rank must run). The tower runs on it, and its features
+    join the forward with weight 0 (:func:`_tie`): this rank's outputs are those it has without it."""
     if not hasattr(_inner(model), "get_rope_index"):
         raise ValueError(
             f"images go to vision-language models with multi-axis rotary positions (Qwen2-VL, Qwen2.5-VL, "
@@ -157,6 +163,8 @@ def forward_inputs(
         rotary = torch.stack([order(axis) for axis in positions_3BT])[:, None]
         feature = order(feature_BT)[None]
     extra = {"position_ids": torch.cat([text_positions[None], rotary])}
+    if not distinct and idle is not None:
+        _tie(model, _features(model, [(idle.pixel_values, idle.grid_thw[0])]))
     if distinct:
         # (imported here: the loss library runs without transformers)
         from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -165,6 +173,20 @@ def forward_inputs(
         taken = feature[feature >= 0]  # the placeholders in the input's order
         extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(rows[taken],))}
     return extra
+
+
+def _tie(model: torch.nn.Module, features: torch.Tensor) -> None:
+    """The next forward's input embeddings plus ``0 * features.sum()``: nothing changes but that a
+    trained tower's parameters are in the backward's graph (their gradients 0 on this rank)."""
+    if not features.requires_grad:  # (a frozen tower: its forward alone is what the peers wait for)
+        return
+    embeddings = causal_lm(model).get_input_embeddings()
+
+    def add(_module, _args, out):
+        handle.remove()
+        return out + 0.0 * features.sum().to(out.dtype)
+
+    handle = embeddings.register_forward_hook(add)
 
 
 def packed_order(attention_mask_BT: torch.Tensor):

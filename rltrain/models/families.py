@@ -1,38 +1,50 @@
 """What a model's layers need from the learner's forwards, read from the loaded model's config (and its
-``text_config``), not from a list of class names; and which layouts can honour it.
+``text_config``) and from what each kind of layer is made of, not from a list of class names; and
+which layouts can honour it.
 
-Each need and where it is honoured (docs/models.md has the table of families):
+Each decoder layer has a kind (the config's ``layer_types``, ``layers_block_type`` or
+``block_types``; plain attention where it names none), and each kind is read for what it is:
 
-- **attention per layer**: ``layer_types`` (full and sliding), ``sliding_window``, attention-logit
-  soft-capping, attention sinks, the query scaling: the layer passes each to its attention function
-  on every call, and :mod:`rltrain.learner.attention` honours them in padded, packed and tree rows
-  and under sequence parallelism (or raises, naming what it does not know);
-- **the head**: the family's logit transform (a multiplier, a soft-cap,
-  :class:`~rltrain.loss.forwards.LogitTransform`), folded into the head on the hidden-state path and
-  checked on a probe, or the full-logits path (:func:`rltrain.loss.forwards.output_head`);
-- **positions**: multi-axis rotary positions (Qwen2-VL's M-RoPE) built for packed and tree rows as
-  the model's own ``get_rope_index`` builds them for text (:func:`rltrain.loss.forwards.packed_forward`);
-- **recurrent layers** (Gated DeltaNet's linear attention, Mamba-2's state-space layers): their
-  convolution and scan follow each sequence of a packed row and are carried into each branch of a
-  tree (:mod:`rltrain.loss.recurrent`); a model whose recurrent layers run through functions rltrain
-  does not know runs padded rows only (each row its own sequence) and refuses packed and tree rows in
-  one line (:func:`layout_problem`), as sequence parallelism is refused for all of them (the state
-  would have to cross ranks);
-- **position biases** (ALiBi): built from a mask over the row, which packed and tree rows do not
-  have: refused there too.
+- **attention** (``full_attention``, ``sliding_attention``, ``attention``): windows, attention-logit
+  soft-capping, attention sinks, the query scaling reach :mod:`rltrain.learner.attention` with every
+  call, honoured in padded, packed and tree rows and under sequence parallelism. A model whose
+  attention does not go through transformers' attention functions (Bloom, MPT: their masks are
+  built over the whole row) runs padded rows alone, on its own attention;
+- **MLP and mixture-of-experts** (``mlp``, ``moe``, ``dense``, ``sparse``): nothing along the row;
+- **recurrent** (``linear_attention``, ``mamba``, ``conv``, ``recurrent``, ``hybrid``): layers that
+  carry a state along the row. A kind is *followed* where its layers run their convolution and scan
+  through the functions :mod:`rltrain.loss.recurrent` keeps per sequence (Gated DeltaNet, Mamba-2,
+  LFM2's short convolution): exact in packed and tree rows. A kind whose layers call a state function
+  rltrain does not follow (Mamba-1's selective scan, Kimi's delta attention) or carry state in code
+  of their own (RecurrentGemma's RG-LRU) runs padded rows alone, its padding after each sequence
+  (:attr:`ModelNeeds.trailing_padding`, where rltrain cannot know that the layer ignores padding);
+- **unknown** kinds (a name none of the above, Llama 4's ``chunked_attention``): padded rows alone,
+  for the same reason.
+
+Beside the layers: the head (the family's logit transform, folded into the head on the hidden-state
+path and checked on a probe, :func:`rltrain.loss.forwards.output_head`), multi-axis rotary positions
+(Qwen2-VL's M-RoPE), and ALiBi position biases (found from the model: its config's switch, or a
+modeling module that builds them with no switch to turn them off), built from a mask over the row:
+padded rows alone. docs/models.md has the table of families.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import sys
 from dataclasses import dataclass, field
 
 from rltrain.loss.forwards import LogitTransform, logit_transform, multi_axis_positions
-from rltrain.loss.recurrent import follows
+from rltrain.loss.recurrent import DECODING, FOLLOWED, UNFOLLOWED
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention")  # what rltrain's attention knows a layer as
-# config keys of layers that carry a state along the sequence, by the kind they name
-RECURRENT_KEYS = {"mamba_": "mamba", "ssm_": "mamba", "linear_attn_config": "linear_attention",
-                  "linear_num_value_heads": "linear_attention"}  # fmt: skip
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")  # what rltrain's attention runs
+MLP_KINDS = ("mlp", "moe", "dense", "sparse")  # nothing along the row
+RECURRENT_KINDS = ("linear_attention", "mamba", "conv", "recurrent", "hybrid")  # a state along the row
+# config keys that name each layer's kind, in the order they are read (RecurrentGemma's block_types
+# repeat over the layers)
+KIND_KEYS = ("layer_types", "layers_block_type", "block_types")
 
 
 @dataclass(frozen=True)
@@ -46,10 +58,28 @@ class ModelNeeds:
     logit_transform: LogitTransform = field(default_factory=LogitTransform)
     multi_axis_positions: bool = False
     recurrent: tuple[str, ...] = ()  # kinds of layers that carry a state along the row
-    # their state runs through scans rltrain keeps per sequence (rltrain.loss.recurrent); read from
-    # the model itself (None: only its config was read)
-    recurrence_followed: bool | None = None
+    # kinds whose layers' state (or what they do) packed and tree rows would run across sequences,
+    # each with the reason; read from the model itself (None: only its config was read)
+    unfollowed: dict[str, str] | None = None
+    # kinds whose handling of padding rltrain cannot know (state in code of their own, unknown kinds)
+    own_state: tuple[str, ...] = ()
+    attention_interface: bool = True  # its attention goes through transformers' attention functions
     position_bias: bool = False  # ALiBi
+    state_functions: tuple[str, ...] = ()  # the recurrent layers' functions (rltrain.loss.recurrent)
+
+    @property
+    def recurrence_followed(self) -> bool | None:
+        """Whether every layer that carries state runs through functions rltrain keeps per sequence
+        (None: only the config was read)."""
+        if not self.recurrent:
+            return None
+        return None if self.unfollowed is None else not self.unfollowed
+
+    @property
+    def trailing_padding(self) -> bool:
+        """Padded rows put their padding after each sequence: a layer whose handling of padding
+        rltrain cannot know (an unknown kind, state in code of its own) never reads it."""
+        return bool(self.own_state)
 
     def features(self) -> list[str]:
         """The needs beyond a plain causal decoder, in words (docs, notes)."""
@@ -65,8 +95,20 @@ class ModelNeeds:
         if self.multi_axis_positions:
             out.append("multi-axis rotary positions")
         out += [f"{kind} layers" for kind in self.recurrent]
+        if not self.attention_interface:
+            out.append("attention of its own")
         if self.position_bias:
             out.append("ALiBi position biases")
+        return out
+
+    def blocked(self) -> list[str]:
+        """What packed rows and prefix trees cannot keep per sequence, in words."""
+        out = [f"{kind} layers ({why})" for kind, why in (self.unfollowed or {}).items()]
+        if not self.attention_interface:
+            out.append("attention that does not go through transformers' attention functions (its mask is "
+                       "built over the whole row)")  # fmt: skip
+        if self.position_bias:
+            out.append("ALiBi position biases (built from a mask over the row)")
         return out
 
 
@@ -76,31 +118,179 @@ def _read(config, name: str):
     return getattr(text, name, None) if value is None and text is not None else value
 
 
+def layer_kinds(config) -> tuple[str, ...]:
+    """Each decoder layer's kind, as the config names it (empty where it names none: attention)."""
+    layers = _read(config, "num_hidden_layers")
+    for key in KIND_KEYS:
+        kinds = _read(config, key)
+        if kinds:
+            kinds = [str(k) for k in kinds]
+            return tuple(kinds[i % len(kinds)] for i in range(layers or len(kinds)))
+    return ()
+
+
 def needs(config, model=None) -> ModelNeeds:
     """The needs of the model whose transformers ``config`` this is (a loaded model's ``.config``);
-    ``model`` (loaded, or built on the meta device) tells whether rltrain keeps its recurrent
-    layers' state per sequence."""
-    layer_types = tuple(_read(config, "layer_types") or ())
-    recurrent = [kind for kind in dict.fromkeys(layer_types) if kind not in ATTENTION_KINDS]
-    for c in (config, getattr(config, "text_config", None)):
-        for key in vars(c) if c is not None else ():
-            kind = next((k for prefix, k in RECURRENT_KEYS.items() if key.startswith(prefix)), None)
-            if kind is not None and kind not in recurrent and getattr(c, key) is not None:
-                recurrent.append(kind)
+    ``model`` (loaded, or built on the meta device) tells what each kind of layer is made of."""
+    kinds = layer_kinds(config)
+    recurrent = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS + MLP_KINDS]
+    unfollowed, own, functions, interface = None, (), (), True
+    if model is not None:
+        unfollowed, own, functions = _read_layers(model, kinds)
+        interface = attention_interface(config, model)
     window = _read(config, "sliding_window")
     if _read(config, "use_sliding_window") is False:  # (Qwen2's config keeps a window it does not use)
         window = None
     return ModelNeeds(
         family=str(getattr(config, "model_type", "?")),
-        layer_types=layer_types,
+        layer_types=tuple(_read(config, "layer_types") or ()),
         sliding_window=window,
         attention_softcap=_read(config, "attn_logit_softcapping"),
         logit_transform=logit_transform(config),
         multi_axis_positions=multi_axis_positions(config),
         recurrent=tuple(recurrent),
-        recurrence_followed=None if model is None or not recurrent else follows(model),
-        position_bias=bool(_read(config, "alibi")) or _read(config, "position_embedding_type") == "alibi",
+        unfollowed=unfollowed,
+        own_state=own,
+        attention_interface=interface,
+        position_bias=alibi(config, model),
+        state_functions=functions,
     )
+
+
+def _language_model(model):
+    lm = getattr(model, "module", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def attention_interface(config, model=None) -> bool:
+    """Whether the model's attention goes through transformers' attention functions (rltrain's own
+    attention then runs it): the modeling modules of its decoder layers (of ``model``, or of the
+    classes ``config`` and its ``text_config`` load as) call them. A module whose source cannot be
+    read is taken at its word."""
+    if model is not None and (layers := decoder_layers(model)):
+        modules = {type(layer).__module__ for layer in layers}
+    else:
+        from transformers import AutoModel
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        modules = set()
+        for c in (config, getattr(config, "text_config", None)):
+            try:
+                modules.add(_get_model_class(c, AutoModel._model_mapping).__module__)
+            except (KeyError, ValueError, AttributeError):
+                continue
+    return not modules or any(_calls_attention_functions(name) for name in modules)
+
+
+@functools.cache
+def _calls_attention_functions(module_name: str) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return True
+
+
+def alibi(config, model=None) -> bool:
+    """ALiBi position biases: the config's switch (Falcon's ``alibi``, MPT's ``attn_config.alibi``,
+    ``position_embedding_type: alibi``), or a modeling module that builds them and has no switch
+    (Bloom: every layer)."""
+    attn = _read(config, "attn_config")
+    switch = _read(config, "alibi")
+    if switch or _read(config, "position_embedding_type") == "alibi" or getattr(attn, "alibi", None) is True:
+        return True
+    if isinstance(attn, dict) and attn.get("alibi"):
+        return True
+    if model is None or switch is not None or isinstance(attn, dict) or attn is not None:
+        return False
+    names = {type(m).__module__ for m in model.modules()}
+    return any(hasattr(sys.modules.get(n), "build_alibi_tensor") for n in names)
+
+
+def decoder_layers(model) -> list:
+    """The model's decoder layers (the module list as long as its config's layer count)."""
+    import torch
+
+    lm = _language_model(model)
+    count = _read(lm.config, "num_hidden_layers")
+    lists = [m for m in lm.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    return list(lists[0]) if lists else []
+
+
+def _read_layers(model, kinds: tuple[str, ...]) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+    """``(each kind packed rows cannot keep per sequence: why, the kinds among them whose state
+    rltrain cannot read at all, the state functions the layers call)``, from what the layers of each
+    kind are made of."""
+    layers = decoder_layers(model)
+    kinds = kinds or ("full_attention",) * len(layers)
+    by_kind: dict[str, list] = {}
+    for kind, layer in zip(kinds, layers):
+        by_kind.setdefault(kind, []).append(layer)
+    unfollowed, own, called = {}, [], set()
+    for kind, members in by_kind.items():
+        classes = {type(m) for layer in members for m in layer.modules()}
+        functions = set().union(*(_state_functions(c) for c in classes)) - set(DECODING)
+        called |= functions
+        convolutions = sorted(c.__name__ for c in classes if _own_convolution(c, classes))
+        if functions & set(UNFOLLOWED):
+            names = ", ".join(sorted(functions & set(UNFOLLOWED)))
+            unfollowed[kind] = f"{names}: a state rltrain does not keep per sequence"
+        elif kind not in ATTENTION_KINDS + MLP_KINDS + RECURRENT_KINDS:
+            unfollowed[kind] = "a kind of layer rltrain does not know"
+            own.append(kind)
+        elif functions & set(FOLLOWED):
+            continue
+        elif kind in RECURRENT_KINDS or convolutions:
+            mixer = convolutions or sorted(
+                c.__name__ for c in classes if c.__name__.startswith(_prefix(members))
+            )
+            unfollowed[kind] = (
+                f"{', '.join(mixer[:2])}: a state carried in code of its own, which rltrain does not follow"
+            )
+            own.append(kind)
+    return unfollowed, tuple(own), tuple(sorted(called))
+
+
+def _prefix(layers: list) -> str:
+    """The family's prefix of class names (``RecurrentGemma`` of ``RecurrentGemmaDecoderLayer``)."""
+    name = type(layers[0]).__name__
+    return re.split(r"(?=Decoder|Layer|Block)", name)[0] or name
+
+
+@functools.cache
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+@functools.cache
+def _state_functions(cls: type) -> frozenset[str]:
+    """The known state functions (followed, unfollowed, decoding) a layer class calls."""
+    source = _source(cls)
+    return frozenset(n for n in (*FOLLOWED, *UNFOLLOWED, *DECODING) if re.search(rf"\b{n}\(", source))
+
+
+def _own_convolution(cls: type, classes: set[type]) -> bool:
+    """A class of the layer that runs a convolution along the row itself (``nn.Conv1d`` called as a
+    module, not through a followed function)."""
+    import torch
+
+    if cls is torch.nn.Conv1d or not issubclass(cls, torch.nn.Module):
+        return False
+    holds = any(issubclass(c, torch.nn.Conv1d) for c in classes)
+    source = _source(cls)
+    return (
+        holds
+        and re.search(r"self\.\w*conv\w*\(", source) is not None
+        and not _state_functions(cls) & set(FOLLOWED)
+    )
+
+
+def prepare(model, model_needs: ModelNeeds) -> None:
+    """What the forwards read from a loaded model itself: padding after each sequence in padded rows
+    where a layer's handling of padding is not known (:func:`rltrain.loss.forwards.trailing_order`)."""
+    _language_model(model)._rltrain_trailing_padding = model_needs.trailing_padding
 
 
 def layout_problem(
@@ -110,14 +300,14 @@ def layout_problem(
     run this model exactly with these settings, in one line naming the feature and the settings
     that would work; None where they can. ``sharing``: ``learner.prefix_sharing`` (auto shares
     nothing that this refuses, so it never is the problem)."""
-    if model_needs.recurrent and model_needs.recurrence_followed and sequence_parallel > 1:
-        return (f"{model_needs.family} has {' and '.join(model_needs.recurrent)} layers, whose state runs along "
-                f"the whole row, which sequence parallelism splits over ranks: set {key}.sequence_parallel_size=1")  # fmt: skip
-    blocked = [] if model_needs.recurrence_followed else [
-        f"{kind} layers (their state would run across the row's sequences)" for kind in model_needs.recurrent
-    ]  # fmt: skip
-    if model_needs.position_bias:
-        blocked.append("ALiBi position biases (built from a mask over the row)")
+    blocked = model_needs.blocked()
+    if sequence_parallel > 1 and (blocked or (model_needs.recurrent and model_needs.recurrence_followed)):
+        why = (
+            " and ".join(blocked)
+            or f"{' and '.join(model_needs.recurrent)} layers, whose state runs along the row"
+        )
+        return (f"{model_needs.family} has {why}, which sequence parallelism splits over ranks: set "
+                f"{key}.sequence_parallel_size=1{' and ' + key + '.packing=false' if blocked else ''}")  # fmt: skip
     if not blocked:
         return None
     wanted = [f"{key}.packing=false"] if packing else []
@@ -131,9 +321,7 @@ def layout_problem(
 
 def shares(model_needs: ModelNeeds) -> bool:
     """Whether a prefix tree can run this model (``learner.prefix_sharing: auto`` shares only then)."""
-    return not model_needs.position_bias and (
-        not model_needs.recurrent or bool(model_needs.recurrence_followed)
-    )
+    return not model_needs.blocked() and (not model_needs.recurrent or model_needs.unfollowed is not None)
 
 
 def causal_lm_class(config):

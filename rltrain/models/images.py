@@ -8,6 +8,7 @@ itself.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import OrderedDict
 from functools import cached_property
@@ -40,7 +41,29 @@ class ImageInputs:
     def image_token_id(self) -> int:
         return self.processor.tokenizer.convert_tokens_to_ids(self.image_token)
 
+    @cached_property
+    def problem(self) -> str | None:
+        """Why the learners cannot take this model's images yet, or None: read from what its
+        processor gives for an image (its patches' grids) and from its config (rotary positions of
+        several axes, which place an image's tokens on its grid), not from its family's name."""
+        from transformers import AutoConfig
+
+        from rltrain.loss.forwards import multi_axis_positions
+
+        out = self.processor.image_processor(images=[decoded(blank_image())], return_tensors="pt")
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust)
+        missing = [what for what, there in [("its patches' grids (image_grid_thw)", "image_grid_thw" in out),
+                                            ("rotary positions of several axes", multi_axis_positions(config))]
+                   if not there]  # fmt: skip
+        if not missing:
+            return None
+        return (f"{type(self.processor).__name__} of {self.model_path} gives {', '.join(sorted(out))} for an image "
+                f"and {getattr(config, 'model_type', 'its model')} has no {' and no '.join(missing)}: the learners "
+                "take images of vision-language models with both (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) yet")  # fmt: skip
+
     def __call__(self, images: tuple[bytes, ...]) -> Images:
+        if self.problem:
+            raise ValueError(self.problem)
         found = self._cache.get(images)
         if found is None:
             out = self.processor.image_processor(images=[decoded(b) for b in images], return_tensors="pt")
@@ -56,6 +79,8 @@ class ImageInputs:
         placeholder expanded: an :class:`~rltrain.batch.ImagePrompt`."""
         from rltrain.batch import ImagePrompt
 
+        if self.problem:
+            raise ValueError(self.problem)
         text = self.processor.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
@@ -67,6 +92,19 @@ def collapsed(ids: list[int], image_token: int) -> list[int]:
     """``ids`` with each run of ``image_token`` (an expanded image) one token again: what an engine
     that expands placeholders itself (vLLM) takes with the images."""
     return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
+
+
+@functools.cache
+def blank_image() -> bytes:
+    """A small black PNG: what a vision tower runs on where a rank has no image but must run the
+    tower as its peers do (:func:`rltrain.loss.vision.forward_inputs`'s ``idle``)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (28, 28)).save(out, format="PNG")
+    return out.getvalue()
 
 
 # a vision-language model's vision side, by module name: the tower (Qwen2-VL's `visual`, with its
@@ -129,7 +167,33 @@ def run_images(config, model_path: str) -> ImageInputs | None:
     except Exception as e:
         raise ValueError(f"{at}: {config.model.name_or_path!r} has no image processor to render images "
                          f"with ({first_line(e)}): images need a vision-language model") from None  # fmt: skip
+    if inputs.problem:
+        raise ValueError(f"{at}: {inputs.problem}")
     return inputs
+
+
+def check_teacher_images(config, policy: ImageInputs | None) -> None:
+    """``algorithm.teacher`` of a vision-language policy (``policy``: its processor; None for a text
+    model) must score its sequences' images as images: else one line."""
+    if policy is not None and config.algorithm.teacher and (problem := teacher_problem(config, policy)):
+        raise ValueError(f"algorithm.teacher: {config.algorithm.teacher}: {problem}; a vision-language "
+                         "policy's sequences may hold images, which the teacher must score as images")  # fmt: skip
+
+
+def teacher_problem(config, policy: ImageInputs) -> str | None:
+    """Why ``algorithm.teacher`` cannot score a vision-language policy's sequences with their images
+    (it renders them with its own processor, :class:`ImageInputs`: the same placeholders for the
+    same picture), or None."""
+    from rltrain.config import first_line
+
+    teacher = config.algorithm.teacher
+    probe, messages = (blank_image(),), [{"role": "user", "content": [{"type": "image"}]}]
+    try:
+        theirs = ImageInputs(teacher, config.model.trust_remote_code)
+        same = list(theirs.render(messages, probe)) == list(policy.render(messages, probe))
+    except Exception as e:
+        return f"it has no image processor to render the policy's images with ({first_line(e)})"
+    return None if same else "its processor renders a picture into other tokens than the policy's"
 
 
 def not_with_images(config) -> str | None:
@@ -138,7 +202,9 @@ def not_with_images(config) -> str | None:
     lc = config.learner
     for problem, setting in [(lc.sequence_parallel_size > 1, "learner.sequence_parallel_size > 1"),
                              (config.algorithm.advantage == "gae", "algorithm.advantage=gae (a critic of images)"),
-                             (config.model.lora.rank > 0, "model.lora.rank")]:  # fmt: skip
+                             (config.model.lora.rank > 0, "model.lora.rank"),
+                             (config.reward.model is not None, "reward.model (a sequence classifier scores text "
+                              "alone: it would score the images' placeholders as text)")]:  # fmt: skip
         if problem:
             return setting
     return None

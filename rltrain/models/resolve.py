@@ -109,23 +109,28 @@ def check_scoring_models(config: Config, tokenizer) -> None:
             )
 
 
+def meta_model(config: Config, architecture):
+    """The model of ``architecture`` on the meta device (no weights, no compute): what its layers
+    are made of (:func:`rltrain.models.families.needs`)."""
+    import torch
+
+    from rltrain.models.families import causal_lm_class
+
+    with torch.device("meta"):
+        return causal_lm_class(architecture).from_config(
+            architecture, trust_remote_code=config.model.trust_remote_code
+        )
+
+
 def check_layout(config: Config, key: str, model_path: str, architecture) -> None:
     """The learners of config section ``key`` can run the model exactly in their layout
     (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why."""
-    from rltrain.models.families import causal_lm_class, layout_problem, needs
+    from rltrain.models.families import layout_problem, needs
 
     section = config
     for part in key.split("."):
         section = getattr(section, part)
-    model_needs = needs(architecture)
-    if model_needs.recurrent:  # whether rltrain follows their state: the modules the model is made of
-        import torch
-
-        with torch.device("meta"):  # the architecture alone: no weights, no compute
-            model = causal_lm_class(architecture).from_config(
-                architecture, trust_remote_code=config.model.trust_remote_code
-            )
-        model_needs = needs(architecture, model)
+    model_needs = needs(architecture, meta_model(config, architecture))
     sp = getattr(section, "sequence_parallel_size", 1)
     if problem := layout_problem(model_needs, key, section.packing, section.prefix_sharing, sp):
         raise ConfigError(f"{key}: {model_path}: {problem}")
@@ -157,7 +162,11 @@ def check_model(config: Config, model_path: str) -> None:
                 "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
                 "(model.lora.rank=0) or generate with rollout.backend=hf"
             )
-    if config.rollout.backend == "vllm" and "linear_attention" in families.needs(architecture).recurrent:
+    gated_delta = (
+        "torch_chunk_gated_delta_rule"
+        in families.needs(architecture, meta_model(config, architecture)).state_functions
+    )
+    if config.rollout.backend == "vllm" and gated_delta:
         import torch
 
         if not torch.cuda.is_available():  # (its CPU kernel asserts bf16, at any head size but 64+)

@@ -82,7 +82,8 @@ def layout_config(
     denominator shows up as a wrong update (Adam's first step is ~sign(g) and would hide it).
 
     Micro-batches hold ``micro_batch_size`` padded sequences, or, with a token budget
-    ``max_tokens_per_micro_batch``, are packed under it. Sequence limits fit
+    ``max_tokens_per_micro_batch``, are packed under it. Several learners check their collectives
+    against each other (``run.check_collectives``). Sequence limits fit
     :func:`synthetic_rollouts` (t=14). ``loss`` adds keys of the loss section (``aggregation``, ...)."""
     packing = {
         "packing": max_tokens_per_micro_batch is not None,
@@ -103,6 +104,9 @@ def layout_config(
             "loss": {"masked_mean_denominator": denominator, **(loss or {})},
             "data": {"max_prompt_tokens": SYNTHETIC_PROMPT_TOKENS},
             "rollout": {"max_new_tokens": SYNTHETIC_COMPLETION_TOKENS},
+            # every collective's op and shapes compared across the ranks first: a layout whose ranks
+            # hold different work fails at once where they would diverge, instead of hanging
+            "run": {"check_collectives": num_learners > 1},
         }
     )
 

@@ -52,6 +52,7 @@ def write_stacks(run: Run, step: int) -> Path | None:
 def train(config: Config, inputs: Inputs | None = None) -> Path:
     """Run the training loop; when an actor dies or stops answering, start every actor afresh from
     the newest checkpoint (up to ``run.max_restarts`` times) and go on."""
+    from rltrain.learner.prefix_tree import LayoutMismatch
     from rltrain.remote import ActorFailure, StartupTimeout
     from rltrain.run.weight_sync import SyncFailed
 
@@ -68,7 +69,7 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
                     raise RunFailed(str(e)) from None
                 return train_once(config, dataclasses.replace(inputs, model_path=warm))
             return train_once(config, inputs)
-        except StartupTimeout as e:  # nothing to restart: the cluster cannot hold the run as asked
+        except (StartupTimeout, LayoutMismatch) as e:  # nothing to restart: the same would happen again
             raise RunFailed(str(e)) from None
         except SyncFailed as e:  # a call raised (its traceback printed): a restart would raise it again
             raise RunFailed(
@@ -145,7 +146,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                     times = {"time/generate_s": generate_s, "time/sync_s": sync_s, "time/step_s": step_s,
                              "perf/engine_busy_share": engines_busy_s / (step_s * generators.size)}  # fmt: skip
                     tracker.log(step, step_row(scored, metrics, times, len(batch)), note=user_code.note)
-                check_mismatch(config, step, metrics, run.out)  # logged first, so the row shows it
+                check_mismatch(config, step, metrics, run)  # logged first, so the row shows it
             if last or (config.run.checkpoint_every and step % config.run.checkpoint_every == 0):
                 if saved(config, run.out, step, partial(save_checkpoint, run, config, step, interrupt)):
                     last_saved = step
@@ -367,9 +368,33 @@ def resume_hint(out: Path) -> str:
     return f"resume with: python -m rltrain.train --config {out / 'config.yaml'} run.resume=true"
 
 
-def check_mismatch(config: Config, step: int, metrics: dict[str, float], out: Path) -> None:
+def check_first_gap(config: Config, step: int, metrics: dict[str, float]) -> None:
+    """``run.max_first_step_gap``: the first step's engine-learner gap, where both sides compute in
+    fp32 on the same weights, says whether the learners run the model exactly in their layout."""
+    limit, gap = config.run.max_first_step_gap, metrics.get("rollout/mismatch_max")
+    lc, rc = config.learner, config.rollout
+    fp32 = lc.gpus_per_learner == 0 and lc.precision != "bf16" and rc.gpus_per_engine == 0
+    experts = any(key.startswith("moe/") for key in metrics)
+    if limit is None or gap is None or not fp32 or experts or gap <= limit:
+        return
+    layouts = [text for used, text in [(lc.packing, "packed rows (learner.packing=true)"),
+               (metrics.get("perf/prefix_shared_fraction", 0.0) > 0, "prefix trees (learner.prefix_sharing)")] if used]  # fmt: skip
+    avoid = ("set learner.packing=false learner.prefix_sharing=false (padded rows)" if layouts else
+             "padded rows already: this model is not one the learners run exactly")  # fmt: skip
+    raise RunFailed(
+        f"step {step}: the engine's log-probs differ from the learners' by {gap:.3g} (rollout/mismatch_max) on "
+        f"the weights both loaded, in fp32 (> run.max_first_step_gap = {limit:g}), with "
+        f"{' and '.join(layouts) or 'padded rows'}: {avoid}; stopped without saving this step"
+    )
+
+
+def check_mismatch(config: Config, step: int, metrics: dict[str, float], run: Run) -> None:
     """``run.max_mismatch_kl``: stop, in one line, a run whose engine is evidently not sampling
-    from the learner's weights, instead of training on what it samples."""
+    from the learner's weights, instead of training on what it samples; at the run's first step,
+    :func:`check_first_gap` too."""
+    out = run.out
+    if step == run.start_step + 1:
+        check_first_gap(config, step, metrics)
     limit, value = config.mismatch_limit, metrics.get("rollout/mismatch_kl")
     if limit is None or value is None or value <= limit:
         return

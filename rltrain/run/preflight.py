@@ -35,7 +35,7 @@ from rltrain.episodes.checks import (
     check_tools,
     verifiers_rows,
 )
-from rltrain.models.images import run_images, vision_inputs
+from rltrain.models.images import check_teacher_images, run_images, vision_inputs
 from rltrain.models.resolve import check_model, check_scoring_models, load_tokenizer, resolve_model
 from rltrain.rewards.functions import GIVEN, check_reward_functions, load_reward_fn
 from rltrain.run import checkpoint
@@ -71,11 +71,7 @@ def preflight(config: Config) -> Inputs:
         if spec in given and given[spec] is None:
             raise ConfigError(f"eval.reward_functions: `{spec}` needs what reward.functions' `{spec}` needs "
                               f"({'env.name' if spec == 'env' else 'agent.entrypoint' if spec == 'agent' else 'reward.' + spec})")  # fmt: skip
-    if (
-        config.eval.reward_functions
-        and {"model", "judge"} & set(config.eval.reward_functions)
-        and not config.eval.model_rewards
-    ):
+    if {"model", "judge"} & set(config.eval.reward_functions or {}) and not config.eval.model_rewards:
         raise ConfigError(
             "eval.reward_functions: a reward model's or judge's score needs eval.model_rewards=true"
         )
@@ -110,6 +106,7 @@ def preflight(config: Config) -> Inputs:
         # a vision-language model's processor, loaded once: the rows', the environment's and the
         # warm start's images render through it
         images = run_images(config, model_path) or vision_inputs(config, model_path)
+        check_teacher_images(config, images)
         check_reward_functions(config.reward.functions, config.reward.timeout_s, rows[0])
         if config.gateway_episodes:
             check_agent(config, tokenizer)

@@ -112,8 +112,9 @@ def _batch(chosen: list[Encoded], pad_id: int) -> TrainBatch:
 
 
 # what does not change the warmed-up model: where Ray puts the learners, whether they compute a
-# shared prompt once (the same outputs, checked), how RL draws its prompts, and the built-in task's
-# example mix for a warm start on other examples
+# shared prompt once (the same outputs, checked; in token mode, where micro-batches' composition,
+# which sharing changes, leaves the update as it is), how RL draws its prompts, and the built-in
+# task's example mix for a warm start on other examples
 NOT_IN_THE_KEY = {
     "learner": {"cpus_per_learner", "gpus_per_learner", "placement", "prefix_sharing"},
     "data": {"difficulty_sampling"},
@@ -125,12 +126,17 @@ def _settings(config: Config, model_path: str) -> str:
     """What the warmed-up model depends on, and nothing else (:data:`NOT_IN_THE_KEY`): the warm-up
     section (and a file's contents), the start model, data, seed, the learners' resolved section
     (optimizer, betas, clipping, precision, layout), how the loss is aggregated and normalized (the
-    warm-up's loss follows `loss.aggregation` and `masked_mean_denominator`) and, with LoRA, the
-    adapters it trains."""
+    warm-up's loss follows `loss.aggregation` and `masked_mean_denominator`), whether a vision
+    tower trains and, with LoRA, the adapters it trains."""
     loss = config.loss
     norm = config.aggregation_norm if loss.aggregation == "seq-mean-token-sum-norm" else None
     aggregation = [loss.aggregation, norm, loss.masked_mean_denominator]
-    learners = SFTLearner.section(config).model_dump(exclude=NOT_IN_THE_KEY["learner"])
+    # (outside token mode each micro-batch's mean weighs its tokens: which sequences travel together,
+    # trees planned whole under sharing, changes the update)
+    dropped = NOT_IN_THE_KEY["learner"] - (
+        set() if loss.masked_mean_denominator == "token" else {"prefix_sharing"}
+    )
+    learners = SFTLearner.section(config).model_dump(exclude=dropped)
     sft = config.sft_warmup
     generated = sft.source == BUILTIN_TASK  # tool_fraction and copy_fraction shape its examples alone
     parts = [
@@ -146,6 +152,8 @@ def _settings(config: Config, model_path: str) -> str:
     elif (path := Path(config.sft_warmup.source).expanduser()).exists():  # a file's contents, not its name
         files = local_files(path, tuple(LOCAL_FORMATS))  # .jsonl among them
         parts.append([hashlib.sha256(f.read_bytes()).hexdigest() for f in files])
+    if not config.model.freeze_vision:  # a vision-language model's tower trained too (the default
+        parts.append({"freeze_vision": False})  # keeps the key a run of a text model has)
     if config.model.lora.rank and config.sft_warmup.lora:  # a warm start of adapters (one of every
         parts.append(config.model.lora.model_dump())  # weight keeps the key a run without LoRA has)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

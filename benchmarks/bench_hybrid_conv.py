@@ -57,8 +57,8 @@ def run(
 ) -> dict:
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
 
-    from rltrain.loss.recurrent import convolve
-    from rltrain.loss.rows import Row
+    from rltrain.forward.recurrent import convolve
+    from rltrain.forward.structure import Row
 
     torch.manual_seed(0)
     positions = rows(documents, length, group)[layout]

@@ -32,9 +32,9 @@ import torch
 from common import REPO, model_folder, table
 
 from rltrain.batch import TrainBatch
-from rltrain.learner import attention
-from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.forward import attention, sequence_logprobs
+from rltrain.forward.tree import build_tree, tree_logprobs
+from rltrain.learner.prefix_tree import PrefixSharing
 
 RATIOS = {"4:1": (4, 1), "1:1": (1, 1), "1:4": (1, 4)}
 

@@ -34,6 +34,11 @@ MOVED = {
     "rltrain.pretrained": "rltrain.models.pretrained",
     "rltrain.adapters": "rltrain.models.adapters",
     "rltrain.run.checks": "rltrain.run.preflight",
+    "rltrain.loss.forwards": "rltrain.forward",
+    "rltrain.loss.recurrent": "rltrain.forward.recurrent",
+    "rltrain.loss.vision": "rltrain.forward.vision",
+    "rltrain.loss.rows": "rltrain.forward.structure",
+    "rltrain.learner.attention": "rltrain.forward.attention",
 }
 
 

@@ -61,22 +61,6 @@ def images_of(prompt) -> tuple[bytes, ...] | None:
     return getattr(prompt, "images", None) or None
 
 
-def token_keys(ids: list[int], images: tuple[bytes, ...] | None, image_token: int | None) -> list:
-    """What two sequences must agree on to share a prefix: each token id, and for an image's
-    placeholder tokens the image too (the ``k``-th run of ``image_token`` is image ``k``; equal ids
-    of different images are different inputs)."""
-    if not images or image_token is None:
-        return ids
-    keys, run = [], -1
-    for t, token in enumerate(ids):
-        if token == image_token:
-            run += t == 0 or ids[t - 1] != image_token
-            keys.append((token, images[run] if run < len(images) else None))
-        else:
-            keys.append(token)
-    return keys
-
-
 @dataclass
 class Completion:
     """A finished completion: generated tokens and the tokens tools, the chat template and an

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rltrain.batch import TrainBatch, token_keys
+from rltrain.batch import TrainBatch
+from rltrain.forward.tree import token_keys
 
 
 @dataclass

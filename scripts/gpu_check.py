@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rltrain from the checkout, not installed
 
-from rltrain.loss.logprobs import head_logprobs_and_entropy, sequence_logprobs  # noqa: E402
+from rltrain.forward import sequence_logprobs  # noqa: E402
+from rltrain.loss.logprobs import head_logprobs_and_entropy  # noqa: E402
 from rltrain.loss.masked_mean import masked_mean  # noqa: E402
 from rltrain.loss.moe import expert_counts, load_balancing_loss  # noqa: E402
 
@@ -219,7 +220,7 @@ def part_step(args) -> dict:
     peak = next((f for name, f in PEAK_BF16.items() if args.device == "cuda"
                  and name in torch.cuda.get_device_name()), None)  # fmt: skip
     out = {"tokens per micro-batch": tokens, "peak FLOP/s": peak}
-    from rltrain.learner import attention as packed_attention
+    from rltrain.forward import attention as packed_attention
 
     for name, shape in shapes.items():
         # the packed row on the trainer's own attention (document by document, no [L, L] mask)
@@ -343,8 +344,8 @@ def grouped(vocab: int, groups: int, size: int, prompt: int, completion: int, de
 
 
 def part_prefix_tree(args) -> dict:
-    from rltrain.learner import attention as tree_attention
-    from rltrain.learner.prefix_tree import build_tree, tree_logprobs
+    from rltrain.forward import attention as tree_attention
+    from rltrain.forward.tree import build_tree, tree_logprobs
 
     shape, vocab = (TINY, 512) if args.cpu else (SHAPES["0.5B"], VOCAB)
     name = tree_attention.register()

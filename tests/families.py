@@ -10,9 +10,8 @@ import types
 import torch
 
 from rltrain.batch import TrainBatch
-from rltrain.learner import attention
-from rltrain.learner.prefix_tree import build_tree, tree_logprobs
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.forward import attention, sequence_logprobs
+from rltrain.forward.tree import build_tree, tree_logprobs
 from rltrain.models.families import attention_interface, causal_lm_class, needs, prepare
 
 VOCAB = 128
@@ -296,7 +295,7 @@ def float64_scans(family: str):
     arithmetic rather than fp32's rounding of a chunked scan (Gated DeltaNet's decay parameters'
     gradients differ by up to 6e-4 relative in fp32 between each sequence alone and padded rows,
     which run the same arithmetic on other chunk boundaries)."""
-    from rltrain.loss.recurrent import recurrent_modules
+    from rltrain.forward.recurrent import recurrent_modules
 
     modules = recurrent_modules(build(family))
     lifted = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})

@@ -18,7 +18,7 @@ from rltrain.data import Prompt, episode_rows
 from rltrain.envs import GuessEnv
 from rltrain.episodes.agents import AgentRunner
 from rltrain.episodes.chat import ChatRenderer
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.forward import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
 from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step

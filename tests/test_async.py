@@ -109,7 +109,7 @@ def test_inflight_weights_reach_a_vllm_engine_between_steps_and_every_token_keep
 
     from rltrain.batch import ROUTE_UNKNOWN
     from rltrain.config import Config
-    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.forward import sequence_logprobs
     from rltrain.models.routers import RouterTap
     from rltrain.models.tiny import build_tiny_model
     from rltrain.rollout import GeneratorPool
@@ -174,7 +174,7 @@ def test_inflight_adapters_reach_a_vllm_engine_between_chunks_and_every_token_ke
     from transformers import AutoModelForCausalLM
 
     from rltrain.config import Config
-    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.forward import sequence_logprobs
     from rltrain.models import adapters
     from rltrain.models.tiny import build_tiny_model
     from rltrain.rollout import GeneratorPool

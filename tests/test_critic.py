@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
+from rltrain.forward import token_outputs
 from rltrain.learner.critic import CriticLearner
 from rltrain.learner.group import LearnerGroup
-from rltrain.loss.logprobs import token_outputs
 from rltrain.run.diagnostics import (
     critic_layout_config,
     relative_difference,

@@ -18,8 +18,8 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
+from rltrain.forward import sequence_logprobs
 from rltrain.learner.group import LearnerGroup
-from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.rollout import GeneratorPool
 from rltrain.run.diagnostics import synthetic_rollouts
 from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync

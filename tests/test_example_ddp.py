@@ -1,4 +1,5 @@
-"""The README's code: the quick start and the environment as pasted, and the DDP snippet
+"""The README's code (and a docs page's): the quick start and the environment as pasted, the reward
+function of docs/configuration.md, and the DDP snippet
 (examples/ddp_token_mean.py) against the single-process token-mean update."""
 
 import subprocess
@@ -34,9 +35,9 @@ def test_readme_ddp_example_equals_single_process_token_mean():
             torch.testing.assert_close(ours, ref.detach(), rtol=1e-6, atol=1e-7)
 
 
-def readme_block(section: str) -> str:
-    """The first python block under the README's ``## <section>`` heading."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def readme_block(section: str, page: str = "README.md") -> str:
+    """The first python block under the ``## <section>`` heading of the README (or a docs page)."""
+    text = (Path(__file__).resolve().parents[1] / page).read_text()
     return text.split(f"## {section}\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -57,10 +58,10 @@ def test_the_readme_environment_plays_an_episode():
     assert (wrong.done, right.done, right.reward) == (False, True, 0.5)  # found on the 2nd try: 1/2
 
 
-def test_the_readme_reward_function_scores_through_its_file(tmp_path):
+def test_the_documented_reward_function_scores_through_its_file(tmp_path):
     from rltrain.rewards.functions import RewardScorer
 
-    (tmp_path / "myreward.py").write_text(readme_block("Your reward function"))
+    (tmp_path / "myreward.py").write_text(readme_block("Reward functions", "docs/configuration.md"))
     with RewardScorer({f"{tmp_path / 'myreward.py'}:brevity": 1.0}, timeout_s=5) as scorer:
         scores = scorer(["so 42", "42", "41"], ["42", "42", "42"])
     assert scores.rewards == [0.5, 1.0, 0.0]  # right in 2 words: 1/2; alone: 1; wrong: 0

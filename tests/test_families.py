@@ -1,5 +1,5 @@
 """The families people train, exact in every layout (rltrain.models.families, rltrain.learner.attention,
-rltrain.loss.forwards): tiny models from transformers configs (tests/families.py), each sequence of a
+rltrain.forward): tiny models from transformers configs (tests/families.py), each sequence of a
 shared-prompt group alone under the model's own eager attention the reference; padded rows, one
 packed row and a prefix tree give its completion log-probs and every parameter's gradient to fp32
 rounding. What cannot be made exact (recurrent layers in packed and tree rows) is refused in one
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rltrain.config import ConfigError, load_config
-from rltrain.learner import attention
-from rltrain.loss.forwards import LogitTransform, output_head
+from rltrain.forward import attention
+from rltrain.forward.head import LogitTransform, output_head
 from rltrain.models.families import layout_problem, needs, shares
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -321,8 +321,8 @@ def test_the_packed_convolution_is_each_sequences_own_on_a_tree_with_short_branc
     # a tree row: a 6-token prompt, a branch of 1 token, one of 2 continued by a branch of 1, one of
     # 5, then a document of 3 (shorter than the kernel's reach): each token's output is the causal
     # convolution of its own sequence alone (zeros before its start), values and gradients
-    from rltrain.loss.recurrent import convolve
-    from rltrain.loss.rows import Row
+    from rltrain.forward.recurrent import convolve
+    from rltrain.forward.structure import Row
 
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 6, 7, 8, 9, 10, 0, 1, 2])
     sequences = [[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 7, 8], [0, 1, 2, 3, 4, 5, 7, 8, 9],
@@ -346,8 +346,8 @@ def test_the_packed_convolution_keeps_no_more_for_its_backward_than_the_padded_o
     # linear memory: what autograd saves for the backward is the size of the input (and the few
     # crossing windows), never kernel times it (a [C, L, K] gather of every token's window);
     # benchmarks/bench_hybrid_conv.py prints the peak memory and time against the padded forward
-    from rltrain.loss.recurrent import convolve
-    from rltrain.loss.rows import Row
+    from rltrain.forward.recurrent import convolve
+    from rltrain.forward.structure import Row
 
     positions = torch.cat([torch.arange(300)] * 4)  # 4 documents of 300 tokens
     x = torch.randn(1, 8, len(positions), requires_grad=True)
@@ -378,3 +378,32 @@ def test_a_first_step_engine_learner_gap_past_rounding_in_fp32_stops_the_run_nam
                             (packed, {"moe/aux_loss": 0.1}),
                             (load_config("configs/cpu_demo.yaml", ["run.max_first_step_gap=null"]), {})]:  # fmt: skip
         check_first_gap(config, 1, {"rollout/mismatch_max": 7.1e-3, **metrics})
+
+
+def test_the_one_transformers_patch_is_checked_applied_once_and_undone(monkeypatch):
+    # rltrain changes a transformers module in one place (rltrain.forward.recurrent): a hybrid
+    # model's convolution and scan replaced once, the originals kept and put back by unwrap; a scan
+    # whose signature another transformers changed is left alone, and its kind is then not followed
+    from rltrain.forward import recurrent
+
+    model = families.build("qwen3.5")
+    (module,) = recurrent.recurrent_modules(model)
+    recurrent.unwrap(module)
+    original = module.torch_chunk_gated_delta_rule
+    batch = families.group_batch()
+    families.in_layout(families.build("qwen3.5", attention.register()), batch, torch.zeros(batch.input_ids.shape),
+                       "packed")  # fmt: skip
+    assert module.torch_chunk_gated_delta_rule is not original
+    assert module._rltrain_originals["torch_chunk_gated_delta_rule"] is original
+    recurrent.expect(families.build("qwen3.5"), None)  # another model of the family: wrapped once
+    assert module._rltrain_originals["torch_chunk_gated_delta_rule"] is original
+    recurrent.unwrap(module)
+    assert module.torch_chunk_gated_delta_rule is original and not module._rltrain_wrapped
+
+    def renamed(query, key, value, g, beta, chunk_size=64, start_state=None, keep_final_state=False):
+        raise AssertionError("never called with the arguments of another signature")
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", renamed)
+    assert not recurrent.wrappable(module, "torch_chunk_gated_delta_rule")
+    unfollowed = needs(families.config("qwen3.5"), families.build("qwen3.5")).unfollowed
+    assert "torch_chunk_gated_delta_rule" in unfollowed["linear_attention"]

@@ -1,4 +1,4 @@
-"""Log-probs from hidden states (rltrain.loss.forwards.head_forward / head_logprobs_and_entropy): the
+"""Log-probs from hidden states (rltrain.forward.head.head_forward / head_logprobs_and_entropy): the
 model stops at its last hidden states and the head runs chunk by chunk, recomputed in the backward.
 Values, entropies and every parameter's gradient equal the full-logits path's to fp32 rounding,
 padded and packed, with temperature, the engine's truncation, a tied head, a biased head and LoRA on
@@ -9,13 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
 
-from rltrain.loss.logprobs import (
-    Truncation,
-    head_forward,
-    head_logprobs_and_entropy,
-    padded_forward,
-    sequence_logprobs,
-)
+from rltrain.forward import head_forward, padded_forward, sequence_logprobs
+from rltrain.loss.logprobs import Truncation, head_logprobs_and_entropy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

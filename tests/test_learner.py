@@ -6,10 +6,11 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
+from rltrain.forward import sequence_logprobs
 from rltrain.learner.critic import CriticLearner
 from rltrain.learner.group import LearnerGroup, placement_of
 from rltrain.learner.policy import PolicyLearner
-from rltrain.loss.logprobs import sequence_logprobs, token_entropy
+from rltrain.loss.logprobs import token_entropy
 from rltrain.plan import plan_packed_micro_batches
 from rltrain.run.diagnostics import (
     critic_layout_config,

@@ -13,7 +13,7 @@ from test_e2e import REPO, SMALL, final_weights
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from rltrain.loss.logprobs import padded_forward
+from rltrain.forward import padded_forward
 from rltrain.models.tiny import MOE_EXPERTS, MOE_TOP_K, build_tiny_model
 from rltrain.run.diagnostics import (
     layout_config,

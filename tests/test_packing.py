@@ -6,9 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import TrainBatch
 from rltrain.config import ConfigError, load_config
-from rltrain.learner import attention
-from rltrain.learner.attention import document_attention
-from rltrain.loss.logprobs import pack_sequences, packed_forward, sequence_logprobs
+from rltrain.forward import attention, pack_sequences, packed_forward, sequence_logprobs
+from rltrain.forward.attention import document_attention
 from rltrain.masked_mean import group_token_totals
 from rltrain.plan import plan_packed_micro_batches
 from rltrain.run.diagnostics import synthetic_rollouts

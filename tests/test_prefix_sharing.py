@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config, load_config
-from rltrain.learner import attention
-from rltrain.learner.attention import document_attention
-from rltrain.learner.prefix_tree import PrefixSharing, build_tree, tree_logprobs, tree_outputs
-from rltrain.loss.logprobs import sequence_logprobs, token_outputs
+from rltrain.forward import attention, sequence_logprobs, token_outputs
+from rltrain.forward.attention import document_attention
+from rltrain.forward.tree import build_tree, tree_logprobs, tree_outputs
+from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models.routers import RouterTap
 from rltrain.plan import plan_packed_micro_batches, shared_prefix_lengths
@@ -162,7 +162,7 @@ def test_the_load_balancing_loss_counts_a_shared_token_once_per_member():
     batch = mixed_batch()
     tree = build_tree(batch.input_ids, batch.attention_mask, ~batch.response_mask.bool())
     uses = torch.bincount(tree.cell_BT[batch.attention_mask.bool()], minlength=tree.tokens)
-    from rltrain.loss.logprobs import pack_sequences, packed_forward
+    from rltrain.forward import pack_sequences, packed_forward
 
     results = []
     for shared in (True, False):

@@ -5,7 +5,7 @@ import torch
 from rltrain.batch import Completion
 from rltrain.config import Config
 from rltrain.data import Prompt
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.forward import sequence_logprobs
 from rltrain.rewards.functions import RewardScorer
 from rltrain.rollout import GeneratorActor
 from rltrain.run.orchestrator import collect_groups

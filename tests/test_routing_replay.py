@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
 from rltrain.config import Config
+from rltrain.forward import sequence_logprobs
 from rltrain.learner.route_rows import in_forward_order
-from rltrain.loss.logprobs import sequence_logprobs
 from rltrain.models.routers import RouterTap, replay_problem
 from rltrain.models.tiny import build_tiny_model
 from rltrain.run.diagnostics import layout_config, synthetic_rollouts

@@ -262,8 +262,8 @@ SCORER_LAYOUTS = {
 def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teacher_path):
     from transformers import AutoModelForCausalLM
 
+    from rltrain.forward import sequence_logprobs
     from rltrain.learner.frozen import TeacherLearner
-    from rltrain.loss.logprobs import sequence_logprobs
     from rltrain.run.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
@@ -360,7 +360,7 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
 def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
     from transformers import AutoModelForCausalLM
 
-    from rltrain.loss.logprobs import sequence_logprobs
+    from rltrain.forward import sequence_logprobs
     from rltrain.run.diagnostics import (
         layout_config,
         relative_difference,

@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
-from rltrain.learner import attention, sequence_parallel
-from rltrain.loss.logprobs import sequence_logprobs
+from rltrain.forward import attention, sequence_logprobs
+from rltrain.learner import sequence_parallel
 from rltrain.run.diagnostics import synthetic_rollouts
 
 

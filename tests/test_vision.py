@@ -10,10 +10,9 @@ import torch
 from families import build, laid_out
 
 from rltrain.batch import TrainBatch
-from rltrain.learner import attention
-from rltrain.learner.prefix_tree import build_tree, tree_logprobs
-from rltrain.loss.logprobs import sequence_logprobs
-from rltrain.loss.vision import Images, rope_positions
+from rltrain.forward import attention, sequence_logprobs
+from rltrain.forward.tree import build_tree, tree_logprobs
+from rltrain.forward.vision import Images, rope_positions
 
 START, END, IMAGE, VIDEO = 120, 121, 122, 123  # ids of the tiny vocabulary of 128 kept for them
 IDS = dict(vision_start_token_id=START, vision_end_token_id=END, image_token_id=IMAGE, video_token_id=VIDEO)

@@ -11,12 +11,12 @@ import pickle
 import pytest
 import torch
 
-from rltrain.batch import Completion, ImagePrompt, Segment, collate, token_keys
+from rltrain.batch import Completion, ImagePrompt, Segment, collate
 from rltrain.config import DataConfig
 from rltrain.data import shapes_rows, tokenize_prompts
-from rltrain.learner import attention
-from rltrain.learner.prefix_tree import build_tree, tree_logprobs
-from rltrain.loss.logprobs import Truncation, sequence_logprobs
+from rltrain.forward import attention, sequence_logprobs
+from rltrain.forward.tree import build_tree, token_keys, tree_logprobs
+from rltrain.loss.logprobs import Truncation
 from rltrain.media import decoded
 from rltrain.models.images import ImageInputs, collapsed, is_vision_parameter
 from rltrain.plan import shared_prefix_lengths

@@ -7,7 +7,7 @@
   each trained role computes per micro-batch; :mod:`~rltrain.learner.frozen`: the frozen ones
   (teacher, reward model) on the same engine path;
 - :mod:`~rltrain.learner.group`: the actors of one model, driven together;
-- :mod:`~rltrain.learner.sequence_parallel` and :mod:`~rltrain.learner.attention`: packed and
+- :mod:`~rltrain.learner.sequence_parallel` and :mod:`~rltrain.forward.attention`: packed and
   sequence-parallel attention.
 
 The learner side never imports the rollout side or the driver (:mod:`rltrain.run`). Its main names

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rltrain import forward
 from rltrain.batch import TrainBatch
 from rltrain.config import Config, LearnerConfig
 from rltrain.learner.engine import EngineLearner
-from rltrain.learner.prefix_tree import outputs
 from rltrain.learner.start import load_scalar_head
 from rltrain.loss.losses import question_sums, value_loss
 
@@ -51,7 +51,7 @@ class CriticLearner(EngineLearner):
 
     def values(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         """``[B, T]``: position ``t`` holds the value of the state before token ``t``."""
-        out_BT = outputs(model, mb, self.sharing.tree(mb), self.sharing.packed())[..., 0].float()
+        out_BT = forward.outputs(model, self._row(mb, images=False))[..., 0].float()
         return F.pad(out_BT[:, :-1], (1, 0))
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:

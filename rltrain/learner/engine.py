@@ -33,15 +33,16 @@ from typing import Any
 
 import torch
 
+from rltrain import forward
 from rltrain.batch import TrainBatch, nonempty
 from rltrain.config import Config, LearnerConfig
+from rltrain.forward.model import causal_lm
+from rltrain.forward.vision import Images
 from rltrain.learner import sequence_parallel
 from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.start import EngineStart, most_over_ranks
 from rltrain.learner.state import LearnerState
-from rltrain.loss.forwards import causal_lm
 from rltrain.loss.masked_mean import step_totals
-from rltrain.loss.vision import Images
 from rltrain.models.images import ImageInputs, blank_image, is_vision_parameter
 from rltrain.remote import node_address, where
 
@@ -160,6 +161,7 @@ class EngineLearner(EngineStart, LearnerState):
         self.group_counts: torch.Tensor | None = None  # the accumulation group's _step_counts, summed
         self.image_inputs: ImageInputs | None = None  # a vision-language model's, at its first images
         self.tower_collective: bool | None = None  # see _tower_everywhere
+        self.agree_chunks = None  # ZeRO-3 over several ranks: the head's chunk count over ranks (_set_layout)
 
     def node_address(self) -> tuple[str, int]:
         return node_address()
@@ -300,7 +302,7 @@ class EngineLearner(EngineStart, LearnerState):
         """Each sequence's images as the model's forward takes them (its own image processor's
         patches, on the model's device), None without images; and the image the vision tower runs
         on where this rank's micro-batch has none while another rank's has
-        (:func:`rltrain.loss.vision.forward_inputs`'s ``idle``). Called once per forward on every
+        (:func:`rltrain.forward.vision.forward_inputs`'s ``idle``). Called once per forward on every
         rank: where the tower's forward or backward is a collective (:meth:`_tower_everywhere`), the
         ranks first agree in one all-reduce whether any of them has images."""
         has = mb.images is not None and any(im is not None for im in mb.images)
@@ -313,6 +315,14 @@ class EngineLearner(EngineStart, LearnerState):
         if not has:
             return [None] * len(mb), self.image_inputs((blank_image(),)).to(device)
         return [None if im is None else self.image_inputs(im).to(device) for im in mb.images], None
+
+    def _row(self, mb: TrainBatch, images: bool = True) -> forward.RowLayout:
+        """How ``mb`` runs through the model: a prefix tree, one packed row or padded rows
+        (:attr:`sharing`), with its images (``images``: :meth:`_images`, a collective where the tower is)."""
+        seen, idle = self._images(mb) if images else (None, None)
+        return forward.RowLayout(
+            mb.input_ids, mb.attention_mask, self.sharing.packed(), self.sharing.tree(mb), seen, idle
+        )
 
     def _tower_everywhere(self) -> bool:
         """Whether the model's vision tower runs on every rank whenever it runs on one: its forward

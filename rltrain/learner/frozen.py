@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from rltrain import forward
 from rltrain.batch import TrainBatch, last_positions
 from rltrain.config import Config, FrozenLearnerConfig
+from rltrain.forward.head import output_head
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
-from rltrain.learner.prefix_tree import outputs
 from rltrain.learner.start import load_scalar_head
-from rltrain.loss.forwards import output_head
 
 
 class FrozenLearner(EngineLearner):
@@ -100,7 +100,7 @@ class RewardModelLearner(FrozenLearner):
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """``[B, T]``: the score head at every position; :func:`last_token_scores` picks the score."""
-        return outputs(self.engine, mb, self.sharing.tree(mb), self.sharing.packed())[..., 0].float()
+        return forward.outputs(self.engine, self._row(mb, images=False))[..., 0].float()
 
     def _compared_positions(self, mb: TrainBatch) -> torch.Tensor:
         """Each sequence's score: its last token."""

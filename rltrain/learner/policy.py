@@ -11,15 +11,15 @@ import contextlib
 
 import torch
 
+from rltrain import forward
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
+from rltrain.forward.model import causal_lm
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
-from rltrain.learner.prefix_tree import tree_logprobs
 from rltrain.learner.route_rows import moe_metrics, replayed_routes, router_rows
 from rltrain.loss.corrections import RolloutCorrection, correction_mask
-from rltrain.loss.forwards import causal_lm
-from rltrain.loss.logprobs import Truncation, sequence_logprobs
+from rltrain.loss.logprobs import Truncation
 from rltrain.loss.losses import PolicyLossSettings, policy_loss
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models import adapters
@@ -142,17 +142,14 @@ class PolicyLearner(EngineLearner):
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
             tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
-        images, idle = self._images(mb)
-        if tree is not None:
-            return tree_logprobs(model, tree, mb.input_ids, temperature, with_entropy, truncation, images=images,
-                                 idle_image=idle)  # fmt: skip
         if self.sp > 1:
             return sequence_parallel.sequence_logprobs(
                 model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
-                truncation,
+                truncation, self.agree_chunks,
             )  # fmt: skip
-        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature, with_entropy, packed,
-                                 truncation, images=images, idle_image=idle)  # fmt: skip
+        return forward.logprobs(
+            model, self._row(mb), temperature, with_entropy, truncation, agree_chunks=self.agree_chunks
+        )
 
     def _per_token(self, mb: TrainBatch, own: bool = False) -> torch.Tensor:
         """The reference model's log-probs (for a KL penalty in the reward); ``own``: the policy's

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from rltrain.batch import ROUTE_UNKNOWN, TrainBatch
+from rltrain.forward.tree import PrefixTree
 from rltrain.learner import sequence_parallel
-from rltrain.learner.prefix_tree import PrefixTree
 from rltrain.loss.moe import expert_load_max
 
 

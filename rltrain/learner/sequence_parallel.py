@@ -8,7 +8,7 @@ function registered here (:data:`ATTENTION`, through transformers' ``AttentionIn
 2. all-to-all: sequence-sharded ``[B, H, L/sp, D]`` -> head-sharded ``[B, H/sp, L, D]``;
 3. all-gathers the slices' position ids, which tell the row's documents apart (each starts at 0);
 4. runs causal attention on its heads, document by document over the whole row
-   (:func:`rltrain.learner.attention.document_attention`, with what the layer asks for: windows,
+   (:func:`rltrain.forward.attention.document_attention`, with what the layer asks for: windows,
    soft-capping, its heads' sinks), so packed rows stay exact;
 5. all-to-all back to ``[B, L/sp, H, D]``.
 
@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
-from rltrain.learner.attention import document_attention, layer_asks, register_attention
-from rltrain.loss.forwards import head_forward, pack_sequences, packed_forward
+from rltrain.forward.attention import document_attention, layer_asks, register_attention
+from rltrain.forward.head import head_forward
+from rltrain.forward.layouts import pack_sequences, packed_forward
 from rltrain.loss.logprobs import Truncation, predicted_logprobs
 
 ATTENTION = "rltrain_ulysses"
@@ -157,8 +158,9 @@ def sequence_logprobs(
     sp: int,
     rank: int,
     truncation: Truncation | None = None,
+    agree_chunks=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`rltrain.loss.logprobs.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
+    """:func:`rltrain.forward.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
     ``[B, T]`` log-probs (and entropy) on this rank's :func:`owned_positions`, 0 elsewhere.
 
     Every rank of the group calls this with the same micro-batch at the same time.
@@ -175,7 +177,7 @@ def sequence_logprobs(
     part = row_slice(length, sp, rank)
     targets_1N = F.pad(ids_1L, (0, part.stop + 1 - length))[:, part.start + 1 : part.stop + 1]
     logprobs_1N, entropy_1N = predicted_logprobs(
-        states_1N, head, targets_1N, temperature, with_entropy, truncation
+        states_1N, head, targets_1N, temperature, with_entropy, truncation, agree_chunks
     )
     # packed index j = part.start + 1 + n; a document's first token is predicted by the previous
     # document and gets 0, as in the single-rank packed layout

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from rltrain.config import Config, LearnerConfig
-from rltrain.learner import attention, sequence_parallel
-from rltrain.loss import logprobs
-from rltrain.loss.forwards import output_head
+from rltrain.forward import attention
+from rltrain.forward.head import output_head
+from rltrain.learner import sequence_parallel
 from rltrain.models import families
 from rltrain.models.images import is_vision_parameter
 
@@ -175,9 +175,7 @@ class EngineStart:
             self.attn_implementation = attention.register()
         self.bf16 = lc.precision == "bf16" or (lc.precision == "auto" and self.use_cuda)
         agree = lc.zero_stage == 3 and self.world_size > 1  # the head's chunks gather alike on every rank
-        logprobs.agree_head_chunks(
-            functools.partial(most_over_ranks, use_cuda=self.use_cuda) if agree else None
-        )
+        self.agree_chunks = functools.partial(most_over_ranks, use_cuda=self.use_cuda) if agree else None
 
     def _build_model(self) -> torch.nn.Module:
         raise NotImplementedError

@@ -7,9 +7,9 @@ processed in chunks whose float32 working set stays under ``max_chunk_bytes``, a
 recomputes each chunk's softmax instead of saving it: the only extra memory autograd keeps is one
 float per token (the log-normalizer).
 
-A model's forward (:func:`sequence_logprobs`) goes further: it stops at the last hidden states and
-applies the output head chunk by chunk (:func:`head_logprobs_and_entropy`), so the logits of only one
-chunk of tokens exist at a time, in the forward and again in the backward, which recomputes them.
+From a model's last hidden states and its output head (:func:`head_logprobs_and_entropy`) the
+logits of only one chunk of tokens exist at a time, in the forward and again in the backward, which
+recomputes them; how a model runs a row up to them is :mod:`rltrain.forward`.
 """
 
 from __future__ import annotations
@@ -19,19 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
-
-from rltrain.loss import vision
-from rltrain.loss.forwards import (
-    head_forward,
-    pack_sequences,
-    packed_forward,
-    padded_forward,
-    text_positions,
-    token_outputs,  # noqa: F401  (reached from here too, as before the split)
-    trailing_order,
-    unordered,
-)
-from rltrain.loss.vision import Images
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
 HEAD_MIN_CHUNK_ROWS = 1024  # tokens of a chunk of the head's logits, at the least
@@ -200,6 +187,7 @@ def head_logprobs_and_entropy(
     with_entropy: bool = True,
     truncation: Truncation | None = None,
     chunk_rows: int | None = None,
+    agree_chunks: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs_and_entropy` of ``head(hidden_BTH)`` without those logits: the head
     runs on a chunk of tokens at a time, and under autograd each chunk is recomputed in the backward
@@ -209,7 +197,12 @@ def head_logprobs_and_entropy(
 
     A chunk holds ``chunk_rows`` tokens; by default as many as ``max_chunk_bytes`` of float32 logits
     hold, and at least :data:`HEAD_MIN_CHUNK_ROWS`: each chunk's backward adds a gradient the size of
-    the head's whole weight, a cost that fewer, larger chunks share."""
+    the head's whole weight, a cost that fewer, larger chunks share.
+
+    ``agree_chunks``: where every call of a head with ZeRO-3 partitioned weights gathers its weight
+    (forward, recomputation, backward: a collective), the number of chunks every rank of the group
+    runs given this rank's (the most over ranks, one all-reduce of one integer); a rank with fewer
+    tokens runs empty chunks up to it, so the gathers pair up."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     *lead, width = hidden_BTH.shape
@@ -238,10 +231,8 @@ def head_logprobs_and_entropy(
 
     rows_N = hidden_NH.shape[0]
     chunks = -(-rows_N // step)
-    if _chunk_agreement is not None and any(hasattr(p, "ds_id") for p in params):
-        # every call of a ZeRO-3 head gathers its weight (forward, recomputation, backward): a rank
-        # with fewer tokens runs empty chunks up to the ranks' most, so the gathers pair up
-        chunks = _chunk_agreement(chunks)
+    if agree_chunks is not None and any(hasattr(p, "ds_id") for p in params):
+        chunks = agree_chunks(chunks)  # (a rank with fewer tokens runs empty chunks: see above)
     parts = []
     for k in range(chunks):
         rows = slice(min(k * step, rows_N), min((k + 1) * step, rows_N))
@@ -256,82 +247,11 @@ def head_logprobs_and_entropy(
     return logprobs, torch.cat([p[1] for p in parts]).reshape(lead) if with_entropy else None
 
 
-# How many chunks of a ZeRO-3 head every rank runs, given this rank's count (None: its own count):
-# set for a learner's process by :func:`agree_head_chunks`
-_chunk_agreement: Callable[[int], int] | None = None
-
-
-def agree_head_chunks(agreement: Callable[[int], int] | None) -> None:
-    """Make every :func:`head_logprobs_and_entropy` on a head with ZeRO-3 partitioned weights run
-    ``agreement(its own chunk count)`` chunks, the extra ones empty. Each head call gathers the
-    head's weight, a collective, so ranks of one group with different token counts (packed rows,
-    prefix trees) must run as many chunks as each other: a learner passes the maximum over its
-    ranks (:mod:`rltrain.learner.engine`, one all-reduce of one integer per forward). None: off."""
-    global _chunk_agreement
-    _chunk_agreement = agreement
-
-
 def _head_outputs(head: torch.nn.Module) -> int:
     """The vocabulary size of an output head (its weight's rows; a ZeRO-3 partitioned weight keeps
     its full shape in ``ds_shape``)."""
     weight = head.weight
     return int(getattr(weight, "ds_shape", weight.shape)[0])
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids_BT: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    packed: bool = False,
-    truncation: Truncation | None = None,
-    from_hidden: bool = True,
-    images: list[Images | None] | None = None,
-    idle_image: Images | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of every token given its prefix under a causal LM: ``[B, T]`` (position 0 gets 0);
-    with a ``truncation`` (the engine's top_k/top_p/min_p), of the distribution it sampled from.
-
-    Position ``t`` holds ``log p(input_ids[t] | input_ids[:t])``, aligned with the input so a
-    response mask over ``input_ids`` selects the response tokens' log-probs directly.
-
-    ``packed=True`` runs the model on one padding-free row (:func:`packed_forward`) and scatters
-    the result back to ``[B, T]``: the same values, without computing anything for padding.
-    ``from_hidden`` (where the model allows, :func:`head_forward`): from the last hidden states, the
-    head applied chunk by chunk; false: from the model's full logits.
-    ``images``: each row's images (:class:`rltrain.loss.vision.Images`, None for a row without),
-    for a vision-language model: each distinct image's features computed once, the rotary positions
-    each sequence has alone; ``idle_image``: the tower's input where no row has one but another
-    rank's micro-batch does (:func:`rltrain.loss.vision.forward_inputs`).
-    """
-    if packed:
-        return _packed_sequence_logprobs(model, input_ids_BT, attention_mask_BT, temperature, with_entropy,
-                                         truncation, from_hidden, images, idle_image)  # fmt: skip
-    if (order := trailing_order(model, attention_mask_BT)) is not None:  # padding after each sequence
-        logprobs_BT, entropy_BT = sequence_logprobs(
-            model, input_ids_BT.gather(1, order), attention_mask_BT.gather(1, order), temperature, with_entropy,
-            False, truncation, from_hidden, images, idle_image,
-        )  # fmt: skip
-        return unordered(logprobs_BT, order), None if entropy_BT is None else unordered(entropy_BT, order)
-    seen = {}
-    if images is not None:
-        seen = vision.forward_inputs(
-            model, input_ids_BT, attention_mask_BT, images, text_positions(attention_mask_BT), idle=idle_image
-        )
-    states, head = head_forward(
-        model,
-        lambda **extra: padded_forward(model, input_ids_BT, attention_mask_BT, **seen, **extra),
-        from_hidden,
-    )
-    # the prediction at t is for token t+1
-    logprobs, entropy = predicted_logprobs(
-        states[:, :-1], head, input_ids_BT[:, 1:], temperature, with_entropy, truncation
-    )
-    zero_col = logprobs.new_zeros(logprobs.shape[0], 1)
-    logprobs_BT = torch.cat([zero_col, logprobs], dim=1)
-    entropy_BT = None if entropy is None else torch.cat([zero_col, entropy], dim=1)
-    return logprobs_BT, entropy_BT
 
 
 def predicted_logprobs(
@@ -341,45 +261,30 @@ def predicted_logprobs(
     temperature: float,
     with_entropy: bool,
     truncation: Truncation | None,
+    agree_chunks: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of ``token_ids`` from what :func:`head_forward` returned for the
-    positions that predict them: hidden states and the head, or logits (``head`` None)."""
+    """Log-probs (and entropy) of ``token_ids`` from what a model's forward gave for the positions
+    that predict them (:func:`rltrain.forward.head.head_forward`): hidden states and the head, or
+    logits (``head`` None); ``agree_chunks``: see :func:`head_logprobs_and_entropy`."""
     if head is None:
         return token_logprobs_and_entropy(
             states, token_ids, temperature, with_entropy=with_entropy, truncation=truncation
         )
-    return head_logprobs_and_entropy(
-        head, states, token_ids, temperature, with_entropy=with_entropy, truncation=truncation
-    )
+    return head_logprobs_and_entropy(head, states, token_ids, temperature, with_entropy=with_entropy,
+                                     truncation=truncation, agree_chunks=agree_chunks)  # fmt: skip
 
 
-def _packed_sequence_logprobs(
-    model, input_ids_BT, attention_mask_BT, temperature, with_entropy, truncation=None, from_hidden=True,
-    images=None, idle_image=None,
-):  # fmt: skip
-    keep_BT = attention_mask_BT.bool()
-    input_ids_1L, position_ids_1L = pack_sequences(input_ids_BT, attention_mask_BT)
-    seen = {}
-    if images is not None:
-        order = vision.packed_order(attention_mask_BT)
-        seen = vision.forward_inputs(
-            model, input_ids_BT, attention_mask_BT, images, position_ids_1L, order, idle_image
-        )
-    states, head = head_forward(
-        model,
-        lambda **extra: packed_forward(model, input_ids_1L, position_ids_1L, **seen, **extra),
-        from_hidden,
-    )
-    logprobs_1L, entropy_1L = predicted_logprobs(
-        states[:, :-1], head, input_ids_1L[:, 1:], temperature, with_entropy, truncation
-    )
-    # a document's first token would be "predicted" by the previous document's last one: it gets 0,
-    # as position 0 does in the padded layout
-    starts_L = position_ids_1L[0] == 0
+# names that moved to rltrain.forward (how a model runs a row): importable from here for one release
+MOVED_NAMES = ("sequence_logprobs", "token_outputs", "pack_sequences", "packed_forward", "padded_forward",
+               "head_forward", "text_positions")  # fmt: skip
 
-    def unpack(values_1L: torch.Tensor) -> torch.Tensor:
-        values_L = torch.cat([values_1L.new_zeros(1), values_1L[0]])
-        values_L = torch.where(starts_L, 0.0, values_L)
-        return values_L.new_zeros(keep_BT.shape).masked_scatter(keep_BT, values_L)  # [B, T]
 
-    return unpack(logprobs_1L), None if entropy_1L is None else unpack(entropy_1L)
+def __getattr__(name: str):
+    if name not in MOVED_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"rltrain.loss.logprobs.{name} is now rltrain.forward.{name}; the old name goes in the next "
+                  "release", DeprecationWarning, stacklevel=2)  # fmt: skip
+    return getattr(importlib.import_module("rltrain.forward"), name)

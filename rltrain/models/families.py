@@ -6,14 +6,14 @@ Each decoder layer has a kind (the config's ``layer_types``, ``layers_block_type
 ``block_types``; plain attention where it names none), and each kind is read for what it is:
 
 - **attention** (``full_attention``, ``sliding_attention``, ``attention``): windows, attention-logit
-  soft-capping, attention sinks, the query scaling reach :mod:`rltrain.learner.attention` with every
+  soft-capping, attention sinks, the query scaling reach :mod:`rltrain.forward.attention` with every
   call, honoured in padded, packed and tree rows and under sequence parallelism. A model whose
   attention does not go through transformers' attention functions (Bloom, MPT: their masks are
   built over the whole row) runs padded rows alone, on its own attention;
 - **MLP and mixture-of-experts** (``mlp``, ``moe``, ``dense``, ``sparse``): nothing along the row;
 - **recurrent** (``linear_attention``, ``mamba``, ``conv``, ``recurrent``, ``hybrid``): layers that
   carry a state along the row. A kind is *followed* where its layers run their convolution and scan
-  through the functions :mod:`rltrain.loss.recurrent` keeps per sequence (Gated DeltaNet, Mamba-2,
+  through the functions :mod:`rltrain.forward.recurrent` keeps per sequence (Gated DeltaNet, Mamba-2,
   LFM2's short convolution): exact in packed and tree rows. A kind whose layers call a state function
   rltrain does not follow (Mamba-1's selective scan, Kimi's delta attention) or carry state in code
   of their own (RecurrentGemma's RG-LRU) runs padded rows alone, its padding after each sequence
@@ -22,7 +22,7 @@ Each decoder layer has a kind (the config's ``layer_types``, ``layers_block_type
   for the same reason.
 
 Beside the layers: the head (the family's logit transform, folded into the head on the hidden-state
-path and checked on a probe, :func:`rltrain.loss.forwards.output_head`), multi-axis rotary positions
+path and checked on a probe, :func:`rltrain.forward.head.output_head`), multi-axis rotary positions
 (Qwen2-VL's M-RoPE), and ALiBi position biases (found from the model: its config's switch, or a
 modeling module that builds them with no switch to turn them off), built from a mask over the row:
 padded rows alone. docs/models.md has the table of families.
@@ -36,8 +36,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from rltrain.loss.forwards import LogitTransform, logit_transform, multi_axis_positions
-from rltrain.loss.recurrent import DECODING, FOLLOWED, UNFOLLOWED
+from rltrain.forward.head import LogitTransform, logit_transform
+from rltrain.forward.model import multi_axis_positions
+from rltrain.forward.recurrent import DECODING, FOLLOWED, FUSED, UNFOLLOWED, wrappable
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")  # what rltrain's attention runs
 MLP_KINDS = ("mlp", "moe", "dense", "sparse")  # nothing along the row
@@ -65,7 +66,7 @@ class ModelNeeds:
     own_state: tuple[str, ...] = ()
     attention_interface: bool = True  # its attention goes through transformers' attention functions
     position_bias: bool = False  # ALiBi
-    state_functions: tuple[str, ...] = ()  # the recurrent layers' functions (rltrain.loss.recurrent)
+    state_functions: tuple[str, ...] = ()  # the recurrent layers' functions (rltrain.forward.recurrent)
 
     @property
     def recurrence_followed(self) -> bool | None:
@@ -229,10 +230,12 @@ def _read_layers(model, kinds: tuple[str, ...]) -> tuple[dict[str, str], tuple[s
     for kind, members in by_kind.items():
         classes = {type(m) for layer in members for m in layer.modules()}
         functions = set().union(*(_state_functions(c) for c in classes)) - set(DECODING)
+        # a followed function another transformers changed the signature of is not followed
+        unwrappable = {n for n in functions & set(FOLLOWED) - set(FUSED) if not _wrappable_in(classes, n)}
         called |= functions
         convolutions = sorted(c.__name__ for c in classes if _own_convolution(c, classes))
-        if functions & set(UNFOLLOWED):
-            names = ", ".join(sorted(functions & set(UNFOLLOWED)))
+        if functions & set(UNFOLLOWED) or unwrappable:
+            names = ", ".join(sorted(functions & set(UNFOLLOWED) | unwrappable))
             unfollowed[kind] = f"{names}: a state rltrain does not keep per sequence"
         elif kind not in ATTENTION_KINDS + MLP_KINDS + RECURRENT_KINDS:
             unfollowed[kind] = "a kind of layer rltrain does not know"
@@ -248,6 +251,12 @@ def _read_layers(model, kinds: tuple[str, ...]) -> tuple[dict[str, str], tuple[s
             )
             own.append(kind)
     return unfollowed, tuple(own), tuple(sorted(called))
+
+
+def _wrappable_in(classes: set[type], name: str) -> bool:
+    """Whether the modeling modules of ``classes`` that define ``name`` define one rltrain follows."""
+    modules = {sys.modules.get(c.__module__) for c in classes} - {None}
+    return all(wrappable(m, name) for m in modules if hasattr(m, name))
 
 
 def _prefix(layers: list) -> str:
@@ -289,7 +298,7 @@ def _own_convolution(cls: type, classes: set[type]) -> bool:
 
 def prepare(model, model_needs: ModelNeeds) -> None:
     """What the forwards read from a loaded model itself: padding after each sequence in padded rows
-    where a layer's handling of padding is not known (:func:`rltrain.loss.forwards.trailing_order`)."""
+    where a layer's handling of padding is not known (:func:`rltrain.forward.layouts.trailing_order`)."""
     _language_model(model)._rltrain_trailing_padding = model_needs.trailing_padding
 
 

@@ -1,5 +1,5 @@
 """A vision-language model's own image processor, turning a sequence's encoded images into what its
-forward takes (:class:`rltrain.loss.vision.Images`: the patches and their grids), and rendering a
+forward takes (:class:`rltrain.forward.vision.Images`: the patches and their grids), and rendering a
 prompt with images into token ids (its placeholders expanded, one per merged patch), the same way
 wherever it runs: the driver renders prompts, the learners and the in-process engine compute
 patches, and vLLM (which loads the same processor from the model's folder) expands the placeholders
@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from functools import cached_property
 
-from rltrain.loss.vision import Images
+from rltrain.forward.vision import Images
 from rltrain.media import decoded
 
 
@@ -48,7 +48,7 @@ class ImageInputs:
         several axes, which place an image's tokens on its grid), not from its family's name."""
         from transformers import AutoConfig
 
-        from rltrain.loss.forwards import multi_axis_positions
+        from rltrain.forward.model import multi_axis_positions
 
         out = self.processor.image_processor(images=[decoded(blank_image())], return_tensors="pt")
         config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust)
@@ -97,7 +97,7 @@ def collapsed(ids: list[int], image_token: int) -> list[int]:
 @functools.cache
 def blank_image() -> bytes:
     """A small black PNG: what a vision tower runs on where a rank has no image but must run the
-    tower as its peers do (:func:`rltrain.loss.vision.forward_inputs`'s ``idle``)."""
+    tower as its peers do (:func:`rltrain.forward.vision.forward_inputs`'s ``idle``)."""
     import io
 
     from PIL import Image

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rltrain.batch import MAX_ROUTED_EXPERTS
-from rltrain.loss.forwards import probing
+from rltrain.forward.head import probing
 
 PROBE_ROWS = 64  # random rows a router's copy scores to find its scoring
 

@@ -11,7 +11,8 @@ import torch
 
 from rltrain.batch import Segment, images_of
 from rltrain.config import RolloutConfig
-from rltrain.loss.logprobs import Truncation, sequence_logprobs, truncation_keep
+from rltrain.forward import sequence_logprobs
+from rltrain.loss.logprobs import Truncation, truncation_keep
 from rltrain.models import adapters
 from rltrain.models.adapters import is_adapter
 from rltrain.models.families import causal_lm_class

@@ -1,4 +1,4 @@
-"""Images in the learner's forwards (pure torch), for vision-language models whose rotary positions
+"""Images in the learner's forwards, for vision-language models whose rotary positions
 have several axes (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 Two things an image changes in a forward, both built here for padded, packed and tree rows alike:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.loss.forwards import causal_lm
+from rltrain.forward.model import causal_lm
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,6 @@ def forward_inputs(
     if not distinct and idle is not None:
         _tie(model, _features(model, [(idle.pixel_values, idle.grid_thw[0])]))
     if distinct:
-        # (imported here: the loss library runs without transformers)
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         rows = _features(model, distinct)

@@ -5,10 +5,10 @@
   lead up to it: it continues, for every position ``p < q``, the nearest earlier token at position
   ``p`` (the tree is laid out depth first, so that is the shared prefix it continues).
 
-:mod:`rltrain.learner.attention` attends along this structure; :mod:`rltrain.loss.recurrent` carries
-recurrent layers' state along it. The row a forward runs is announced once (:func:`expect`) and read
-by the layers that need it (:func:`current`): the attention of a layer that passes no position ids,
-the recurrent layers.
+:mod:`rltrain.forward.attention` attends along this structure; :mod:`rltrain.forward.recurrent`
+carries recurrent layers' state along it. The row a forward runs is announced once (:func:`expect`)
+and read by the layers that need it (:func:`current`): the attention (its pieces planned once for
+every layer), the recurrent layers.
 """
 
 from __future__ import annotations
@@ -59,16 +59,21 @@ def parents(position_ids_L: torch.Tensor, pieces: list[tuple[int, int, int]] | N
 
 
 class Row:
-    """One packed or tree row: its position ids and, read from them when a layer asks, each token's
+    """One packed or tree row (``[1, L]`` position ids) and, read from them when a layer asks, each token's
     parent (:func:`parents`) and the pieces a recurrent layer's scan runs (runs of consecutive
     tokens, cut after every token a later piece continues from: a shared prompt's state is carried
     into each of its branches). A sequence-parallel rank's share of a row is a row too: it asks only
     for the position ids."""
 
-    def __init__(self, position_ids_L: torch.Tensor):
-        self.position_ids = position_ids_L
-        self.device = position_ids_L.device
-        self.cache: dict = {}  # what layers derive from the row once per forward (a convolution's index)
+    def __init__(self, position_ids_1L: torch.Tensor):
+        if position_ids_1L.dim() == 1:
+            position_ids_1L = position_ids_1L[None]
+        self.position_ids_1L = position_ids_1L
+        self.position_ids = position_ids_1L[0]
+        self.device = position_ids_1L.device
+        # what layers derive from the row once per forward (the attention's pieces, a convolution's
+        # windows), by what they derive it from
+        self.cache: dict = {}
 
     def __len__(self) -> int:
         return self.position_ids.shape[0]
@@ -91,30 +96,40 @@ class Row:
         return list(zip(starts, [*starts[1:], length]))
 
 
-# the row the running forward runs (rltrain's forwards set it, :func:`expect`): read by the attention
-# of a layer that passes no position ids and by recurrent layers; None: each row its own sequence
-_current: list[Row | None] = [None]
-_next: list[Row | None] = [None]
+class RowContext:
+    """What the layers of the forward running now read beside their arguments, one object for the
+    process (transformers calls a layer's attention, convolution and scan with its own arguments):
+    the row that forward runs (:attr:`row`, None: each row its own sequence), announced before it
+    starts (:func:`expect`) and kept until the model's next forward starts, so the backward's
+    recomputation of a checkpointed layer reads it too; and whether it is the head's probe
+    (:func:`rltrain.forward.head.probing`)."""
+
+    def __init__(self):
+        self.row: Row | None = None
+        self.announced: Row | None = None
+        self.probing = False
+
+    def take(self, *_) -> None:
+        """A forward of the model starts (its pre-hook): its announced row is the current one."""
+        self.row, self.announced = self.announced, None
+
+
+CURRENT = RowContext()
 
 
 def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None:
     """The next forward of ``model`` (a causal LM, also inside a DeepSpeed engine or a peft model)
-    runs the row these position ids describe (``[1, L]``; None: rows of their own, a padded batch).
-    It is the current row (:func:`current`) from that forward's start until the model's next forward
-    starts, so the backward's recomputation of a checkpointed layer reads it too; a forward rltrain
-    did not announce (generation, say) runs rows of their own."""
+    runs the row these position ids describe (``[1, L]``; None: rows of their own, a padded batch):
+    :attr:`RowContext.row` from that forward's start until the model's next forward starts; a
+    forward rltrain did not announce (generation, say) runs rows of their own."""
     lm = getattr(model, "module", model)
     lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     if not getattr(lm, "_rltrain_rows", False):
-        lm.register_forward_pre_hook(_take_row)
+        lm.register_forward_pre_hook(CURRENT.take)
         lm._rltrain_rows = True
-    _next[0] = None if position_ids_1L is None else Row(position_ids_1L[0])
-
-
-def _take_row(*_) -> None:
-    _current[0], _next[0] = _next[0], None
+    CURRENT.announced = None if position_ids_1L is None else Row(position_ids_1L)
 
 
 def current() -> Row | None:
     """The row the model's running forward (or its backward's recomputation) runs, or None."""
-    return _current[0]
+    return CURRENT.row

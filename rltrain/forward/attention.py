@@ -8,11 +8,11 @@ registered here (:data:`PACKED`) cuts the row where the position ids stop counti
 runs attention on each piece: work and memory follow each piece's own length, as with
 flash-attention's variable-length kernels, and no mask over the row is built.
 
-The position ids say everything about the row's structure (:mod:`rltrain.loss.rows`):
+The position ids say everything about the row's structure (:mod:`rltrain.forward.structure`):
 
 - a **document** (a packed sequence) starts where the position id is 0 and attends causally to
   itself;
-- a **branch** of a prefix tree (:mod:`rltrain.learner.prefix_tree`) starts at position ``q > 0``
+- a **branch** of a prefix tree (:mod:`rltrain.forward.tree`) starts at position ``q > 0``
   right after tokens whose positions do not lead up to it: it attends to its ancestors, for every
   position ``p < q`` the nearest earlier token at position ``p`` (the tree is laid out depth first,
   so that is the shared prefix it continues), and causally to itself. A completion's position ids
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from rltrain.loss import rows
-from rltrain.loss.rows import ancestors, segments
+from rltrain.forward import structure
+from rltrain.forward.structure import ancestors, segments
 
 PACKED = "rltrain_packed"
 # keyword arguments a model's attention layer may pass that change nothing here: a flash kernel's
@@ -164,9 +164,9 @@ def packed_attention(
 
 def row_positions(batch: int, length: int, device) -> torch.Tensor:
     """The position ids of the row a layer's forward runs, for a layer that passes none: the packed
-    or tree row the forward announced (:func:`rltrain.loss.rows.current`), or where there is none,
+    or tree row the forward announced (:func:`rltrain.forward.structure.current`), or where there is none,
     rows of their own without padding (a padded batch whose mask transformers dropped as causal)."""
-    row = rows.current()
+    row = structure.current()
     if row is not None:
         if (batch, length) != (1, len(row)):
             raise RuntimeError(f"the {PACKED!r} attention got {batch} rows of {length} tokens in a forward of "
@@ -250,14 +250,16 @@ def document_attention(
     return torch.cat(parts, dim=2)
 
 
-_last_plan: list = [None, None]  # the last row's (position ids, pieces): every layer reads the same row
-
-
 def _pieces(position_ids_1L: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]]:
     """Each piece of the row: ``(start, end, key indices)``; a document's (or a tree's root's)
-    indices are None (causal over itself), a branch's are its ancestors' and its own."""
-    if _last_plan[0] is position_ids_1L:
-        return _last_plan[1]
+    indices are None (causal over itself), a branch's are its ancestors' and its own. Planned once
+    for every layer: kept with the row the forward announced (:func:`rltrain.forward.structure.current`),
+    by the position ids it was planned from."""
+    row = structure.current()
+    key = ("pieces", tuple(position_ids_1L.shape))
+    planned = None if row is None else row.cache.get(key)
+    if planned is not None and (planned[0] is position_ids_1L or torch.equal(planned[0], position_ids_1L)):
+        return planned[1]
     pieces = segments(position_ids_1L[0])
     device = position_ids_1L.device
     plan = []
@@ -268,5 +270,6 @@ def _pieces(position_ids_1L: torch.Tensor) -> list[tuple[int, int, torch.Tensor 
             continue
         index = torch.cat([torch.arange(a, b) for a, b in before] + [torch.arange(s, e)]).to(device)
         plan.append((s, e, index))
-    _last_plan[:] = [position_ids_1L, plan]
+    if row is not None:
+        row.cache[key] = position_ids_1L, plan
     return plan

@@ -1,5 +1,5 @@
 """Recurrent layers of hybrid models in packed and prefix-tree rows: each sequence's state its own
-(pure torch).
+.
 
 Gated DeltaNet's linear attention (Qwen3.5, Qwen3-Next) and Mamba-2's state-space layers (Falcon-H1,
 Nemotron-H) carry two things along the sequence: a short causal convolution's window of inputs and
@@ -10,8 +10,8 @@ the state ran across documents, and in a tree row each branch continued from its
 its prompt (prime-rl, verl, SkyRL and slime shipped the same for packing).
 
 Those functions of the model's modules are replaced, once, by ones that follow the sequences of the
-row :func:`rltrain.loss.forwards.packed_forward` runs (:func:`expect`; the row's structure from its
-position ids, :class:`rltrain.loss.rows.Row`), in that forward and in its recomputation in the
+row :func:`rltrain.forward.layouts.packed_forward` runs (:func:`expect`; the row's structure from its
+position ids, :class:`rltrain.forward.structure.Row`), in that forward and in its recomputation in the
 backward (gradient checkpointing), until the model's next forward; any other forward (padded rows,
 generation) runs them as they were:
 
@@ -32,14 +32,15 @@ piece, with the piece's initial state.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from rltrain.loss import rows
-from rltrain.loss.rows import Row
+from rltrain.forward import structure
+from rltrain.forward.structure import Row
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
 # a chunked scan's name -> (its initial-state keyword, its final-state keyword, whether it returns
@@ -71,7 +72,7 @@ def follows(model: torch.nn.Module) -> bool:
 
 def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None:
     """The next forward of ``model`` runs the row these position ids describe (``[1, L]``; None: rows
-    of their own, as a padded batch): :func:`rltrain.loss.rows.expect`, and a hybrid model's
+    of their own, as a padded batch): :func:`rltrain.forward.structure.expect`, and a hybrid model's
     recurrent layers follow that row's sequences (their functions replaced once, here)."""
     lm = getattr(model, "module", model)
     lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
@@ -79,36 +80,69 @@ def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None
         for module in recurrent_modules(lm):
             _wrap(module)
         lm._rltrain_recurrent = True
-    rows.expect(lm, position_ids_1L)
+    structure.expect(lm, position_ids_1L)
+
+
+# what a function must take to be followed: the convolution's arguments, a scan's state keywords
+EXPECTED = {"causal_conv1d_fn": ("hidden_states", "weight", "bias", "activation")} | {
+    name: keys[:2] for name, keys in SCANS.items()
+}
+
+
+def _takes(function: Callable, name: str) -> bool:
+    """Whether ``function`` (a modeling module's ``name``) takes what its replacement passes it:
+    another transformers that changed its signature leaves it unwrapped (its kind is then not
+    followed: :func:`wrappable`), never called with the wrong arguments."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return name not in EXPECTED or all(p in parameters for p in EXPECTED[name])
+
+
+def wrappable(module, name: str) -> bool:
+    """Whether the modeling ``module``'s function ``name`` is one rltrain follows per sequence."""
+    function = getattr(module, "_rltrain_originals", {}).get(name, getattr(module, name, None))
+    return function is not None and _takes(function, name)
 
 
 def _wrap(module) -> None:
     """Replace the module's convolution, scans and fused paths, once, by ones that follow the
-    current row (:func:`rltrain.loss.rows.current`) where it is set and its length is the input's."""
+    current row (:func:`rltrain.forward.structure.current`) where it is set and its length is the
+    input's; each checked to take what its replacement passes (:func:`wrappable`), the originals kept
+    (:func:`unwrap`). The one place rltrain changes a transformers module."""
     if getattr(module, "_rltrain_wrapped", False):
         return
-    for name in CONVOLUTIONS:
-        if hasattr(module, name):
-            setattr(module, name, _convolution(getattr(module, name)))
+    originals = {}
+    for names, replace in [(CONVOLUTIONS, _convolution), (FUSED, _unless_row)]:
+        for name in names:
+            if hasattr(module, name) and (name in FUSED or wrappable(module, name)):
+                originals[name] = getattr(module, name)
+                setattr(module, name, replace(originals[name]))
     for name, keys in SCANS.items():
-        if hasattr(module, name):
-            setattr(module, name, _scan(getattr(module, name), *keys))
-    for name in FUSED:
-        if hasattr(module, name):
-            setattr(module, name, _unless_row(getattr(module, name)))
-    module._rltrain_wrapped = True
+        if hasattr(module, name) and wrappable(module, name):
+            originals[name] = getattr(module, name)
+            setattr(module, name, _scan(originals[name], *keys))
+    module._rltrain_originals, module._rltrain_wrapped = originals, True
+
+
+def unwrap(module) -> None:
+    """Put the module's own functions back (:func:`_wrap` undone)."""
+    for name, original in getattr(module, "_rltrain_originals", {}).items():
+        setattr(module, name, original)
+    module._rltrain_originals, module._rltrain_wrapped = {}, False
 
 
 def _unless_row(original: Callable) -> Callable:
     def fused(*args, **kwargs):
-        return None if rows.current() is not None else original(*args, **kwargs)
+        return None if structure.current() is not None else original(*args, **kwargs)
 
     return fused
 
 
 def _convolution(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        row = rows.current()
+        row = structure.current()
         if row is None or tuple(hidden_states.shape[::2]) != (1, len(row)):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         return convolve(row, hidden_states, weight, bias, activation)
@@ -118,7 +152,7 @@ def _convolution(original: Callable) -> Callable:
 
 def _scan(original: Callable, initial_key: str, final_key: str, pair: bool) -> Callable:
     def scan(*args, **kwargs):
-        row = rows.current()
+        row = structure.current()
         first = next(a for a in args if torch.is_tensor(a))
         if row is None or tuple(first.shape[:2]) != (1, len(row)) or kwargs.get(initial_key) is not None:
             return original(*args, **kwargs)

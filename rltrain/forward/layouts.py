@@ -1,0 +1,107 @@
+"""A causal LM's forward in each layout the learners run: padded rows (left-padded prompts, or with
+the padding after each sequence where a layer's handling of padding is not known), and one packed
+row of several documents, each attending to itself (its structure in its position ids, announced to
+the layers that read it: :mod:`rltrain.forward.structure`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.forward import recurrent
+from rltrain.forward.model import causal_lm, multi_axis_positions
+
+
+def padded_forward(
+    model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, **extra
+):
+    """The model's output for padded rows (left-padded prompts: positions count attended tokens);
+    ``extra``: more keyword arguments of the model's forward (``position_ids`` among them replace
+    the text positions, as :func:`rltrain.forward.vision.forward_inputs` builds them for images)."""
+    position_ids = extra.pop("position_ids", None)
+    recurrent.expect(model, None)  # (each row its own sequence)
+    if position_ids is None:
+        position_ids = text_positions(attention_mask_BT)
+        if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
+            position_ids = position_ids[None].expand(4, *position_ids.shape)
+    return model(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False,
+        **extra,
+    )  # fmt: skip
+
+
+def trailing_order(model: torch.nn.Module, attention_mask_BT: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T]``: for a model whose padded rows keep their padding after each sequence (a layer
+    whose handling of padding rltrain cannot know, :attr:`rltrain.models.families.ModelNeeds.trailing_padding`,
+    set on the model at load), each row's columns with its attended ones first; None where the rows
+    are laid out so already or the model reads padding as padding."""
+    if not getattr(causal_lm(model), "_rltrain_trailing_padding", False):
+        return None
+    order = torch.sort(~attention_mask_BT.bool(), dim=-1, stable=True).indices
+    return None if bool((order == torch.arange(order.shape[1], device=order.device)).all()) else order
+
+
+def unordered(values_BT: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Values of rows laid out by ``order`` (:func:`trailing_order`) back in the input's columns."""
+    index = order.reshape(*order.shape, *[1] * (values_BT.dim() - 2)).expand_as(values_BT)
+    return values_BT.new_zeros(values_BT.shape).scatter(1, index, values_BT)
+
+
+def token_outputs(
+    model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, packed: bool = False
+) -> torch.Tensor:
+    """The model's per-position output ``logits`` ``[B, T, C]`` for a head with few outputs (a value
+    head), computed padded or on one packed row and laid out like the input (0 on padding)."""
+    if not packed:
+        if (order := trailing_order(model, attention_mask_BT)) is not None:
+            out = token_outputs(model, input_ids_BT.gather(1, order), attention_mask_BT.gather(1, order))
+            return unordered(out, order)
+        return padded_forward(model, input_ids_BT, attention_mask_BT).logits
+    keep_BT = attention_mask_BT.bool()
+    out_1LC = packed_forward(model, *pack_sequences(input_ids_BT, attention_mask_BT)).logits
+    out_BTC = out_1LC.new_zeros(*keep_BT.shape, out_1LC.shape[-1])
+    return out_BTC.masked_scatter(keep_BT[..., None], out_1LC[0])
+
+
+def pack_sequences(
+    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attended tokens of every row, concatenated into one row: ``(input_ids_1L, position_ids_1L)``.
+
+    Position ids restart at 0 for each sequence; that is how transformers tells the documents of
+    a packed row apart. Each row's attended tokens must be contiguous (left-padded prompt,
+    right-padded completion), as :func:`rltrain.batch.collate` lays them out.
+    """
+    keep_BT = attention_mask_BT.bool()
+    position_ids_BT = attention_mask_BT.long().cumsum(-1) - 1
+    return input_ids_BT[keep_BT][None], position_ids_BT[keep_BT][None]
+
+
+def packed_forward(
+    model: torch.nn.Module, input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor, **extra
+):
+    """The model's output for a packed row, every document attending only to itself.
+
+    transformers builds the block-diagonal causal mask from position ids that restart at 0, but only
+    when it is given **no attention mask and no KV cache**: a 2-D mask (even all ones) or a cache
+    object (Qwen2's config turns ``use_cache`` on) makes it fall back to one causal mask over the
+    whole row, and documents silently attend to each other. Hence both are passed explicitly here.
+    ``extra``: more keyword arguments of the model's forward (``position_ids`` among them: the four
+    axes of an image's rows, :func:`rltrain.forward.vision.forward_inputs`, ``position_ids_1L`` first).
+    """
+    recurrent.expect(model, position_ids_1L)  # a hybrid model's recurrent layers: state per sequence
+    position_ids = extra.pop("position_ids", None)
+    if position_ids is None:
+        position_ids = position_ids_1L
+        if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes
+            position_ids = position_ids_1L[None].expand(
+                4, *position_ids_1L.shape
+            )  # (a text token's: its position)
+    return model(
+        input_ids=input_ids_1L, position_ids=position_ids, attention_mask=None, use_cache=False, **extra
+    )
+
+
+def text_positions(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """The positions of padded rows (left-padded prompts): each attended token's count of attended
+    tokens before it, 0 on padding."""
+    return (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)

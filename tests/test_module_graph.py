@@ -57,7 +57,7 @@ def test_no_module_imports_one_that_imports_it_back():
 # user-code loading, data); what a model is; rewards and the learner (beside each other, never
 # importing one another); episodes; generation; the run; the command line
 FLOORS = {"config": 0, "loss": 0, "forward": 1, "ground": 2, "models": 3, "rewards": 4, "learner": 4,
-          "episodes": 5, "rollout": 6, "run": 7, "top": 8}  # fmt: skip
+          "episodes": 5, "rollout": 6, "run": 7, "serve": 8, "top": 9}  # fmt: skip
 GROUND = {"rltrain", "rltrain.batch", "rltrain.plan", "rltrain.remote", "rltrain.weight_transfer", "rltrain.loading",
           "rltrain.data", "rltrain.media", "rltrain.sandbox", "rltrain.tasks", "rltrain.prompt_sampler", "rltrain.curves"}  # fmt: skip
 PUBLIC = {"rltrain.masked_mean": "loss", "rltrain.losses": "loss", "rltrain.envs": "episodes"}

@@ -29,6 +29,7 @@ from rltrain.config.optimization import (
     Section,
 )
 from rltrain.config.run import AUTO_MISMATCH_KL, RunConfig
+from rltrain.config.serve import ServeConfig
 from rltrain.config.spellings import respell
 
 
@@ -52,6 +53,8 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation: greedy decoding through the generators, math-verify correctness, tool use."""
     run: RunConfig = RunConfig()
+    serve: ServeConfig = ServeConfig()
+    """`rltrain serve`: the Tinker API on the learners and engines (rltrain.serve)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -23,11 +23,11 @@ from rltrain.forward.head import (LogitTransform, PROBE_TOKENS, TransformedHead,
 from rltrain.forward.layouts import (pack_sequences, packed_forward, padded_forward, text_positions, token_outputs,
                                      trailing_order, unordered)  # fmt: skip
 from rltrain.forward.model import causal_lm, model_config, multi_axis_positions
-from rltrain.forward.row import RowLayout, logprobs, outputs, sequence_logprobs
+from rltrain.forward.row import RowLayout, logprobs, outputs, sequence_logprobs, target_logprobs
 from rltrain.forward.tree import PrefixTree, build_tree, first_index, token_keys, tree_logprobs, tree_outputs
 
 __all__ = ["PROBE_TOKENS", "LogitTransform", "PrefixTree", "RowLayout", "TransformedHead", "build_tree", "causal_lm",
            "first_index", "head_forward", "logit_transform", "logprobs", "model_config", "multi_axis_positions",
            "output_head", "outputs", "pack_sequences", "packed_forward", "padded_forward", "probing",
-           "sequence_logprobs", "text_positions", "token_keys", "token_outputs", "trailing_order", "tree_logprobs",
+           "sequence_logprobs", "target_logprobs", "text_positions", "token_keys", "token_outputs", "trailing_order", "tree_logprobs",
            "tree_outputs", "unordered"]  # fmt: skip

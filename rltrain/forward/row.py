@@ -66,6 +66,34 @@ def logprobs(
                              truncation, from_hidden, row.images, row.idle_image, agree_chunks)  # fmt: skip
 
 
+def target_logprobs(
+    model: torch.nn.Module,
+    row: RowLayout,
+    targets_BT: torch.Tensor,
+    agree_chunks: Callable[[int], int] | None = None,
+) -> torch.Tensor:
+    """``[B, T]``: the log-prob of ``targets[b, t]`` given ``input_ids[b, :t + 1]`` at every attended
+    cell (each position predicts its own target: the Tinker API's datums), 0 elsewhere; through
+    padded rows or one packed row (``row.packed``), from the last hidden states and the head."""
+    if row.tree is not None or row.images is not None:
+        raise ValueError("target log-probs run on padded or packed rows of text")
+    keep_BT = row.attention_mask_BT.bool()
+    if row.packed:
+        ids_1L, positions_1L = pack_sequences(row.input_ids_BT, row.attention_mask_BT)
+        states, head = head_forward(
+            model, lambda **extra: packed_forward(model, ids_1L, positions_1L, **extra)
+        )
+        values_1L, _ = predicted_logprobs(
+            states, head, targets_BT[keep_BT][None], 1.0, False, None, agree_chunks
+        )
+        return values_1L.new_zeros(keep_BT.shape).masked_scatter(keep_BT, values_1L[0])
+    states, head = head_forward(
+        model, lambda **extra: padded_forward(model, row.input_ids_BT, row.attention_mask_BT, **extra)
+    )
+    values_BT, _ = predicted_logprobs(states, head, targets_BT, 1.0, False, None, agree_chunks)
+    return torch.where(keep_BT, values_BT, 0.0)
+
+
 def outputs(model: torch.nn.Module, row: RowLayout) -> torch.Tensor:
     """The model's per-position ``logits`` ``[B, T, C]`` for a head with few outputs (a value or
     score head), through ``row``'s layout, 0 on padding."""

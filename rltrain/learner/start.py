@@ -107,7 +107,6 @@ class EngineStart:
     def _start_engine(self, total_optimizer_steps: int) -> None:
         """The model, its optimizer and schedule in a DeepSpeed engine."""
         import deepspeed
-        from transformers import get_scheduler
 
         lc = self.lc
         torch.manual_seed(self.config.run.seed)  # the same start in a fresh process and a restarted one
@@ -123,12 +122,7 @@ class EngineStart:
             optimizer = torch.optim.AdamW(trained, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
         else:
             optimizer = torch.optim.SGD(trained, lr=lc.lr)
-        scheduler = get_scheduler(
-            lc.lr_schedule,
-            optimizer,
-            num_warmup_steps=lc.warmup_steps,
-            num_training_steps=total_optimizer_steps,
-        )
+        scheduler = self._scheduler(optimizer, total_optimizer_steps)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(lc, self.world_size, self.bf16),
@@ -136,6 +130,14 @@ class EngineStart:
         for scored in (self.engine, getattr(self, "ref_model", None)):  # every rank at once (ZeRO-3)
             if scored is not None:
                 output_head(scored)  # the head path checked on a probe, before any forward takes it
+
+    def _scheduler(self, optimizer, total_optimizer_steps: int):
+        """The learning-rate schedule over the run's optimizer steps (``learner.lr_schedule``)."""
+        from transformers import get_scheduler
+
+        lc = self.lc
+        return get_scheduler(lc.lr_schedule, optimizer, num_warmup_steps=lc.warmup_steps,
+                             num_training_steps=total_optimizer_steps)  # fmt: skip
 
     def _join_group(self, master_addr: str, master_port: int) -> None:
         """Join the group's torch.distributed group, then :meth:`_set_layout`."""

@@ -281,7 +281,7 @@ class LearnerState(WeightSender):
             return None
         steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
         return {"weights": weights, "moments": moments, "optimizer_step": steps[0] if steps else 0.0,
-                "scheduler": self.engine.lr_scheduler.state_dict()}  # fmt: skip
+                "scheduler": None if self.engine.lr_scheduler is None else self.engine.lr_scheduler.state_dict()}  # fmt: skip
 
     def _load_layout_free(self, state: dict[str, Any]) -> None:
         """Set this layout's engine to a :meth:`_layout_free_state`: each rank's share of the
@@ -307,9 +307,10 @@ class LearnerState(WeightSender):
         for s in inner.state.values():
             if "step" in s:
                 s["step"] = torch.tensor(state["optimizer_step"], dtype=s["step"].dtype)
-        self.engine.lr_scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(inner.param_groups, self.engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr  # a scheduler's state sets the rate at its next step only
+        if state["scheduler"] is not None and self.engine.lr_scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(inner.param_groups, self.engine.lr_scheduler.get_last_lr()):
+                group["lr"] = lr  # a scheduler's state sets the rate at its next step only
         self.optimizer_steps = state["optimizer_steps"]
 
     def _create_optimizer_state(self) -> None:

@@ -209,6 +209,13 @@ class GeneratorActor:
             self._take_weights()
             return self.backend.prompt_logprobs(sequences)
 
+    def sample(self, prompt: list[int], num_samples: int, sampling: dict, prompt_logprobs: bool):
+        """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` with the weights the
+        engine took last."""
+        with self._engine:
+            self._take_weights()
+            return self.backend.sample(prompt, num_samples, sampling, prompt_logprobs)
+
     def weights_not_loaded(self) -> list[str]:
         """The engine's parameters that no name of the last weights it took loads (all of them
         before any sync)."""
@@ -236,6 +243,7 @@ class GeneratorPool:
         self.size, self.inflight = rc.num_engines, rc.inflight_updates
         self.timeout_s = config.run.actor_timeout_s
         self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
+        self._turn = -1  # the engine the last sample request went to
 
     def submit(self, requests: list, seeds: list[int], greedy: bool = False) -> list[ray.ObjectRef]:
         """Start generating (non-blocking) from prompts' token ids or, with an environment, data
@@ -325,6 +333,13 @@ class GeneratorPool:
         actors, names = (self.actors, self.names) if every else (self.actors[:1], self.names[:1])
         answers = gather([a.prompt_logprobs.remote(sequences) for a in actors], names, self.timeout_s)
         return answers if every else answers[0]
+
+    def sample(
+        self, prompt: list[int], num_samples: int, sampling: dict, prompt_logprobs: bool
+    ) -> ray.ObjectRef:
+        """One request's samples (:meth:`GeneratorActor.sample`) on the next engine in turn."""
+        self._turn = (self._turn + 1) % self.size
+        return self.actors[self._turn].sample.remote(prompt, num_samples, sampling, prompt_logprobs)
 
     def weights_not_loaded(self) -> list[str]:
         """The parameters of any engine that the last weights it took do not load, each named once."""

@@ -1,0 +1,31 @@
+"""The ``serve`` section: ``rltrain serve``, the Tinker API in front of the learners and engines."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rltrain.config.optimization import Section
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    """Address the server listens on (the loopback by default: no other machine reaches it)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port it listens on; 0 picks a free one (the line the server prints at start names it)."""
+    base_models: list[str] = Field(default_factory=lambda: ["builtin:tiny"], min_length=1)
+    """The base models a client may ask for (the `base_model` the SDK sends): `builtin:*` names or
+    local folders. One is trained at a time (the learners are the server's); a request for another
+    is refused in one line."""
+    poll_s: float = Field(20.0, gt=0)
+    """How long a `retrieve_future` poll is held before it answers "try again" (the SDK polls
+    again at once)."""
+    session_timeout_s: float = Field(120.0, gt=0)
+    """A session whose heartbeats (the SDK sends one every 10 s) stopped this long ago gives up its
+    model to the next `create_model` (its saved states stay)."""
+    kept_snapshots: int = Field(16, ge=1)
+    """Unnamed sampler weights (`save_weights_and_get_sampling_client`) kept in memory for the
+    sampling clients made on them; an older client's request is refused (named sampler weights
+    reload from disk)."""
+    merged_exports: bool = True
+    """Named sampler weights also as the merged model (a folder transformers loads), beside the
+    peft adapter."""

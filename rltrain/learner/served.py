@@ -1,0 +1,197 @@
+"""Learners driven call by call (the Tinker API, :mod:`rltrain.serve`): ``forward_backward`` adds
+the gradient of a loss **sum** (:mod:`rltrain.loss.sums`) to what earlier calls left, and
+``optim_step`` takes one AdamW step with the call's own hyperparameters, then clears them.
+
+Exact whatever the layout: a sum needs no denominator, so every rank backpropagates its own
+micro-batches' sum times the number of ranks, which undoes DeepSpeed's mean over data-parallel ranks,
+and never divides by accumulation steps (the engine's config has one). Gradients accumulate across
+calls with the accumulation boundary off; ``optim_step`` first runs a blank micro-batch (its loss 0)
+with the boundary on, so ZeRO-1/2 reduce what every call accumulated (they keep only the last
+micro-batch's gradient otherwise), then steps. No learning-rate schedule: each step's rate is the
+call's. A rank without datums in a call runs a blank micro-batch, so every rank issues the same
+collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from rltrain import forward
+from rltrain.learner.group import LearnerGroup
+from rltrain.learner.policy import PolicyLearner
+from rltrain.loss.sums import token_losses
+from rltrain.plan import plan_micro_batches, plan_packed_micro_batches
+
+STATE_FILE = "state.pt"  # a saved state's weights and optimizer, layout-free
+
+
+@dataclass
+class Datums:
+    """Datums of the Tinker API as tensors: ``[N, T]`` input tokens (right-padded), their mask, each
+    position's target token, and each loss input (``weights``, ``logprobs``, ``advantages``, ...)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def of(cls, tokens: list[list[int]], targets: list[list[int]], inputs: list[dict]) -> Datums:
+        """``N`` datums' tokens, targets and loss inputs (each a list of equal length) as tensors."""
+        n, width = len(tokens), max(1, max(len(t) for t in tokens))
+        ids = torch.zeros(n, width, dtype=torch.long)
+        mask, target = torch.zeros_like(ids), torch.zeros_like(ids)
+        names = sorted({k for d in inputs for k in d})
+        values = {k: torch.zeros(n, width) for k in names}
+        for i, (t, y, d) in enumerate(zip(tokens, targets, inputs)):
+            ids[i, : len(t)], target[i, : len(t)], mask[i, : len(t)] = torch.tensor(t), torch.tensor(y), 1
+            for k, v in d.items():
+                values[k][i, : len(t)] = torch.tensor(v, dtype=torch.float32)
+        return cls(ids, mask, target, values)
+
+    def select(self, idx: torch.Tensor) -> Datums:
+        return Datums(self.input_ids[idx], self.attention_mask[idx], self.targets[idx],
+                      {k: v[idx] for k, v in self.inputs.items()})  # fmt: skip
+
+    def trim(self) -> Datums:
+        width = max(1, int(self.attention_mask.sum(-1).max())) if len(self) else 1
+        return Datums(self.input_ids[:, :width], self.attention_mask[:, :width], self.targets[:, :width],
+                      {k: v[:, :width] for k, v in self.inputs.items()})  # fmt: skip
+
+    def to(self, device) -> Datums:
+        return Datums(*(getattr(self, f.name).to(device) for f in fields(self)[:3]),
+                      {k: v.to(device) for k, v in self.inputs.items()})  # fmt: skip
+
+    def nonempty(self) -> Datums:
+        """An empty share as one 2-token datum that counts nothing: the forward and backward every
+        rank runs together."""
+        if len(self):
+            return self
+        zeros = torch.zeros(1, 2, dtype=torch.long)
+        return Datums(
+            zeros,
+            torch.ones_like(zeros),
+            zeros,
+            {k: torch.zeros(1, 2) for k in self.inputs} | {"blank": torch.ones(1, 2)},
+        )
+
+
+class ServedLearner(PolicyLearner):
+    """A policy rank (LoRA adapters or every weight, ``model.lora``) driven call by call."""
+
+    ROLE = "served learner"
+
+    def _scheduler(self, optimizer, total_optimizer_steps: int):
+        return None  # each optim_step's learning rate is the call's
+
+    def forward_backward(
+        self, micro_batches: list[Datums], loss_fn: str, settings: dict[str, float], forward_only: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each micro-batch's ``[n, T]`` target log-probs and per-token losses (on the CPU); unless
+        ``forward_only``, their sum's gradient added to the parameters' (no step)."""
+        out = []
+        for mb in micro_batches:
+            mb = mb.nonempty().to(self.engine.device)
+            blank = "blank" in mb.inputs
+            with torch.set_grad_enabled(not forward_only):
+                row = forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed())
+                logprobs = forward.target_logprobs(self.engine, row, mb.targets, self.agree_chunks)
+                mask = mb.attention_mask.float() * (0.0 if blank else 1.0)
+                losses = token_losses(loss_fn, logprobs, {**mb.inputs, "mask": mask}, settings)
+                if not forward_only:
+                    # a sum: x world_size undoes DeepSpeed's mean over ranks; the boundary stays off
+                    # until optim_step, so every call's gradient accumulates
+                    self.engine.set_gradient_accumulation_boundary(False)
+                    self.engine.backward(losses.sum() * self.world_size)
+            out.append((logprobs.detach().cpu(), losses.detach().cpu()))
+        return out
+
+    def optim_step(self, adam: dict[str, float]) -> dict[str, float]:
+        """One AdamW step with ``adam`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
+        ``weight_decay``, ``grad_clip_norm``: 0 is none) on the gradients every call since the last
+        step added; the gradient norm before clipping. Every rank at once."""
+        blank = Datums.of([[0, 0]], [[0, 0]], [{}]).nonempty()
+        self.engine.set_gradient_accumulation_boundary(True)  # every call's gradient reduced over ranks
+        mb = blank.to(self.engine.device)
+        row = forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed())
+        self.engine.backward(
+            0.0 * forward.target_logprobs(self.engine, row, mb.targets, self.agree_chunks).sum()
+        )
+        for group in self.engine.optimizer.param_groups:
+            group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                         weight_decay=adam["weight_decay"])  # fmt: skip
+        clip = float(adam["grad_clip_norm"])
+        self.engine._config.gradient_clipping = clip  # (stage 0 reads the config at each step,
+        if hasattr(self.engine.optimizer, "clip_grad"):  # ZeRO's optimizers their own copy)
+            self.engine.optimizer.clip_grad = clip
+        self.engine.step()
+        self.optimizer_steps += 1
+        norm = self.engine.get_global_grad_norm()
+        return {"grad_norm": float("nan") if norm is None else float(norm)}
+
+    def save_state(self, folder: str) -> None:
+        """The trained weights and AdamW's moments and step, whole and by name (layout-free: they
+        load on any number of learners and ZeRO stage), and the adapter as a peft folder, written
+        by rank 0 under ``folder``. Every rank at once (gathering is a collective)."""
+        state = self._layout_free_state()
+        failure = self.save_adapter(str(Path(folder) / "adapter"))
+        if failure:
+            raise OSError(failure)
+        if self.rank == 0:
+            torch.save({**state, "optimizer_steps": self.optimizer_steps}, Path(folder) / STATE_FILE)
+
+    def load_state(self, folder: str, optimizer: bool) -> None:
+        """The weights :meth:`save_state` wrote; AdamW's moments and step with ``optimizer``,
+        otherwise zero moments (a fresh optimizer). Every rank at once."""
+        state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
+        if not optimizer or not state["moments"]:  # (a state saved before any step has none)
+            keys = self._moment_keys()
+            state |= {"moments": {k: {n: torch.zeros_like(w) for n, w in state["weights"].items()} for k in keys},
+                      "optimizer_step": 0.0} | ({} if optimizer else {"optimizer_steps": 0})  # fmt: skip
+        self._load_layout_free(state)
+
+
+class ServedGroup(LearnerGroup):
+    """The served learners of one model, every rank called at once: a call's datums planned over
+    the ranks (padded micro-batches, or packed under the token budget), the outputs put back in the
+    datums' order."""
+
+    def __init__(self, config, model_path: str):
+        super().__init__(config, model_path, total_optimizer_steps=1, learner_cls=ServedLearner)
+
+    def forward_backward(
+        self, datums: Datums, loss_fn: str, settings: dict[str, float], forward_only: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each datum's target log-probs and per-token losses (its own length)."""
+        lc = self.lc
+        lengths = datums.attention_mask.sum(-1)
+        if lc.packing:
+            plan = plan_packed_micro_batches(lengths, lc.num_learners, 1, self.config.token_budget(lc))
+        else:
+            plan = plan_micro_batches(len(datums), lc.num_learners, 1, lc.micro_batch_size)
+        shards = [[datums.select(idx).trim() for idx in rank[0]] for rank in plan.groups]
+        results = self._gather([a.forward_backward.remote(shards[i], loss_fn, settings, forward_only)
+                                for i, a in enumerate(self.actors)])  # fmt: skip
+        logprobs: list = [None] * len(datums)
+        losses: list = [None] * len(datums)
+        for rank, rank_results in zip(plan.groups, results):
+            for idx, (lp, loss) in zip(rank[0], rank_results):
+                for row, i in enumerate(idx.tolist()):
+                    n = int(lengths[i])
+                    logprobs[i], losses[i] = lp[row, :n], loss[row, :n]
+        return logprobs, losses
+
+    def optim_step(self, adam: dict[str, float]) -> dict[str, float]:
+        return self._all("optim_step", adam)[0]
+
+    def save_state(self, folder: str | Path) -> None:
+        self._all("save_state", str(folder))
+
+    def load_state(self, folder: str | Path, optimizer: bool) -> None:
+        self._all("load_state", str(folder), optimizer)

@@ -1,0 +1,401 @@
+"""``rltrain serve``: the Tinker API over HTTP, in front of rltrain's own learners (Ray actors on
+DeepSpeed engines, :mod:`rltrain.learner.served`).
+
+The SDK's calls, as it makes them: ``client/config`` (the flags it reads), ``create_session`` and
+its heartbeats, ``create_model`` (LoRA adapters of the rank asked, on one of ``serve.base_models``),
+``get_info``, ``forward_backward`` (protobuf), ``optim_step``, and ``retrieve_future``, which every
+call that returns a request id is polled through. A request for something not served, or that the
+caller got wrong, fails alone as a ``user`` error in one sentence; a request for another API key's
+model is refused. The server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from rltrain.config import Config
+from rltrain.serve.checkpoints import Checkpoints
+from rltrain.serve.futures import Futures, Result
+from rltrain.serve.models import (
+    ServedModel,
+    Session,
+    adam_params,
+    model_record,
+    model_shape,
+    new_session_id,
+    served_config,
+    weights_loader,
+)
+from rltrain.serve.sampling import Engines, Sampler, base_loader, sample_call, takes_adapters
+from rltrain.serve.wire import BadRequest, forward_backward_request, sample_response
+
+# the client flags rltrain answers (the SDK's defaults for every other): plain httpx, fwd/bwd
+# chunks sent in parallel and uncompressed
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
+                 "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False}  # fmt: skip
+
+
+class Server:
+    """The server's state: sessions, the model being trained, sampling sessions, the engines and
+    the futures; the base models it offers (``serve.base_models`` -> local folder) and each one's
+    vocabulary and context."""
+
+    def __init__(self, config: Config, base_models: dict[str, str], output_dir: Path):
+
+        self.config, self.base_models = config, base_models
+        self.shapes = {
+            name: model_shape(path, config.model.trust_remote_code) for name, path in base_models.items()
+        }
+        self.futures = Futures()
+        self.checkpoints = Checkpoints(output_dir)
+        self.engines = Engines(config.serve.kept_snapshots)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ServedModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.lock = threading.Lock()
+        self.sampling = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sample")
+
+    def session(self, session_id: str, api_key: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.api_key != api_key:
+            raise BadRequest(f"unknown session {session_id!r} for this API key")
+        if session.finished:
+            raise BadRequest(f"session {session_id!r} has finished")
+        return session
+
+    def model(self, model_id: str, api_key: str) -> ServedModel:
+        model = self.models.get(model_id)
+        if model is None:
+            raise BadRequest(f"unknown model {model_id!r} (never created here, or its session ended)")
+        if model.session.api_key != api_key:
+            raise BadRequest(f"model {model_id!r} belongs to another session's API key")
+        return model
+
+    def sampler(self, sampler_id: str, api_key: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None or sampler.api_key != api_key:
+            raise BadRequest(f"unknown sampling session {sampler_id!r} for this API key")
+        return sampler
+
+    def new_sampler(self, sampler: Sampler) -> Sampler:
+        sampler.sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+    def create_model(self, session: Session, base: str | None, model_seq_id, record: dict,
+                     load: tuple[str, bool] | None = None) -> tuple[ServedModel, str]:  # fmt: skip
+        """The model a ``create_model`` (or a ``load_weights`` that creates one) asks for, started
+        on its thread: (the model, the request id of its start)."""
+        if base not in self.base_models:
+            raise BadRequest(
+                f"base_model {base!r} is not served (serve.base_models: {', '.join(self.base_models)})"
+            )
+        with self.lock:
+            for live in list(self.models.values()):
+                if time.monotonic() - live.session.heartbeat > self.config.serve.session_timeout_s:
+                    self.release(live)  # its client stopped heartbeating: the learners are free
+            live = next(iter(self.models.values()), None)
+            if live is not None:
+                raise BadRequest(f"one model is trained at a time and {live.model_id!r} is live; another base "
+                                 "model or a second model needs a server of its own")  # fmt: skip
+            config = served_config(self.config, self.base_models[base], record)
+            model_id = f"{session.session_id}:train:{model_seq_id or 0}"
+            model = ServedModel(model_id, session, base, self.base_models[base], config, record, self)
+            self.models[model_id] = model
+        request_id = self.futures.new()
+        model.submit(None, request_id, lambda: model.start(load))
+        return model, request_id
+
+    def release(self, model: ServedModel) -> None:
+        """The model's learners shut down after the calls already queued (its saved states stay)."""
+        self.models.pop(model.model_id, None)
+        model.submit(1 << 62, None, None)
+
+    def engines_for(self, base: str, config: Config):
+        """The engines, running for ``base`` with the LoRA layout of ``config`` (started if not)."""
+        from rltrain.rollout import GeneratorPool
+
+        if config.rollout.backend != "vllm":
+            raise BadRequest(f"sampling is served by vLLM engines; this server runs rollout.backend: "
+                             f"{config.rollout.backend}")  # fmt: skip
+        lora, path = config.model.lora, self.base_models[base]
+        adapters = takes_adapters(config)
+        key = (path, lora.rank if adapters else 0, tuple(lora.target_modules) if adapters else ())
+        self.engines.ensure(key, lambda: GeneratorPool(config, path, lora=adapters),
+                            None if adapters else base_loader(path))  # fmt: skip
+        return self.engines
+
+    def sample(self, request_id: str, sampler: Sampler, call) -> None:
+        """(On a sampling thread.) The samples of one request, into its future."""
+
+        try:
+            sequences, prompt = self.engines.sample(sampler.weights, call)
+            result = Result(proto=sample_response(sequences, call.scored(prompt)))
+        except BadRequest as e:
+            result = Result(error=str(e), category="user")
+        except Exception as e:
+            result = Result(error=f"{type(e).__name__}: {e}", category="server")
+        self.futures.resolve(request_id, result)
+
+
+def api_key(request: Request) -> str:
+    """The caller's key (``X-API-Key``): what a session, its models and samplers belong to."""
+    given = request.headers.get("x-api-key", "")
+    if not given:
+        raise BadRequest("no X-API-Key header (the SDK sends TINKER_API_KEY)")
+    return given
+
+
+def accepted(request_id: str, model_id: str | None = None) -> dict[str, Any]:
+    return {"request_id": request_id, "model_id": model_id}
+
+
+def queued(server: Server, model: ServedModel, seq_id, call) -> dict[str, Any]:
+    """``call`` on the model's thread in ``seq_id`` order: its request id."""
+    request_id = server.futures.new()
+    model.submit(seq_id, request_id, call)
+    return accepted(request_id, model.model_id)
+
+
+def failed(error: Exception) -> JSONResponse:
+    return JSONResponse({"error": str(error), "category": "user"}, status_code=400)
+
+
+def make_app(server: Server):
+    """The FastAPI application of ``server``: the routes the SDK calls."""
+    app = FastAPI(title="rltrain: the Tinker API")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_request: Request, error: BadRequest):
+        return failed(error)
+
+    for routes in (_service_routes, _training_routes, _weights_routes, _sampling_routes):
+        routes(app, server)
+
+    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def not_served(rest: str, request: Request):  # (after every served route)
+        raise BadRequest(f"{request.method} /api/v1/{rest} is not served by rltrain serve (docs/tinker.md)")
+
+    return app
+
+
+def _service_routes(app: FastAPI, server: Server) -> None:
+    """Client set-up, sessions and their heartbeats, the futures every other call is polled through."""
+
+    @app.post("/api/v1/client/config")
+    async def client_config(_request: Request):
+        return CLIENT_CONFIG
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(_request: Request):
+        return {"refresh_interval_sec": 300}
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(_request: Request):
+        return {"status": "accepted"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True}
+                                     for name in server.base_models]}  # fmt: skip
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        session = Session(new_session_id(), api_key(request))
+        server.sessions[session.session_id] = session
+        return {"type": "create_session", "session_id": session.session_id}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request):
+        body = await request.json()
+        session = server.sessions.get(str(body.get("session_id")))
+        if session is not None and session.finished:
+            return JSONResponse({"error": "the session has finished", "category": "user"}, status_code=410)
+        server.session(str(body.get("session_id")), api_key(request)).heartbeat = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        session = server.session(session_id, api_key(request))
+        session.finished = True
+        with server.lock:
+            for model in [m for m in server.models.values() if m.session is session]:
+                server.release(model)
+        return {}
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve(request: Request):
+        body = await request.json()
+        request_id = str(body.get("request_id"))
+        if not server.futures.known(request_id):
+            raise BadRequest(f"unknown request {request_id!r}")
+        result: Result | None = await server.futures.wait(request_id, server.config.serve.poll_s)
+        if result is None:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
+                                status_code=408)  # fmt: skip
+        if result.failure() is not None:
+            return result.failure()
+        if result.proto is not None:
+            return Response(result.proto, media_type="application/x-protobuf")
+        return result.json
+
+
+def _training_routes(app: FastAPI, server: Server) -> None:
+    """The model: created, described, trained (``forward_backward``, ``optim_step``)."""
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request):
+        body = await request.json()
+        session = server.session(str(body.get("session_id")), api_key(request))
+        record = model_record(body)
+        model, request_id = server.create_model(
+            session, body.get("base_model"), body.get("model_seq_id"), record
+        )
+        return accepted(request_id, model.model_id)
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        body = await request.json()
+        model = server.model(str(body.get("model_id")), api_key(request))
+        lora = model.config.model.lora
+        data = {"arch": model.config.model.name_or_path, "model_name": model.base_model,
+                "tokenizer_id": model.model_path}  # fmt: skip
+        return {"type": "get_info", "model_id": model.model_id, "model_data": data, "is_lora": True,
+                "lora_rank": lora.rank, "model_name": model.base_model}  # fmt: skip
+
+    @app.post("/api/v1/forward_backward")
+    async def fwd_bwd(request: Request):
+        call = forward_backward_request(await request.body())
+        model = server.model(call.model_id, api_key(request))
+        return queued(server, model, call.seq_id, lambda: model.forward_backward(call))
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request):
+        body = await request.json()
+        model = server.model(str(body.get("model_id")), api_key(request))
+        adam = adam_params(body)
+        return queued(server, model, body.get("seq_id"), lambda: model.optim_step(adam))
+
+
+def _weights_routes(app: FastAPI, server: Server) -> None:
+    """Saved states, sampler weights and checkpoints by their ``tinker://`` paths."""
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        body = await request.json()
+        model = server.model(str(body.get("model_id")), api_key(request))
+        name, overwrite = str(body.get("path") or ""), bool(body.get("overwrite"))
+        return queued(server, model, body.get("seq_id"), lambda: model.save_state(name, overwrite))
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        body = await request.json()
+        path, optimizer = str(body.get("path") or ""), bool(body.get("optimizer"))
+        if body.get("weights_access_token"):
+            raise BadRequest(
+                "load_weights: weights_access_token is not served (every checkpoint here is local)"
+            )
+        if body.get("model_id"):  # onto a live model
+            model = server.model(str(body["model_id"]), api_key(request))
+            return queued(server, model, body.get("seq_id"), lambda: model.load_state(path, optimizer))
+        # a new model made from the checkpoint (create_training_client_from_state)
+        session = server.session(str(body.get("session_id")), api_key(request))
+        _, record = server.checkpoints.resolve(path, "weights")
+        base = body.get("base_model") or record["base_model"]
+        if base != record["base_model"]:
+            raise BadRequest(f"{path} holds adapters of {record['base_model']}, not of {base}")
+        model, request_id = server.create_model(
+            session, base, body.get("model_seq_id"), record, (path, optimizer)
+        )
+        return accepted(request_id, model.model_id)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        body = await request.json()
+        model = server.model(str(body.get("model_id")), api_key(request))
+        if body.get("kind", "snapshot") != "snapshot":
+            raise BadRequest(
+                f"save_weights_for_sampler: kind {body.get('kind')!r} is not served (snapshot is)"
+            )
+        name = body.get("path")
+        return queued(server, model, body.get("seq_id"), lambda: model.save_for_sampler(name))
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def checkpoints(model_id: str, request: Request):
+        api_key(request)
+        return {"checkpoints": server.checkpoints.listed(model_id)}
+
+
+def _sampling_routes(app: FastAPI, server: Server) -> None:
+    """Sampling sessions and their samples (:mod:`rltrain.serve.sampling`)."""
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        body = await request.json()
+        session = server.session(str(body.get("session_id")), api_key(request))
+        path, base = body.get("model_path"), body.get("base_model")
+        if path:
+            folder, record = server.checkpoints.resolve(str(path), "sampler_weights")
+            base = record["base_model"]
+            weights = str(path)
+        elif base in server.base_models:
+            record, weights = None, "base"
+        else:
+            raise BadRequest(
+                f"create_sampling_session: base_model {base!r} is not served and no model_path given"
+            )
+        live = next((m for m in server.models.values() if m.base_model == base), None)
+
+        def start():  # (a thread: the engines may start first)
+            config = (live.config if live is not None and record in (None, live.record)
+                      else served_config(server.config, server.base_models[base], record))  # fmt: skip
+            engines = server.engines_for(base, config)
+            if path:
+                engines.add(weights, loader=weights_loader(folder, takes_adapters(config)))
+
+        await asyncio.get_running_loop().run_in_executor(None, start)
+        sampler = server.new_sampler(Sampler("", session.api_key, base, weights, path))
+        return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request):
+        sampler = server.sampler(sampler_id, api_key(request))
+        return {
+            "sampler_id": sampler.sampler_id,
+            "base_model": sampler.base_model,
+            "model_path": sampler.model_path,
+        }
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request):
+        body = await request.json()
+        sampler = server.sampler(str(body.get("sampling_session_id")), api_key(request))
+        if (
+            server.engines.pool_key is None
+            or server.engines.pool_key[0] != server.base_models[sampler.base_model]
+        ):
+            raise BadRequest(f"the engines serve another base model now; sampling session {sampler.sampler_id!r} "
+                             f"was for {sampler.base_model}")  # fmt: skip
+        if not server.engines.known(sampler.weights):
+            raise BadRequest("this sampling client's weights are no longer held (serve.kept_snapshots); "
+                             "save named sampler weights to sample from them later")  # fmt: skip
+        call = sample_call(body, *server.shapes[sampler.base_model])
+        request_id = server.futures.new()
+        server.sampling.submit(server.sample, request_id, sampler, call)
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [uuid.uuid4().hex for _ in range(call.num_samples)],
+        }

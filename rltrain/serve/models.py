@@ -1,0 +1,295 @@
+"""What the server holds: sessions, and the one model it trains at a time (its learners, the calls
+on it in the order their ``seq_id`` says, each on the model's own worker thread), checked before
+anything of the model is touched: a request the caller got wrong fails alone, as a ``user`` error."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rltrain.config import Config
+from rltrain.loss import sums
+from rltrain.serve.futures import Result
+from rltrain.serve.wire import BadRequest, FwdBwd
+
+# how long a call waits for the calls with lower seq_ids before it runs anyway (the SDK sends a
+# forward_backward's chunks in parallel, its first chunk last)
+SEQ_GRACE_S = 2.0
+
+
+@dataclass
+class Session:
+    session_id: str
+    api_key: str
+    heartbeat: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+
+class ServedModel:
+    """One trained model: its learners (a :class:`~rltrain.learner.served.ServedGroup`, started by
+    :meth:`start`) and the calls on it, run one at a time in ``seq_id`` order on its own thread."""
+
+    def __init__(self, model_id: str, session: Session, base_model: str, model_path: str, config: Config,
+                 record: dict, server):  # fmt: skip
+        self.model_id, self.session, self.base_model = model_id, session, base_model
+        self.model_path, self.config, self.record, self.server = model_path, config, record, server
+        self.vocab, self.context = server.shapes[base_model]
+        self.group = None
+        self.snapshots = itertools.count(1)
+        self._queue: list[tuple[int, int, str | None, Callable[[], Result] | None]] = []
+        self._order = itertools.count()
+        self._done_seq = -1
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._work, daemon=True, name=f"model {model_id}")
+        self._thread.start()
+
+    def submit(self, seq_id: int | None, request_id: str | None, call: Callable[[], Result] | None) -> None:
+        """Run ``call`` after every call with a lower ``seq_id`` (None: at once, in arrival order;
+        ``call`` None: the thread ends there, the learners shut down)."""
+        with self._cond:
+            heapq.heappush(
+                self._queue, (seq_id if seq_id is not None else 0, next(self._order), request_id, call)
+            )
+            self._cond.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                seq_id = self._queue[0][0]
+                waited = time.monotonic()
+                # a gap below this call's seq_id: wait (briefly) for the calls that fill it
+                while seq_id > self._done_seq + 1 and time.monotonic() - waited < SEQ_GRACE_S:
+                    self._cond.wait(0.05)
+                    seq_id = self._queue[0][0]
+                seq_id, _, request_id, call = heapq.heappop(self._queue)
+            if call is None:
+                if self.group is not None:
+                    self.group.shutdown()
+                return
+            try:
+                result = call()
+            except BadRequest as e:
+                result = Result(error=str(e), category="user")
+            except Exception as e:  # ours: said as the server's, the model goes on serving
+                result = Result(error=f"{type(e).__name__}: {e}", category="server")
+            self._done_seq = max(self._done_seq, seq_id)
+            self.server.futures.resolve(request_id, result)
+
+    # ------------------------------------------------------------------ calls
+
+    def start(self, load: tuple[str, bool] | None = None) -> Result:
+        """The learners, and (``load``: a ``tinker://`` path and whether with the optimizer) the
+        state saved there."""
+        from rltrain.learner.served import ServedGroup
+
+        self.group = ServedGroup(self.config, self.model_path)
+        if load is None:
+            return Result(json={"type": "create_model", "model_id": self.model_id})
+        return self.load_state(*load)
+
+    def forward_backward(self, call: FwdBwd) -> Result:
+        from rltrain.serve.wire import forward_backward_output
+
+        settings, datums = self._checked(call)
+        logprobs, losses = self.group.forward_backward(datums, call.loss_fn, settings, call.forward_only)
+        total = float(sum(float(loss.sum()) for loss in losses))
+        outputs = {
+            "logprobs": [lp.numpy() for lp in logprobs],
+            "elementwise_loss": [x.numpy() for x in losses],
+        }
+        return Result(proto=forward_backward_output(outputs, {"loss:sum": total}))
+
+    def optim_step(self, adam: dict) -> Result:
+        metrics = self.group.optim_step(adam)
+        return Result(json={"type": "optim_step", "metrics": {"grad_norm:mean": metrics["grad_norm"]}})
+
+    def save_state(self, name: str, overwrite: bool) -> Result:
+        folder, path = self.server.checkpoints.new(self.model_id, "weights", name, self.record, overwrite)
+        self.group.save_state(folder)
+        return Result(json={"type": "save_weights", "path": path})
+
+    def load_state(self, path: str, optimizer: bool) -> Result:
+        folder, record = self.server.checkpoints.resolve(path, "weights")
+        if (record["base_model"], record["lora_config"]) != (self.base_model, self.record["lora_config"]):
+            raise BadRequest(f"{path} holds adapters of {record['base_model']} with {record['lora_config']}; "
+                             f"this model trains {self.base_model} with {self.record['lora_config']}")  # fmt: skip
+        self.group.load_state(folder, optimizer)
+        return Result(json={"type": "load_weights", "path": path, "model_id": self.model_id})
+
+    def save_for_sampler(self, name: str | None, overwrite: bool = True) -> Result:
+        """The adapters as they are now, for sampling: the engines take them at once (a training
+        step's sync); unnamed, a new sampling session on them, named also a folder of the adapter
+        and (``serve.merged_exports``) the merged model."""
+        from rltrain.serve.sampling import Sampler, takes_adapters
+
+        adapters_only = takes_adapters(self.config)
+        ref = self.group.gathered_state_ref(adapters_only=adapters_only, synced=True)
+        engines = self.server.engines_for(self.base_model, self.config)
+        if name is None:
+            key = f"{self.model_id}#{next(self.snapshots)}"
+            engines.add(key, ref, load=True)
+            sampler = self.server.new_sampler(Sampler("", self.session.api_key, self.base_model, key))
+            return Result(
+                json={"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id}
+            )
+        folder, path = self.server.checkpoints.new(
+            self.model_id, "sampler_weights", name, self.record, overwrite
+        )
+        failure = self.group.save_adapter(folder / "adapter")
+        if not failure and (self.config.serve.merged_exports or not adapters_only):
+            failure = self.group.save_hf(folder / "merged")
+        if failure:
+            raise OSError(failure)
+        engines.add(path, ref, loader=weights_loader(folder, adapters_only), load=True)
+        return Result(json={"type": "save_weights_for_sampler", "path": path})
+
+    def _checked(self, call: FwdBwd):
+        """The call's loss settings and datums as tensors; anything the caller got wrong raises
+        :class:`BadRequest`, before the learners see it."""
+        from rltrain.learner.served import Datums
+
+        if not call.data:
+            raise BadRequest("forward_backward got no datums")
+        required, optional = sums.INPUTS.get(call.loss_fn, ((), ()))
+        per_token = set(optional) & {k for d in call.data for k in d.inputs}
+        try:
+            settings = sums.settings(call.loss_fn, call.config, per_token)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        tokens, targets, inputs = [], [], []
+        for i, datum in enumerate(call.data):
+            n = len(datum.tokens)
+            if n == 0 or n > self.context:
+                raise BadRequest(f"data[{i}] holds {n} tokens; the model takes 1 to {self.context}")
+            given = dict(datum.inputs)
+            target = given.pop("target_tokens", None)
+            if target is None:
+                raise BadRequest(f"data[{i}] has no loss_fn_inputs['target_tokens']")
+            unknown = sorted(set(given) - set(required) - set(optional))
+            missing = sorted(set(required) - set(given))
+            if unknown or missing:
+                raise BadRequest(f"data[{i}].loss_fn_inputs: {call.loss_fn} takes target_tokens, "
+                                 f"{', '.join(required + optional)}; " + (f"missing {missing}" if missing else f"not {unknown}"))  # fmt: skip
+            for name, values in [("model_input", np.asarray(datum.tokens)), ("target_tokens", target)]:
+                if len(values) != n:
+                    raise BadRequest(f"data[{i}].{name}: {len(values)} values for {n} tokens")
+                if len(values) and (values.min() < 0 or values.max() >= self.vocab):
+                    raise BadRequest(f"data[{i}].{name}: token ids outside the vocabulary of {self.vocab}")
+            for name, values in given.items():
+                if len(values) != n:
+                    raise BadRequest(
+                        f"data[{i}].loss_fn_inputs[{name!r}]: {len(values)} values for {n} tokens"
+                    )
+                if not np.isfinite(values).all():
+                    raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}] holds NaN or inf")
+            tokens.append(datum.tokens)
+            targets.append(target.astype(np.int64).tolist())
+            inputs.append(given)
+        return settings, Datums.of(tokens, targets, inputs)
+
+
+# Tinker's LoRA targets, by what the request trains, in the module names of the families served
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED = ["lm_head"]
+
+
+def served_config(config: Config, model_path: str, record: dict) -> Config:
+    """The learners' (and engines') config for a model of ``record``
+    (:func:`~rltrain.serve.models.model_record`) on the model at ``model_path``: the server's
+    sections, LoRA of the rank and on the modules asked for, its seed."""
+    lora = record["lora_config"]
+    targets = [*(ATTENTION if lora["train_attn"] else []), *(MLP if lora["train_mlp"] else []),
+               *(UNEMBED if lora["train_unembed"] else [])]  # fmt: skip
+    raw = config.model_dump()
+    raw["model"]["name_or_path"] = model_path
+    raw["model"]["lora"] |= {"rank": lora["rank"], "target_modules": targets}
+    if lora.get("seed") is not None:
+        raw["run"]["seed"] = int(lora["seed"])
+    raw["loss"]["kl_beta"] = 0.0
+    raw["learner"] |= {"prefix_sharing": False, "optimizer": "adamw"}
+    return Config.model_validate(raw)
+
+
+def model_shape(model_path: str, trust_remote_code: bool) -> tuple[int, int]:
+    """The model's vocabulary size and context (its position embeddings)."""
+    from transformers import AutoConfig
+
+    architecture = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    text = getattr(architecture, "text_config", None) or architecture
+    return int(text.vocab_size), int(getattr(text, "max_position_embeddings", None) or 1 << 30)
+
+
+def model_record(body: dict) -> dict:
+    """What a ``create_model`` request asks for, as the model's record (saved with each of its
+    checkpoints): its base model, LoRA settings and optimizer; what is not served raises
+    :class:`BadRequest`."""
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise BadRequest(f"optimizer_config {optimizer!r} is not served (AdamW is)")
+    lora = body.get("lora_config") or {}
+    unknown = sorted(set(lora) - {"rank", "seed", "train_mlp", "train_attn", "train_unembed"})
+    if unknown:
+        raise BadRequest(
+            f"lora_config {unknown} is not served (rank, seed, train_mlp, train_attn, train_unembed are)"
+        )
+    rank = int(lora.get("rank") or 0)
+    if rank <= 0:
+        raise BadRequest(
+            "create_model needs lora_config with a rank of 1 or more (full fine-tuning is not served)"
+        )
+    trains = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
+    if not any(trains.values()):
+        raise BadRequest("lora_config trains nothing (train_attn, train_mlp and train_unembed are all false)")
+    seed = lora.get("seed")
+    return {"base_model": body.get("base_model"), "optimizer": "adamw",
+            "lora_config": {"rank": rank, "seed": None if seed is None else int(seed), **trains}}  # fmt: skip
+
+
+def adam_params(body: dict) -> dict[str, float]:
+    """``optim_step``'s AdamW hyperparameters (the SDK's ``AdamParams``, its defaults where not
+    sent); another optimizer family or a value out of range raises :class:`BadRequest`."""
+    params = body.get("adam_params")
+    if params is None:
+        kind = (body.get("optimizer_params") or {}).get("type", "?")
+        raise BadRequest(f"optim_step: the {kind} optimizer is not served (AdamW is)")
+    out = {
+        "learning_rate": 1e-4,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-12,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 0.0,
+    }
+    unknown = sorted(set(params) - set(out))
+    if unknown:
+        raise BadRequest(f"optim_step: adam_params {unknown} are not AdamW's")
+    out |= {k: float(v) for k, v in params.items()}
+    if not all(math.isfinite(v) for v in out.values()) or out["learning_rate"] < 0 or out["eps"] <= 0:
+        raise BadRequest(f"optim_step: adam_params {out} (finite, learning_rate >= 0, eps > 0)")
+    if not (0 <= out["beta1"] < 1 and 0 <= out["beta2"] < 1):
+        raise BadRequest(f"optim_step: beta1 and beta2 must be in [0, 1), got {out['beta1']}, {out['beta2']}")
+    return out
+
+
+def weights_loader(folder: Path, adapters_only: bool) -> Callable[[], object]:
+    """What puts named sampler weights in the object store again (after their snapshot left the
+    engines' memory, or the server restarted): the adapters, or the merged model's weights."""
+    from rltrain.serve.sampling import base_loader
+
+    return base_loader(str(folder / ("adapter" if adapters_only else "merged")))
+
+
+def new_session_id() -> str:
+    return f"session-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,245 @@
+"""Sampling through the vLLM engines (the trainer's own generator actors): sampling sessions, each
+bound to one set of weights (the base model, the adapters of one ``save_weights_for_sampler``, or
+named sampler weights on disk), and the engines, which hold one set at a time and load another
+before a request that needs it. A sample never comes from weights other than its session's: a
+snapshot taken before the last ``optim_step`` still samples from that snapshot.
+
+A request's sampling is its own (``num_samples``, ``max_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``seed``, stop strings or stop token ids), with each sampled token's log-prob (of the
+distribution it was sampled from: after temperature and truncation, as the trainer's rollouts
+report them) and the prompt's log-probs where asked (``compute_logprobs``). What the server does not
+compute (top-k alternatives, a prompt's target log-probs) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rltrain.serve.wire import BadRequest
+
+# what a sample request may ask beyond the served sampling; each must be off (its own sentence)
+NOT_SERVED = {
+    "topk_prompt_logprobs": "top-k prompt log-probs",
+    "topk_sample_logprobs": "top-k sampled log-probs",
+    "target_prompt_logprobs": "target prompt log-probs",
+    "prompt_alt_tokens_k": "alternative prompt tokens",
+    "record_stability_info": "stability records (stable_reinforce)",
+}
+
+
+@dataclass
+class Sampler:
+    """A sampling session: whose it is, its base model, the weights it samples from (a key of
+    :class:`Engines`) and the ``tinker://`` path it was made from, if any."""
+
+    sampler_id: str
+    api_key: str
+    base_model: str
+    weights: str
+    model_path: str | None = None
+
+
+@dataclass
+class SampleCall:
+    prompt: list[int]
+    num_samples: int
+    sampling: dict
+    prompt_logprobs: bool
+    last_n: int | None = None  # prompt log-probs of the last n tokens alone (the others None)
+
+    def scored(self, prompt: list | None) -> list | None:
+        """The prompt's log-probs as asked: all of them, or the last ``last_n``."""
+        if prompt is None or self.last_n is None:
+            return prompt
+        return [None] * (len(prompt) - self.last_n) + prompt[len(prompt) - self.last_n :]
+
+
+def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
+    """A ``asample`` request's prompt and sampling, checked: tokens in the vocabulary, the prompt
+    and its completion within the context, each setting in range; anything else :class:`BadRequest`."""
+    for key, what in NOT_SERVED.items():
+        if body.get(key):
+            raise BadRequest(f"asample: {what} ({key}) are not served")
+    tokens: list[int] = []
+    for i, chunk in enumerate((body.get("prompt") or {}).get("chunks") or []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise BadRequest(f"prompt.chunks[{i}]: only token chunks are served (got {chunk.get('type')})")
+        tokens += [int(t) for t in chunk.get("tokens") or []]
+    if not tokens:
+        raise BadRequest("asample: the prompt holds no tokens")
+    if min(tokens) < 0 or max(tokens) >= vocab:
+        raise BadRequest(f"asample: prompt token ids outside the vocabulary of {vocab}")
+    n = int(body.get("num_samples", 1))
+    if not 1 <= n <= 1024:
+        raise BadRequest(f"asample: num_samples {n} (1 to 1024)")
+    params = body.get("sampling_params") or {}
+    room = context - len(tokens)
+    max_tokens = params.get("max_tokens")
+    max_tokens = room if max_tokens is None else int(max_tokens)
+    if max_tokens < 1 or max_tokens > room:
+        raise BadRequest(f"asample: max_tokens {max_tokens} with a prompt of {len(tokens)} tokens: the "
+                         f"context of {context} leaves room for 1 to {room}")  # fmt: skip
+    temperature = float(params.get("temperature", 1.0))
+    top_p, top_k = float(params.get("top_p", 1.0)), int(params.get("top_k", -1))
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise BadRequest(f"asample: temperature {temperature} (0 or more)")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"asample: top_p {top_p} (above 0, 1 at most)")
+    if top_k == 0 or top_k < -1:
+        raise BadRequest(f"asample: top_k {top_k} (-1 for none, or 1 or more)")
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if params.get("seed") is not None:
+        sampling["seed"] = int(params["seed"])
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and len(stop) == 0:
+        sampling["ignore_eos"] = True  # [] disables every stop, the end of sequence included
+    elif stop is not None and all(isinstance(s, int) for s in stop):
+        if min(stop) < 0 or max(stop) >= vocab:
+            raise BadRequest(f"asample: stop token ids outside the vocabulary of {vocab}")
+        sampling["stop_token_ids"] = list(stop)
+    elif stop is not None:
+        if not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest("asample: stop is a string, a list of strings, or a list of token ids")
+        sampling["stop"] = list(stop)
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None and not (body.get("prompt_logprobs") and 1 <= int(last_n) < len(tokens)):
+        raise BadRequest(f"asample: prompt_logprobs_last_n {last_n} with prompt log-probs of {len(tokens)} tokens "
+                         f"(1 to {len(tokens) - 1})")  # fmt: skip
+    return SampleCall(
+        tokens, n, sampling, bool(body.get("prompt_logprobs")), None if last_n is None else int(last_n)
+    )
+
+
+class Engines:
+    """The generator pool (started at the first need, for the model being trained) and the weights
+    it holds: every set a sampling session may need, by key (adapters in the Ray object store, the
+    last ``keep`` snapshots; named ones reload from disk), loaded before a request that needs them
+    once the requests on other weights have finished."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.pool = None
+        self.pool_key: tuple | None = None
+        self.states: OrderedDict[str, object] = OrderedDict()  # key -> object ref of the tensors
+        self.loaders: dict[str, Callable[[], object]] = {}  # key -> makes its ref (named: from disk)
+        self.held: str | None = None
+        self.last = None  # the last adapters loaded (the base is them zeroed)
+        self.version = 0
+        self._active = 0
+        self._cond = threading.Condition()
+
+    def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
+        """The pool for ``pool_key`` (the model path and its LoRA layout): kept if it is the one
+        running, otherwise the running one shut down and ``start()`` the new one; ``base`` makes
+        the base model's weights (None: the engines take adapters, and the base is them zeroed)."""
+        with self._cond:
+            while self._active:
+                self._cond.wait()
+            if self.pool_key == pool_key:
+                return
+            if self.pool is not None:
+                self.pool.shutdown()
+            self.pool, self.pool_key, self.held = None, None, None
+            self.states.clear()
+            self.loaders.clear()
+            self.pool, self.pool_key = start(), pool_key
+            self.held = "base"  # a fresh engine holds the base model (no adapter yet)
+            if base is not None:
+                self.loaders["base"] = base
+
+    def add(self, key: str, ref=None, loader: Callable[[], object] | None = None, load: bool = False) -> None:
+        """Hold ``key``'s weights (``ref``, or ``loader`` to make it when needed); ``load``: the
+        engines take them now, as a training step's sync would."""
+        with self._cond:
+            if ref is not None:
+                self.states[key] = ref
+                while len(self.states) > self.keep:  # (named ones reload from disk)
+                    self.states.popitem(last=False)
+            if loader is not None:
+                self.loaders[key] = loader
+        if load:
+            with self._turn(key):
+                pass
+
+    def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
+        import ray
+
+        with self._turn(key):
+            ref = self.pool.sample(call.prompt, call.num_samples, call.sampling, call.prompt_logprobs)
+            return ray.get(ref)
+
+    def known(self, key: str) -> bool:
+        return key == "base" or key in self.states or key in self.loaders
+
+    @contextlib.contextmanager
+    def _turn(self, key: str):
+        """The engines holding ``key``'s weights for the length of the block: they switch once
+        the requests on other weights have finished."""
+        with self._cond:
+            while self.held != key and self._active:
+                self._cond.wait()
+            if self.held != key:
+                self._load(key)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def _load(self, key: str) -> None:
+        """(Holding the lock, no request in flight.) The engines take ``key``'s weights."""
+        import ray
+
+        if key == "base" and key not in self.loaders:
+            # the base model: the adapters zeroed (B @ A = 0), in the shape the engines hold
+            ref = ray.put({k: v.new_zeros(v.shape) for k, v in ray.get(self.last).items()})
+        elif key in self.states:
+            ref = self.states[key]
+        elif key in self.loaders:
+            ref = self.loaders[key]()
+        else:
+            raise BadRequest("this sampling client's weights are no longer held (serve.kept_snapshots); "
+                             "save named sampler weights to sample from them later")  # fmt: skip
+        self.version += 1
+        self.pool.load_weights(ref, self.version)
+        self.held = key
+        if key != "base":
+            self.last = ref
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+
+def takes_adapters(config) -> bool:
+    """Whether the engines take a model's LoRA adapters (vLLM serves them over the base) or its
+    merged weights: vLLM has no adapters on the output head, so a model that trains it
+    (``train_unembed``, the SDK's default) syncs merged weights, as a full fine-tune does."""
+    return "lm_head" not in config.model.lora.target_modules
+
+
+def base_loader(model_path: str) -> Callable[[], object]:
+    """What puts the base model's own weights in the object store (engines that took merged
+    weights go back to the base with them)."""
+
+    def load():
+        import ray
+        from safetensors.torch import load_file
+
+        state = {}
+        for file in sorted(Path(model_path).glob("*.safetensors")):
+            state |= load_file(str(file))
+        return ray.put(state)
+
+    return load

@@ -1,0 +1,400 @@
+"""`rltrain serve` driven by the unmodified Tinker SDK (and a tinker-cookbook recipe): each server
+is the command line's own process, joined to the session's Ray instance, on one output folder, so a
+second server resumes what the first saved. The model is the built-in tiny one, served by its
+folder's path (the SDK finds a tokenizer there: three or more slashes)."""
+
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "tml-rltrain-tests"
+
+# six datums of 3 to 9 tokens, their targets and cross-entropy weights (0 leaves a token out)
+DATA = [
+    ([5, 6, 7], [6, 7, 8], [1.0, 1.0, 1.0]),
+    ([10, 11, 12, 13, 14], [11, 12, 13, 14, 15], [0.0, 0.0, 1.0, 1.0, 1.0]),
+    ([20, 20, 21, 22], [21, 22, 23, 24], [0.5, 0.5, 2.0, 2.0]),
+    ([30, 31, 32, 33, 34, 35, 36, 37, 38], [31, 32, 33, 34, 35, 36, 37, 38, 39], [1.0] * 9),
+    ([40, 41, 42], [41, 42, 43], [0.0, 0.0, 2.0]),
+    ([50, 51, 52, 53, 54, 55], [51, 52, 53, 54, 55, 56], [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]),
+]
+# AdamW's first step moves each weight by lr * g / (|g| + eps) (m / (1 - b1) = g, sqrt(v / (1 - b2)) = |g|):
+# with eps = 0.1 the step depends on each gradient's size, not its sign alone
+ADAM = types.AdamParams(learning_rate=1e-2, eps=0.1, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+def datums(rows):
+    return [types.Datum(model_input=types.ModelInput.from_ints(t), loss_fn_inputs={"target_tokens": y, "weights": w})
+            for t, y, w in rows]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serving(out: Path, base: str, env: dict, *overrides: str):
+    """``rltrain serve`` on ``out``: its base URL once it listens; stopped at the end."""
+    cmd = [sys.executable, "-m", "rltrain.train", "serve", "--config", "configs/cpu_tinker.yaml", "serve.port=0",
+           f"serve.base_models=[{base}]", f"run.output_dir={out}", "serve.session_timeout_s=30", *overrides]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "the Tinker API at http://" in line:
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not found.wait(180):
+            raise AssertionError("rltrain serve did not start:\n" + "".join(lines[-40:]))
+        url = re.search(r"at (http://\S+) ", next(x for x in lines if "the Tinker API at" in x)).group(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path, tmp_path_factory, monkeypatch_module):
+    out = tmp_path_factory.mktemp("tinker_runs")
+    monkeypatch_module.setenv("TINKER_API_KEY", KEY)
+    monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
+    env = {**ray_cluster, "TINKER_TELEMETRY": "0"}
+    # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine
+    with serving(out, tiny_model_path, env, "learner.micro_batch_size=2") as url:
+        yield {"url": url, "out": out, "base": tiny_model_path, "env": env}
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def state_weights(out: Path, path: str) -> dict[str, torch.Tensor]:
+    """The trained weights a ``tinker://`` saved state holds (layout-free, by parameter name)."""
+    folder = out / "tinker" / path.removeprefix("tinker://")
+    return torch.load(folder / "state.pt", weights_only=True)["weights"]
+
+
+def reference(base: str, adapter: Path, rows):
+    """The model's own eager forward of each datum alone (the base model and the saved adapter, in
+    peft): each datum's target log-probs, the cross-entropy sum, each adapter weight's gradient."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    total, logprobs = 0.0, []
+    for tokens, targets, weights in rows:
+        lp = model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+        lp = lp.gather(-1, torch.tensor(targets)[:, None])[:, 0]
+        total = total + (-(torch.tensor(weights) * lp)).sum()  # a sum over tokens, no mean
+        logprobs.append(lp.detach())
+    total.backward()
+    return (
+        logprobs,
+        float(total.detach()),
+        {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+    )
+
+
+def refused(call, *words: str) -> str:
+    """``call()`` fails as the caller's error (category user), its message naming ``words``."""
+    with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError)) as caught:
+        call()
+    error = caught.value
+    category = getattr(error, "category", None) or (error.body or {}).get("category")
+    assert str(category).lower().endswith("user"), (category, str(error))
+    for word in words:
+        assert word in str(error), (word, str(error))
+    return str(error)
+
+
+def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero_stage(server):
+    out, base = server["out"], server["base"]
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3, train_unembed=False).result()
+        init = tc.save_state("init").result().path
+        fb = tc.forward_backward(datums(DATA), "cross_entropy").result()
+        step = tc.optim_step(ADAM).result()
+        one = tc.save_state("one").result().path
+        # the same data as three calls (2, 1 and 3 datums: one rank holds none in the second)
+        tc.load_state_with_optimizer(init).result()
+        for part in (DATA[:2], DATA[2:3], DATA[3:]):
+            tc.forward_backward(datums(part), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        three = tc.save_state("three").result().path
+
+    logprobs, total, grads = reference(
+        base, out / "tinker" / init.removeprefix("tinker://") / "adapter", DATA
+    )
+    for got, want in zip(fb.loss_fn_outputs, logprobs):  # each datum's, in the datums' order
+        assert got["logprobs"].to_torch() == pytest.approx(want, abs=1e-5)
+    assert fb.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)  # the sum: no token mean
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+    assert step.metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
+    before, after = state_weights(out, init), state_weights(out, one)
+    assert set(after) == set(grads)
+    for name, g in grads.items():  # AdamW's first step, by hand (see ADAM)
+        want = before[name] - 1e-2 * g / (g.abs() + 0.1)
+        assert torch.allclose(after[name], want, atol=1e-6), name
+    assert any(float((after[n] - before[n]).abs().max()) > 1e-4 for n in grads)  # (something moved)
+    for name, w in state_weights(out, three).items():
+        assert torch.allclose(w, after[name], atol=1e-6), name
+
+    # one learner (packed micro-batches), and two under ZeRO-3 taking one datum at a time, each a
+    # server of its own on the same folder resuming the saved state with its optimizer
+    for layout in (["learner.num_learners=1", "learner.packing=true"],
+                   ["learner.zero_stage=3", "learner.micro_batch_size=1"]):  # fmt: skip
+        with serving(out, base, server["env"], *layout) as url, tinker.ServiceClient(base_url=url) as sc:
+            tc = sc.create_training_client_from_state_with_optimizer(init).result()
+            tc.forward_backward(datums(DATA), "cross_entropy").result()
+            assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
+            other = state_weights(out, tc.save_state("layout").result().path)
+        for name, w in other.items():
+            assert torch.allclose(w, after[name], atol=1e-6), (layout, name)
+
+
+def logprobs_of(tc, tokens: list[int]) -> list[float]:
+    """The training model's log-probs of ``tokens[1:]``, each given what precedes it (a forward)."""
+    out = tc.forward(datums([(tokens[:-1], tokens[1:], [1.0] * (len(tokens) - 1))]), "cross_entropy").result()
+    return out.loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(server):
+    base, seq = server["base"], types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        # train_unembed (the SDK's default): the engines take merged weights (vLLM has no head adapters)
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1).result()
+        base_sampler = sc.create_sampling_client(base_model=base)
+        before = tc.save_weights_and_get_sampling_client().result()
+        lp_before = before.compute_logprobs(seq).result()
+        assert lp_before[0] is None and lp_before[1:] == pytest.approx(
+            logprobs_of(tc, seq.to_ints()), abs=1e-4
+        )
+        tc.forward_backward(datums(DATA), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        after = tc.save_weights_and_get_sampling_client().result()
+        lp_after = after.compute_logprobs(seq).result()
+        assert lp_after[1:] == pytest.approx(logprobs_of(tc, seq.to_ints()), abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(lp_after[1:], lp_before[1:])) > 1e-2  # (the step moved them)
+        # an older snapshot and the base model still sample from their own weights
+        assert before.compute_logprobs(seq).result()[1:] == pytest.approx(lp_before[1:], abs=1e-5)
+        assert base_sampler.compute_logprobs(seq).result()[1:] == pytest.approx(lp_before[1:], abs=1e-4)
+        last = after.compute_logprobs(seq, prompt_logprobs_last_n=2).result()
+        assert last[:4] == [None] * 4 and last[4:] == pytest.approx(lp_after[4:], abs=1e-5)
+
+        prompt, params = types.ModelInput.from_ints([5, 6, 7]), types.SamplingParams(max_tokens=6, seed=11)
+        drawn = after.sample(prompt, 3, params).result().sequences
+        assert len(drawn) == 3 and all(len(s.tokens) <= 6 for s in drawn)
+        assert [s.tokens for s in after.sample(prompt, 3, params).result().sequences] == [
+            s.tokens for s in drawn
+        ]
+        assert len({tuple(s.tokens) for s in drawn}) > 1  # three samples, not one thrice
+        for s in drawn:  # each sampled token's log-prob is the trained model's (temperature 1)
+            assert s.logprobs == pytest.approx(logprobs_of(tc, [5, 6, 7, *s.tokens])[2:], abs=1e-4)
+            assert s.stop_reason == ("length" if len(s.tokens) == 6 else "stop")
+        greedy = (
+            after.sample(prompt, 2, types.SamplingParams(max_tokens=6, top_k=1, seed=1)).result().sequences
+        )
+        zero = after.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences
+        assert greedy[0].tokens == greedy[1].tokens == zero[0].tokens
+        # a stop token: the same seeded sample, cut at its first occurrence (kept), stopped
+        first = drawn[0].tokens
+        stop = first[2]
+        cut = (
+            after.sample(prompt, 1, types.SamplingParams(max_tokens=6, seed=11, stop=[stop]))
+            .result()
+            .sequences[0]
+        )
+        assert cut.tokens == first[: first.index(stop) + 1] and cut.stop_reason == "stop"
+        # a stop string: the first printable ASCII character of a seeded sample (the tokenizer is
+        # byte-level: the bytes before it, all 0x80 or above, decode to no ASCII character)
+        long = (
+            after.sample(prompt, 1, types.SamplingParams(max_tokens=20, seed=5)).result().sequences[0].tokens
+        )
+        text = [tc.get_tokenizer().decode([t]) for t in long]
+        k = next(i for i, c in enumerate(text) if c.isascii() and c.isprintable() and c)
+        stopped = after.sample(prompt, 1, types.SamplingParams(max_tokens=20, seed=5, stop=text[k])).result()
+        assert stopped.sequences[0].tokens == long[: k + 1] and stopped.sequences[0].stop_reason == "stop"
+
+
+def test_refusals_name_what_is_refused_and_touch_nothing(server):
+    base, good = server["base"], datums(DATA[:2])
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=2, train_unembed=False).result()
+        first = tc.forward(good, "cross_entropy").result().loss_fn_outputs
+
+        def fb(data, loss="cross_entropy", config=None):
+            return lambda: tc.forward_backward(data, loss, loss_fn_config=config).result()
+
+        rl = {"logprobs": [-1.0, -1.0, -1.0], "advantages": [1.0, float("nan"), 0.0]}
+        rl_datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                               loss_fn_inputs={"target_tokens": [6, 7, 8], **rl})  # fmt: skip
+        long = list(range(1, 200)) * 6  # 1194 tokens: past the context of 1024
+        for call, words in [
+            (fb(good, "stable_reinforce"), ["stable_reinforce"]),
+            (fb(good, "ppo", {"clip_ratio": 0.2}), ["clip_ratio"]),
+            (fb([rl_datum], "cispo"), ["clip_low_threshold"]),
+            (fb([rl_datum], "importance_sampling"), ["advantages", "NaN"]),
+            (fb(datums([([5, 6, 263], [6, 7, 8], [1.0] * 3)])), ["vocabulary"]),
+            (fb(datums([([5, 6, 7], [6, 7], [1.0] * 3)])), ["2 values for 3 tokens"]),
+            (fb(datums([(long, long, [1.0] * len(long))])), ["1194 tokens", "1 to 1024"]),
+            (lambda: tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result(), ["beta1"]),
+            (
+                lambda: sc.create_lora_training_client(base_model="builtin:other", rank=2).result(),
+                ["builtin:other"],
+            ),
+        ]:
+            refused(call, *words)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        too_long = types.SamplingParams(max_tokens=2000)
+        refused(
+            lambda: sampler.sample(types.ModelInput.from_ints([5]), 1, too_long).result(), "max_tokens 2000"
+        )
+        with tinker.ServiceClient(base_url=server["url"], api_key="tml-someone-else") as other:
+            refused(lambda: other.create_lora_training_client(base_model=base, rank=2).result(),
+                    "one model is trained at a time")  # fmt: skip
+            intruder = tinker.TrainingClient(
+                other.holder, model_seq_id=0, model_id=tc.model_id, info=tc.get_info()
+            )
+            refused(lambda: intruder.forward(good, "cross_entropy").result(), "another session")
+            handle = sampler.get_sampler_handle()
+            stolen = tinker.SamplingClient.from_sampler_handle(handle, api_key="tml-someone-else")
+            refused(
+                lambda: stolen.sample(types.ModelInput.from_ints([5]), 1, too_long).result(),
+                "sampling session",
+            )
+        # the model served on, untouched: the same log-probs, and no gradient waiting for a step
+        again = tc.forward(good, "cross_entropy").result().loss_fn_outputs
+        for a, b in zip(again, first):
+            assert a["logprobs"].tolist() == b["logprobs"].tolist()
+        assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == 0.0
+
+
+def test_an_rl_loop_a_custom_loss_and_the_exports(server):
+    out, base = server["out"], server["base"]
+    prompt = [5, 6, 7]
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=2, train_unembed=False).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        for step in range(2):  # reward: the share of a sample's tokens below 128; GRPO-style advantages
+            drawn = sampler.sample(
+                types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=4, seed=step)
+            )
+            sequences = drawn.result().sequences
+            rewards = [sum(t < 128 for t in s.tokens) / len(s.tokens) for s in sequences]
+            data, inputs = [], []
+            for s, r in zip(sequences, rewards):
+                tokens, pad = prompt + s.tokens, [0.0] * (len(prompt) - 1)
+                given = {
+                    "logprobs": pad + s.logprobs,
+                    "advantages": pad + [r - sum(rewards) / 4] * len(s.tokens),
+                }
+                inputs.append({k: torch.tensor(v) for k, v in given.items()})
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                        loss_fn_inputs={"target_tokens": tokens[1:], **given}))  # fmt: skip
+            loss = "importance_sampling" if step == 0 else "ppo"
+            config = None if step == 0 else {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+            fb = tc.forward_backward(data, loss, loss_fn_config=config).result()
+            total = 0.0
+            for given, o in zip(inputs, fb.loss_fn_outputs):  # each token's loss by hand
+                ratio = (o["logprobs"].to_torch() - given["logprobs"]).exp()
+                a = given["advantages"]
+                want = -ratio * a if step == 0 else -torch.minimum(ratio * a, ratio.clamp(0.9, 1.1) * a)
+                assert o["elementwise_loss"].to_torch() == pytest.approx(want, abs=1e-5)
+                total += float(want.sum())
+            assert fb.metrics["loss:sum"] == pytest.approx(total, abs=1e-4)
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+
+        # a custom loss runs on the client and comes back as cross_entropy with its gradient as
+        # weights: the same step as cross_entropy itself
+        start = tc.save_state("before-custom").result().path
+
+        def custom(data, logprobs):
+            loss = sum((-lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
+            return loss, {"custom": float(loss)}
+
+        tc.forward_backward_custom(datums(DATA), custom).result()
+        tc.optim_step(ADAM).result()
+        by_custom = state_weights(out, tc.save_state("custom").result().path)
+        tc.load_state_with_optimizer(start).result()
+        tc.forward_backward(datums(DATA), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        for name, w in state_weights(out, tc.save_state("builtin").result().path).items():
+            assert torch.allclose(w, by_custom[name], atol=1e-6), name
+
+        final = tc.save_weights_for_sampler("final").result().path
+        seq = [5, 6, 7, 8, 9, 10]
+        served = (
+            sc.create_sampling_client(model_path=final)
+            .compute_logprobs(types.ModelInput.from_ints(seq))
+            .result()
+        )
+        listed = [
+            c.tinker_path for c in sc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
+        ]
+        assert final in listed and start in listed
+
+    # the final weights: the merged model with transformers, the adapter with peft, and both as served
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = out / "tinker" / final.removeprefix("tinker://")
+    merged = AutoModelForCausalLM.from_pretrained(folder / "merged", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder / "adapter"
+    )
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        a, b = merged(ids).logits.log_softmax(-1), adapted(ids).logits.log_softmax(-1)
+    assert torch.allclose(a, b, atol=1e-5)
+    mine = a[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    assert served[1:] == pytest.approx(mine.tolist(), abs=1e-4)
+
+
+def test_the_example_loop_and_the_cookbook_math_rl_recipe_train_on_the_server(server, tmp_path):
+    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "WANDB_MODE": "disabled"}
+    # the README's own loop (examples/tinker_loop.py): supervised and RL steps, a state, sampler weights
+    cmd = [sys.executable, "examples/tinker_loop.py", f"--base-url={server['url']}", f"--base-model={server['base']}",
+           "--steps=1"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rl step 0: mean reward" in done.stdout and "sampler weights: tinker://" in done.stdout
+
+    # unmodified: the arithmetic environment (no dataset), the model by its folder, an explicit renderer
+    log = tmp_path / "math_rl"
+    cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
+           f"model_name={server['base']}", "renderer_name=role_colon", f"base_url={server['url']}",
+           "loss_fn=importance_sampling", "lora_rank=4", "group_size=2", "groups_per_batch=2", "max_tokens=4",
+           "max_steps=2", "eval_every=0", "save_every=0", f"log_path={log}", "behavior_if_log_dir_exists=delete"]  # fmt: skip
+    finals = set(server["out"].glob("tinker/*/weights/final/state.pt"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "progress/batch" in s] == [0, 1], steps
+    # its final checkpoint, saved through save_state and save_weights_for_sampler, is on the server
+    (state,) = set(server["out"].glob("tinker/*/weights/final/state.pt")) - finals
+    assert (
+        state.parents[2] / "sampler_weights" / "final" / "adapter" / "adapter_model.safetensors"
+    ).is_file()

@@ -1,0 +1,149 @@
+"""The Tinker API's losses as token sums (rltrain.loss.sums), and what the server checks before
+its learners see a request (rltrain.serve: sampling settings, checkpoint paths, model records):
+pure functions, by hand."""
+
+import math
+
+import pytest
+import torch
+
+from rltrain.loss import sums
+from rltrain.serve.wire import BadRequest
+
+LP = torch.tensor([[-1.0, -2.0, -0.5]])  # the model's log-probs of 3 targets
+MASK = torch.tensor([[1.0, 1.0, 0.0]])  # the third cell is padding
+
+
+def losses(loss_fn, inputs, config=None, lp=LP):
+    return sums.token_losses(loss_fn, lp, {**inputs, "mask": MASK}, sums.settings(loss_fn, config))
+
+
+def test_cross_entropy_is_the_weighted_sum_of_negative_log_probs():
+    out = losses("cross_entropy", {"weights": torch.tensor([[2.0, 0.5, 9.0]])})
+    # -(2 * -1), -(0.5 * -2), padding 0: sum 2 + 1 = 3 (no mean over the 2 tokens)
+    assert out.tolist() == [[2.0, 1.0, 0.0]]
+    assert float(out.sum()) == 3.0
+
+
+def test_importance_sampling_ppo_cispo_and_dro_by_hand():
+    sampled = torch.tensor([[-1.0, -2.0 + math.log(2.0), 0.0]])  # ratios exp(0) = 1, exp(-log 2) = 0.5
+    adv = torch.tensor([[1.0, -2.0, 5.0]])
+    inputs = {"logprobs": sampled, "advantages": adv}
+    # importance sampling: -r * A = -1 * 1, -0.5 * -2 = 1
+    assert losses("importance_sampling", inputs)[0].tolist() == pytest.approx([-1.0, 1.0, 0.0])
+    # ppo, clip [0.8, 1.2]: token 2 has r = 0.5, clipped 0.8; A = -2: min(0.5 * -2, 0.8 * -2) = -1.6 -> 1.6
+    assert losses("ppo", inputs)[0].tolist() == pytest.approx([-1.0, 1.6, 0.0])
+    # with clip_low_threshold 0.4 the ratio 0.5 stays: min(-1, -1) -> 1
+    assert losses("ppo", inputs, {"clip_low_threshold": 0.4})[0].tolist() == pytest.approx([-1.0, 1.0, 0.0])
+    # cispo, clip [0.6, 1.5]: -clip(r) * lp * A = -(1 * -1 * 1) = 1, -(0.6 * -2 * -2) = -2.4
+    cispo = {"clip_low_threshold": 0.6, "clip_high_threshold": 1.5}
+    assert losses("cispo", inputs, cispo)[0].tolist() == pytest.approx([1.0, -2.4, 0.0])
+    # dro, beta 2: -(lp * A - 1 * (lp - sampled)^2) = -(-1 - 0) = 1 ; -(4 - (log 2)^2)
+    out = losses("dro", inputs, {"beta": 2.0})
+    assert out[0].tolist() == pytest.approx([1.0, -(4.0 - math.log(2.0) ** 2), 0.0])
+
+
+def test_cispo_takes_no_gradient_through_its_clipped_ratio():
+    lp = LP.clone().requires_grad_()
+    sampled = torch.tensor([[-1.5, -2.0, 0.0]])  # r = exp(0.5) = 1.65 on token 1: clipped to 1.5
+    inputs = {"logprobs": sampled, "advantages": torch.ones(1, 3)}
+    cispo = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}
+    losses("cispo", inputs, cispo, lp).sum().backward()
+    # d/dlp of -stopgrad(clip(r)) * lp * A = -clip(r): -1.5 and -1 (r = 1), padding 0
+    assert lp.grad[0].tolist() == pytest.approx([-1.5, -1.0, 0.0])
+
+
+def test_settings_refuse_what_is_not_served_and_guess_no_default():
+    with pytest.raises(ValueError, match="stable_reinforce"):
+        sums.settings("stable_reinforce", {})
+    with pytest.raises(ValueError, match="clip_ratio"):
+        sums.settings("ppo", {"clip_ratio": 0.2})
+    with pytest.raises(ValueError, match="clip_low_threshold"):
+        sums.settings("cispo", {"clip_high_threshold": 1.2})
+    with pytest.raises(ValueError, match="beta"):
+        sums.settings("dro", {})
+    with pytest.raises(ValueError, match="not a number"):
+        sums.settings("ppo", {"clip_low_threshold": "low"})
+    assert sums.settings("ppo", {}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    # thresholds a datum gives token by token need no setting
+    assert sums.settings("cispo", {}, {"clip_low_threshold", "clip_high_threshold"}) == {}
+
+
+def test_sample_calls_are_checked_before_any_engine_sees_them():
+    from rltrain.serve.sampling import sample_call
+
+    def call(params=None, tokens=(1, 2, 3), **extra):
+        body = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": list(tokens)}]},
+                "sampling_params": params or {}, **extra}  # fmt: skip
+        return sample_call(body, vocab=100, context=10)
+
+    c = call({"max_tokens": 4, "seed": 3, "stop": ["\n"], "top_k": 5}, num_samples=2)
+    assert (c.prompt, c.num_samples) == ([1, 2, 3], 2)
+    assert c.sampling == {
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 5,
+        "seed": 3,
+        "stop": ["\n"],
+    }
+    assert call().sampling["max_tokens"] == 7  # no max_tokens: what the context of 10 leaves after 3
+    assert call({"stop": [7, 8]}).sampling["stop_token_ids"] == [7, 8]
+    assert call({"stop": []}).sampling["ignore_eos"] is True  # [] stops at nothing, EOS included
+    for params, extra, words in [
+        ({"max_tokens": 8}, {}, "max_tokens 8"),  # 3 + 8 > 10
+        ({}, {"num_samples": 0}, "num_samples"),
+        ({"top_p": 0.0}, {}, "top_p"),
+        ({"top_k": 0}, {}, "top_k"),
+        ({"temperature": -1}, {}, "temperature"),
+        ({"stop": [100]}, {}, "stop token ids"),
+        ({}, {"topk_prompt_logprobs": 3}, "top-k prompt log-probs"),
+        ({}, {"record_stability_info": True}, "stable_reinforce"),
+    ]:
+        with pytest.raises(BadRequest, match=words):
+            call(params, **extra)
+    with pytest.raises(BadRequest, match="vocabulary"):
+        call(tokens=(1, 100))
+
+
+def test_checkpoint_paths_resolve_only_to_what_was_saved(tmp_path):
+    from rltrain.serve.checkpoints import Checkpoints
+
+    store = Checkpoints(tmp_path)
+    folder, path = store.new("s:train:0", "weights", "step-1", {"base_model": "b"})
+    assert path == "tinker://s:train:0/weights/step-1" and folder.is_dir()
+    assert store.resolve(path, "weights") == (folder, {"base_model": "b"})
+    for bad, words in [
+        ("tinker://s:train:0/weights/other", "nothing was saved"),
+        ("tinker://../weights/step-1", "nothing was saved"),
+        ("file:///etc/passwd", "no tinker://"),
+        ("tinker://s:train:0/weights/../x", "no tinker://"),
+    ]:
+        with pytest.raises(BadRequest, match=words):
+            store.resolve(bad, "weights")
+    with pytest.raises(BadRequest, match="this call takes"):
+        store.resolve(path, "sampler_weights")
+    with pytest.raises(BadRequest, match="overwrite"):
+        store.new("s:train:0", "weights", "step-1", {}, overwrite=False)
+    with pytest.raises(BadRequest, match="checkpoint name"):
+        store.new("s:train:0", "weights", "../up", {})
+    assert [c["tinker_path"] for c in store.listed("s:train:0")] == [path]
+
+
+def test_a_model_record_refuses_what_is_not_served():
+    from rltrain.serve.models import model_record
+
+    record = model_record({"base_model": "b", "lora_config": {"rank": 4, "seed": 1, "train_unembed": False}})
+    assert record["lora_config"] == {"rank": 4, "seed": 1, "train_attn": True, "train_mlp": True,
+                                     "train_unembed": False}  # fmt: skip
+    for body, words in [
+        ({"lora_config": {"rank": 0}}, "rank of 1 or more"),
+        ({"lora_config": {"rank": 4, "dropout": 0.1}}, "dropout"),
+        ({"lora_config": {"rank": 4}, "optimizer_config": {"type": "sgd"}}, "sgd"),
+        (
+            {"lora_config": {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}},
+            "nothing",
+        ),
+    ]:
+        with pytest.raises(BadRequest, match=words):
+            model_record(body)

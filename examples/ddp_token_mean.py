@@ -4,6 +4,7 @@ Run: python examples/ddp_token_mean.py   (spawns 2 gloo processes on CPU)
 """
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ def micro_batches_of(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train_step(rank: int, world_size: int, port: int = 29533, weights_out: dict | None = None) -> None:
+def train_step(rank: int, world_size: int, port: int, weights_out: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
@@ -46,9 +47,18 @@ def train_step(rank: int, world_size: int, port: int = 29533, weights_out: dict 
         print(f"step done: {int(total_tokens)} loss tokens in the step, weight {model.module.weight.data}")
     if weights_out is not None:
         weights_out[rank] = [p.detach().clone() for p in model.module.parameters()]
-    dist.barrier()  # no rank tears the group down while another is still in it (gloo aborts then)
+    # tear down in order: DDP's reducer holds the group, so free it first; then no rank leaves the
+    # group while another is still in it (gloo can abort a process on either)
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 if __name__ == "__main__":
-    mp.spawn(train_step, args=(2,), nprocs=2)
+    mp.spawn(train_step, args=(2, free_port()), nprocs=2)

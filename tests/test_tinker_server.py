@@ -185,7 +185,7 @@ def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(serve
     with tinker.ServiceClient(base_url=server["url"]) as sc:
         # train_unembed (the SDK's default): the engines take merged weights (vLLM has no head adapters)
         tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1).result()
-        base_sampler = sc.create_sampling_client(base_model=base)
+        base_sampler = sc.create_sampling_client(base_model=base).result()
         before = tc.save_weights_and_get_sampling_client().result()
         lp_before = before.compute_logprobs(seq).result()
         assert lp_before[0] is None and lp_before[1:] == pytest.approx(
@@ -333,7 +333,7 @@ def test_an_rl_loop_a_custom_loss_and_the_exports(server):
 
         def custom(data, logprobs):
             loss = sum((-lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
-            return loss, {"custom": float(loss)}
+            return loss, {"custom": float(loss.detach())}
 
         tc.forward_backward_custom(datums(DATA), custom).result()
         tc.optim_step(ADAM).result()
@@ -348,12 +348,12 @@ def test_an_rl_loop_a_custom_loss_and_the_exports(server):
         seq = [5, 6, 7, 8, 9, 10]
         served = (
             sc.create_sampling_client(model_path=final)
+            .result()
             .compute_logprobs(types.ModelInput.from_ints(seq))
             .result()
         )
-        listed = [
-            c.tinker_path for c in sc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
-        ]
+        rest = tinker.RestClient(base_url=server["url"])
+        listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
         assert final in listed and start in listed
 
     # the final weights: the merged model with transformers, the adapter with peft, and both as served

@@ -300,18 +300,19 @@ def _route_table(completions: list[Completion], n: int, t: int) -> torch.Tensor 
 def nonempty(mb: TrainBatch) -> TrainBatch:
     """An empty micro-batch becomes one 2-token row with every mask 0 except attention: it runs
     the forward/backward every rank must run together, and contributes exactly zero (two tokens,
-    so one prediction links the loss to the parameters)."""
+    so one prediction links the loss to the parameters). Its tensors are where ``mb``'s are."""
     if len(mb) > 0:
         return mb
 
     def blank(name: str, value):
         if not isinstance(value, torch.Tensor):
             return [None] if name == "images" and value is not None else value
+        where = {"dtype": value.dtype, "device": value.device}
         if name == "routes":
-            return torch.full((1, 2, *value.shape[2:]), ROUTE_UNKNOWN, dtype=value.dtype)
+            return torch.full((1, 2, *value.shape[2:]), ROUTE_UNKNOWN, **where)
         shape = (1,) if value.dim() == 1 else (1, 2)
         maker = torch.ones if name == "attention_mask" else torch.zeros
-        return maker(shape, dtype=value.dtype)
+        return maker(shape, **where)
 
     row = TrainBatch(**{f.name: blank(f.name, getattr(mb, f.name)) for f in fields(mb)})
     return row.replace(blank=torch.ones(1, dtype=torch.bool))

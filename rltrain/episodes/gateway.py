@@ -191,19 +191,11 @@ class Gateway:
                 e.busy = False
                 if isinstance(error, TemplateError):
                     e.failures.setdefault(TEMPLATE, str(error))
-                if (
-                    isinstance(error, TemplateError | OutOfRoom)
-                    or isinstance(error, Refused)
-                    and error.kind != "late"
-                ):
-                    kind = (
-                        "template"
-                        if isinstance(error, TemplateError)
-                        else "length"
-                        if isinstance(error, OutOfRoom)
-                        else error.kind
-                    )
-                    self._count(e, kind)  # (late: counted at close)
+                    self._count(e, "template")
+                elif isinstance(error, OutOfRoom):
+                    self._count(e, "length")
+                elif isinstance(error, Refused) and error.kind != "late":  # (late: counted at close)
+                    self._count(e, error.kind)
             if isinstance(error, TemplateError):
                 raise Refused(400, "template", str(error)) from None
             raise

@@ -20,9 +20,7 @@ def padded_forward(
     position_ids = extra.pop("position_ids", None)
     recurrent.expect(model, None)  # (each row its own sequence)
     if position_ids is None:
-        position_ids = text_positions(attention_mask_BT)
-        if multi_axis_positions(model):  # (as packed_forward: the text axis first, then the rotary axes)
-            position_ids = position_ids[None].expand(4, *position_ids.shape)
+        position_ids = with_axes(model, text_positions(attention_mask_BT))
     return model(
         input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=position_ids, use_cache=False,
         **extra,
@@ -91,14 +89,19 @@ def packed_forward(
     recurrent.expect(model, position_ids_1L)  # a hybrid model's recurrent layers: state per sequence
     position_ids = extra.pop("position_ids", None)
     if position_ids is None:
-        position_ids = position_ids_1L
-        if multi_axis_positions(model):  # the text axis (documents, tree branches), then the 3 rotary axes
-            position_ids = position_ids_1L[None].expand(
-                4, *position_ids_1L.shape
-            )  # (a text token's: its position)
+        position_ids = with_axes(model, position_ids_1L)
     return model(
         input_ids=input_ids_1L, position_ids=position_ids, attention_mask=None, use_cache=False, **extra
     )
+
+
+def with_axes(model: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """Text positions as the model takes them: for multi-axis rotary positions (Qwen2-VL), the text
+    axis (which tells documents and tree branches apart) and then the three rotary axes, each a text
+    token's position."""
+    if multi_axis_positions(model):
+        return position_ids[None].expand(4, *position_ids.shape)
+    return position_ids
 
 
 def text_positions(attention_mask_BT: torch.Tensor) -> torch.Tensor:

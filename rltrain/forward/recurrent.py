@@ -1,5 +1,4 @@
-"""Recurrent layers of hybrid models in packed and prefix-tree rows: each sequence's state its own
-.
+"""Recurrent layers of hybrid models in packed and prefix-tree rows: each sequence's state its own.
 
 Gated DeltaNet's linear attention (Qwen3.5, Qwen3-Next) and Mamba-2's state-space layers (Falcon-H1,
 Nemotron-H) carry two things along the sequence: a short causal convolution's window of inputs and
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from rltrain.forward import structure
+from rltrain.forward.model import causal_lm
 from rltrain.forward.structure import Row
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
@@ -65,17 +65,11 @@ def recurrent_modules(model: torch.nn.Module) -> list:
     return [m for m in found if any(hasattr(m, f) for f in (*CONVOLUTIONS, *SCANS))]
 
 
-def follows(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s recurrent layers run through a scan this module keeps per sequence."""
-    return any(hasattr(m, name) for m in recurrent_modules(model) for name in SCANS)
-
-
 def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None:
     """The next forward of ``model`` runs the row these position ids describe (``[1, L]``; None: rows
     of their own, as a padded batch): :func:`rltrain.forward.structure.expect`, and a hybrid model's
     recurrent layers follow that row's sequences (their functions replaced once, here)."""
-    lm = getattr(model, "module", model)
-    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    lm = causal_lm(model)
     if not getattr(lm, "_rltrain_recurrent", False):
         for module in recurrent_modules(lm):
             _wrap(module)

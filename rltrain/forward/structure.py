@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from rltrain.forward.model import causal_lm
+
 
 def segments(position_ids_L: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(start index, end index, first position)`` of each run of the row whose position ids count
@@ -122,8 +124,7 @@ def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None
     runs the row these position ids describe (``[1, L]``; None: rows of their own, a padded batch):
     :attr:`RowContext.row` from that forward's start until the model's next forward starts; a
     forward rltrain did not announce (generation, say) runs rows of their own."""
-    lm = getattr(model, "module", model)
-    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    lm = causal_lm(model)
     if not getattr(lm, "_rltrain_rows", False):
         lm.register_forward_pre_hook(CURRENT.take)
         lm._rltrain_rows = True

@@ -124,9 +124,7 @@ class PrefixSharing:
         found = torch.tensor([mb is not None for mb in chosen], dtype=torch.float64)
         if dist.is_initialized():  # (every rank runs the forwards of a layout any rank has)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        blank = nonempty(micro_batches[0].select(torch.arange(0)))
-        blank = blank.replace(**{k: v.to(micro_batches[0].input_ids.device)
-                                 for k, v in vars(blank).items() if isinstance(v, torch.Tensor)})  # fmt: skip
+        blank = nonempty(micro_batches[0].select(torch.arange(0)))  # (on the micro-batches' device)
         differences = torch.zeros(len(layouts), len(forwards), dtype=torch.float64)
         for i, layout in enumerate(layouts):
             if not found[i]:

@@ -68,18 +68,17 @@ class Datums:
         return Datums(*(getattr(self, f.name).to(device) for f in fields(self)[:3]),
                       {k: v.to(device) for k, v in self.inputs.items()})  # fmt: skip
 
-    def nonempty(self) -> Datums:
-        """An empty share as one 2-token datum that counts nothing: the forward and backward every
-        rank runs together."""
-        if len(self):
-            return self
+    @classmethod
+    def blank(cls, names=()) -> Datums:
+        """One 2-token datum that counts nothing (flagged by its ``blank`` input), with zero inputs
+        of ``names``: a forward and backward every rank runs together."""
         zeros = torch.zeros(1, 2, dtype=torch.long)
-        return Datums(
-            zeros,
-            torch.ones_like(zeros),
-            zeros,
-            {k: torch.zeros(1, 2) for k in self.inputs} | {"blank": torch.ones(1, 2)},
-        )
+        return cls(zeros, torch.ones_like(zeros), zeros,
+                   {k: torch.zeros(1, 2) for k in names} | {"blank": torch.ones(1, 2)})  # fmt: skip
+
+    def nonempty(self) -> Datums:
+        """An empty share as :meth:`blank`."""
+        return self if len(self) else Datums.blank(self.inputs)
 
 
 class ServedLearner(PolicyLearner):
@@ -100,8 +99,7 @@ class ServedLearner(PolicyLearner):
             mb = mb.nonempty().to(self.engine.device)
             blank = "blank" in mb.inputs
             with torch.set_grad_enabled(not forward_only):
-                row = forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed())
-                logprobs = forward.target_logprobs(self.engine, row, mb.targets, self.agree_chunks)
+                logprobs = self._target_logprobs(mb)
                 mask = mb.attention_mask.float() * (0.0 if blank else 1.0)
                 losses = token_losses(loss_fn, logprobs, {**mb.inputs, "mask": mask}, settings)
                 if not forward_only:
@@ -112,17 +110,17 @@ class ServedLearner(PolicyLearner):
             out.append((logprobs.detach().cpu(), losses.detach().cpu()))
         return out
 
+    def _target_logprobs(self, mb: Datums) -> torch.Tensor:
+        """``[n, T]``: each position's target log-prob, through padded rows or one packed row."""
+        row = forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed())
+        return forward.target_logprobs(self.engine, row, mb.targets, self.agree_chunks)
+
     def optim_step(self, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step with ``adam`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
         ``weight_decay``, ``grad_clip_norm``: 0 is none) on the gradients every call since the last
         step added; the gradient norm before clipping. Every rank at once."""
-        blank = Datums.of([[0, 0]], [[0, 0]], [{}]).nonempty()
         self.engine.set_gradient_accumulation_boundary(True)  # every call's gradient reduced over ranks
-        mb = blank.to(self.engine.device)
-        row = forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed())
-        self.engine.backward(
-            0.0 * forward.target_logprobs(self.engine, row, mb.targets, self.agree_chunks).sum()
-        )
+        self.engine.backward(0.0 * self._target_logprobs(Datums.blank().to(self.engine.device)).sum())
         for group in self.engine.optimizer.param_groups:
             group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
                          weight_decay=adam["weight_decay"])  # fmt: skip

@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 
 from rltrain.forward.head import LogitTransform, logit_transform
-from rltrain.forward.model import multi_axis_positions
+from rltrain.forward.model import causal_lm, multi_axis_positions
 from rltrain.forward.recurrent import DECODING, FOLLOWED, FUSED, UNFOLLOWED, wrappable
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")  # what rltrain's attention runs
@@ -158,11 +158,6 @@ def needs(config, model=None) -> ModelNeeds:
     )
 
 
-def _language_model(model):
-    lm = getattr(model, "module", model)
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-
-
 def attention_interface(config, model=None) -> bool:
     """Whether the model's attention goes through transformers' attention functions (rltrain's own
     attention then runs it): the modeling modules of its decoder layers (of ``model``, or of the
@@ -211,7 +206,7 @@ def decoder_layers(model) -> list:
     """The model's decoder layers (the module list as long as its config's layer count)."""
     import torch
 
-    lm = _language_model(model)
+    lm = causal_lm(model)
     count = _read(lm.config, "num_hidden_layers")
     lists = [m for m in lm.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
     return list(lists[0]) if lists else []
@@ -299,7 +294,7 @@ def _own_convolution(cls: type, classes: set[type]) -> bool:
 def prepare(model, model_needs: ModelNeeds) -> None:
     """What the forwards read from a loaded model itself: padding after each sequence in padded rows
     where a layer's handling of padding is not known (:func:`rltrain.forward.layouts.trailing_order`)."""
-    _language_model(model)._rltrain_trailing_padding = model_needs.trailing_padding
+    causal_lm(model)._rltrain_trailing_padding = model_needs.trailing_padding
 
 
 def layout_problem(

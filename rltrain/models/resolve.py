@@ -114,33 +114,31 @@ def meta_model(config: Config, architecture):
     are made of (:func:`rltrain.models.families.needs`)."""
     import torch
 
-    from rltrain.models.families import causal_lm_class
-
     with torch.device("meta"):
-        return causal_lm_class(architecture).from_config(
+        return families.causal_lm_class(architecture).from_config(
             architecture, trust_remote_code=config.model.trust_remote_code
         )
 
 
-def check_layout(config: Config, key: str, model_path: str, architecture) -> None:
+def check_layout(config: Config, key: str, model_path: str, architecture):
     """The learners of config section ``key`` can run the model exactly in their layout
-    (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why."""
-    from rltrain.models.families import layout_problem, needs
-
+    (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why;
+    returns the model's :class:`~rltrain.models.families.ModelNeeds`."""
     section = config
     for part in key.split("."):
         section = getattr(section, part)
-    model_needs = needs(architecture, meta_model(config, architecture))
+    model_needs = families.needs(architecture, meta_model(config, architecture))
     sp = getattr(section, "sequence_parallel_size", 1)
-    if problem := layout_problem(model_needs, key, section.packing, section.prefix_sharing, sp):
+    if problem := families.layout_problem(model_needs, key, section.packing, section.prefix_sharing, sp):
         raise ConfigError(f"{key}: {model_path}: {problem}")
+    return model_needs
 
 
 def check_model(config: Config, model_path: str) -> None:
     """A local model folder must be a transformers model whose context holds the longest sequence,
     and one the learners can run in their layout (the critic's too, where it starts from it)."""
     architecture = model_config(config, "model.name_or_path", model_path)
-    check_layout(config, "learner", model_path, architecture)
+    model_needs = check_layout(config, "learner", model_path, architecture)
     if config.algorithm.advantage == "gae":
         critic = config.critic.model or model_path
         check_layout(config, "critic.learners", critic, model_config(config, "critic.model", critic))
@@ -162,10 +160,7 @@ def check_model(config: Config, model_path: str) -> None:
                 "on expert layers (its fused-MoE LoRA kernel needs Triton); train every weight "
                 "(model.lora.rank=0) or generate with rollout.backend=hf"
             )
-    gated_delta = (
-        "torch_chunk_gated_delta_rule"
-        in families.needs(architecture, meta_model(config, architecture)).state_functions
-    )
+    gated_delta = "torch_chunk_gated_delta_rule" in model_needs.state_functions
     if config.rollout.backend == "vllm" and gated_delta:
         import torch
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rltrain.config import Config
 from rltrain.serve.checkpoints import Checkpoints
-from rltrain.serve.futures import Futures, Result
+from rltrain.serve.futures import Futures, Result, outcome
 from rltrain.serve.models import (
     ServedModel,
     Session,
@@ -35,7 +35,7 @@ from rltrain.serve.models import (
     served_config,
     weights_loader,
 )
-from rltrain.serve.sampling import Engines, Sampler, base_loader, sample_call, takes_adapters
+from rltrain.serve.sampling import NOT_HELD, Engines, Sampler, base_loader, sample_call, takes_adapters
 from rltrain.serve.wire import BadRequest, forward_backward_request, sample_response
 
 # the client flags rltrain answers (the SDK's defaults for every other): plain httpx, fwd/bwd
@@ -137,14 +137,11 @@ class Server:
     def sample(self, request_id: str, sampler: Sampler, call) -> None:
         """(On a sampling thread.) The samples of one request, into its future."""
 
-        try:
+        def samples() -> Result:
             sequences, prompt = self.engines.sample(sampler.weights, call)
-            result = Result(proto=sample_response(sequences, call.scored(prompt)))
-        except BadRequest as e:
-            result = Result(error=str(e), category="user")
-        except Exception as e:
-            result = Result(error=f"{type(e).__name__}: {e}", category="server")
-        self.futures.resolve(request_id, result)
+            return Result(proto=sample_response(sequences, call.scored(prompt)))
+
+        self.futures.resolve(request_id, outcome(samples))
 
 
 def api_key(request: Request) -> str:
@@ -390,8 +387,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
             raise BadRequest(f"the engines serve another base model now; sampling session {sampler.sampler_id!r} "
                              f"was for {sampler.base_model}")  # fmt: skip
         if not server.engines.known(sampler.weights):
-            raise BadRequest("this sampling client's weights are no longer held (serve.kept_snapshots); "
-                             "save named sampler weights to sample from them later")  # fmt: skip
+            raise BadRequest(NOT_HELD)
         call = sample_call(body, *server.shapes[sampler.base_model])
         request_id = server.futures.new()
         server.sampling.submit(server.sample, request_id, sampler, call)

@@ -10,7 +10,10 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from rltrain.serve.wire import BadRequest
 
 
 @dataclass
@@ -24,6 +27,17 @@ class Result:
 
     def failure(self) -> dict | None:
         return None if self.error is None else {"error": self.error, "category": self.category}
+
+
+def outcome(call: Callable[[], Result]) -> Result:
+    """``call()``'s result, or its failure: a :class:`BadRequest` as the caller's (``user``), any
+    other exception as the server's (which goes on serving)."""
+    try:
+        return call()
+    except BadRequest as e:
+        return Result(error=str(e), category="user")
+    except Exception as e:
+        return Result(error=f"{type(e).__name__}: {e}", category="server")
 
 
 class Futures:

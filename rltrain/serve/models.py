@@ -18,7 +18,7 @@ import numpy as np
 
 from rltrain.config import Config
 from rltrain.loss import sums
-from rltrain.serve.futures import Result
+from rltrain.serve.futures import Result, outcome
 from rltrain.serve.wire import BadRequest, FwdBwd
 
 # how long a call waits for the calls with lower seq_ids before it runs anyway (the SDK sends a
@@ -77,12 +77,7 @@ class ServedModel:
                 if self.group is not None:
                     self.group.shutdown()
                 return
-            try:
-                result = call()
-            except BadRequest as e:
-                result = Result(error=str(e), category="user")
-            except Exception as e:  # ours: said as the server's, the model goes on serving
-                result = Result(error=f"{type(e).__name__}: {e}", category="server")
+            result = outcome(call)
             self._done_seq = max(self._done_seq, seq_id)
             self.server.futures.resolve(request_id, result)
 

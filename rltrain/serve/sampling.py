@@ -32,6 +32,9 @@ NOT_SERVED = {
     "record_stability_info": "stability records (stable_reinforce)",
 }
 
+NOT_HELD = ("this sampling client's weights are no longer held (serve.kept_snapshots); save named sampler "
+            "weights to sample from them later")  # fmt: skip
+
 
 @dataclass
 class Sampler:
@@ -208,8 +211,7 @@ class Engines:
         elif key in self.loaders:
             ref = self.loaders[key]()
         else:
-            raise BadRequest("this sampling client's weights are no longer held (serve.kept_snapshots); "
-                             "save named sampler weights to sample from them later")  # fmt: skip
+            raise BadRequest(NOT_HELD)
         self.version += 1
         self.pool.load_weights(ref, self.version)
         self.held = key

@@ -12,7 +12,7 @@ import argparse
 
 from common import model_folder, start_ray, table
 
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,

@@ -22,7 +22,7 @@ from common import model_folder, start_ray, table
 from rltrain.batch import TrainBatch
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.policy import PolicyLearner
-from rltrain.run.diagnostics import layout_config
+from rltrain.diagnostics import layout_config
 
 
 class MemoryLearner(PolicyLearner):

@@ -16,7 +16,7 @@ from common import model_folder, start_ray, table
 import rltrain.learner.engine
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.policy import PolicyLearner
-from rltrain.run.diagnostics import count_collectives, layout_config, synthetic_rollouts
+from rltrain.diagnostics import count_collectives, layout_config, synthetic_rollouts
 
 
 class CountingLearner(PolicyLearner):

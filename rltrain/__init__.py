@@ -39,6 +39,7 @@ MOVED = {
     "rltrain.loss.vision": "rltrain.forward.vision",
     "rltrain.loss.rows": "rltrain.forward.structure",
     "rltrain.learner.attention": "rltrain.forward.attention",
+    "rltrain.run.diagnostics": "rltrain.diagnostics",
 }
 
 

@@ -249,8 +249,8 @@ def collate(
     """Prompts left-padded, completions right-padded, into one ``[N, P + C]`` :class:`TrainBatch`.
 
     ``exclude_from_loss[i]`` zeroes sequence i's response mask (overlong filtering): it then counts
-    in no loss and no token total. ``version``: the learners' policy version; where some but not
-    all sampled tokens were sampled by it, ``fresh_mask`` marks them.
+    in no loss and no token total. ``version``: the learners' policy version; where not all sampled
+    tokens were sampled by it, ``fresh_mask`` marks those that were (possibly none).
     """
     n = len(completions)
     p_len = max(len(p) for p in prompts)
@@ -278,7 +278,11 @@ def collate(
             recorded = torch.as_tensor(c.routes[: p_len + k - start])
             routes[i, start : start + len(recorded)] = recorded
     sampled = (response * tool).bool()
-    mixed = bool((sampled & fresh.bool()).any()) and not bool(fresh.bool()[sampled].all())
+    # where versions were recorded and not every sampled token is the current weights' (a step
+    # generated ahead, in-flight updates, rollouts a resumed run kept), fresh_mask marks those that
+    # are: none at all is a batch whose engine-learner gap cannot be measured on these weights
+    recorded = version is not None and any(c.versions for c in completions)
+    mixed = recorded and not bool(fresh.bool()[sampled].all())
     images = [images_of(p) for p in prompts]
     with_images = next((p for p in prompts if images_of(p)), None)
     return TrainBatch(input_ids, attention, response, tool, advantages.float(), gen_logprobs,

@@ -26,13 +26,27 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 PEER_GRACE_S = 5.0  # after a method raised, how long to look for a peer that died
 
 
+# what an actor's start-up raises that a restart raises again: the settings, the model or the
+# code are wrong (a dead process, a lost node, a collective a peer left raise other kinds)
+RECURRING = ("ValueError", "TypeError", "KeyError", "AttributeError", "NotImplementedError", "ImportError",
+             "ModuleNotFoundError", "AssertionError", "FileNotFoundError", "IndexError", "ValidationError",
+             "ConfigError", "LookupError", "NameError")  # fmt: skip
+
+
 class ActorFailure(RuntimeError):
-    """An actor died or stopped answering; the run can restart from its newest checkpoint."""
+    """An actor died or stopped answering; the run can restart from its newest checkpoint, unless
+    its start-up raised what a restart raises again (:attr:`recurs`)."""
 
     def __init__(self, actor: str, cause: str, timed_out: bool = False):
         super().__init__(f"{actor} {cause}")
         self.actor, self.cause, self.timed_out = actor, cause, timed_out
         self.stacks: Path | None = None  # where every actor's stacks were written (a time-out)
+
+    @property
+    def recurs(self) -> bool:
+        """Its start-up raised an error of a kind that a restart raises again (:data:`RECURRING`)."""
+        raised = re.search(r"its start-up raised (?:\w+\.)*(\w+): ", self.cause)
+        return raised is not None and raised.group(1).endswith(RECURRING)
 
 
 class StartupTimeout(RuntimeError):
@@ -82,6 +96,16 @@ def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float
     return [results[i] for i in range(len(refs))]
 
 
+def _with_reason(line: str, text: str) -> str:
+    """An exception's line, and for pydantic's ("1 validation error for VllmConfig") the error's own
+    line that follows it (the reason)."""
+    if not re.search(r"\d+ validation errors? for \w+$", line):
+        return line
+    after = text[text.index(line) + len(line) :].strip().splitlines()
+    reason = next((ln.strip() for ln in after if ln.strip() and not ln.strip().startswith("For further")), "")
+    return f"{line}: {reason}" if reason else line
+
+
 def raise_dead_peer(pending: list, index: dict, names: Sequence[str]) -> None:
     """A method raised: when a peer died meanwhile (a collective with it broke), that is the cause."""
     deadline = time.monotonic() + PEER_GRACE_S
@@ -104,7 +128,7 @@ def describe(error: Exception) -> str:
     cause = "died" if isinstance(error, RayActorError) else "is unavailable"
     raised = re.findall(r"^\s*((?:\w+\.)*\w*(?:Error|Exception): .+)$", text, re.MULTILINE)
     if "creation task" in text and raised:  # its __init__ raised: the exception's line says why
-        cause += f" (its start-up raised {raised[-1].strip()})"
+        cause += f" (its start-up raised {_with_reason(raised[-1].strip(), text)})"
     elif detail:
         cause += f" ({detail.group(1).rstrip('.')})"
     elif "OOM" in text or "out of memory" in text.lower():

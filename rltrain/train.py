@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         out = train(config, inputs)
+    except ConfigError as e:  # at start-up: what a fresh start would meet again
+        print(f"rltrain: {e}", file=sys.stderr)
+        return 2
     except (RunFailed, UserCodeFailed, checkpoint.SaveFailed) as e:  # SaveFailed: the warm start's model
         print(f"rltrain: {e}", file=sys.stderr)
         return 1

@@ -39,6 +39,17 @@ import torch.distributed as dist
 ALIGN = 16  # bytes: every tensor starts at a multiple, so a byte buffer views as any dtype
 
 
+def state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a sync sends of ``model``: every parameter (a shared one under each of its names) and
+    every persistent buffer (a router's score-correction bias), by its state-dict name, as the
+    model's checkpoint holds them."""
+    yield from model.named_parameters(remove_duplicate=False)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buffer
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from rltrain.run.diagnostics import count_collectives
+from rltrain.diagnostics import count_collectives
 
 __all__ = ["count_collectives", "free_port"]
 

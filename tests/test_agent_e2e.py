@@ -21,7 +21,7 @@ from rltrain.episodes.chat import ChatRenderer
 from rltrain.forward import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
-from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step
+from rltrain.diagnostics import layout_config, relative_difference, updates_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
 
 pytestmark = pytest.mark.slow

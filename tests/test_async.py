@@ -238,7 +238,10 @@ def test_where_versions_mix_the_mismatch_is_measured_on_the_tokens_the_current_w
     # columns: prompt, then 3 completion tokens; the tool token (version 2 or not) is never sampled
     assert batch.fresh_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
     assert collate([[9]], [completion([3, 3])], torch.zeros(1), 0, version=3).fresh_mask is None  # all fresh
-    assert collate([[9]], [completion([2, 2])], torch.zeros(1), 0, version=3).fresh_mask is None  # none fresh
+    # none fresh (a resumed run's rollouts generated ahead): nothing to measure the gap on
+    assert collate([[9]], [completion([2, 2])], torch.zeros(1), 0, version=3).fresh_mask.tolist() == [
+        [0, 0, 0]
+    ]
 
     # engine log-probs 0 everywhere; the learner's: -1 on the stale token (the policy moved since),
     # -0.1 on the fresh ones

@@ -11,7 +11,7 @@ from transformers import AutoModelForTokenClassification
 from rltrain.forward import token_outputs
 from rltrain.learner.critic import CriticLearner
 from rltrain.learner.group import LearnerGroup
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     critic_layout_config,
     relative_difference,
     synthetic_rollouts,

@@ -21,7 +21,7 @@ from rltrain.config import Config
 from rltrain.forward import sequence_logprobs
 from rltrain.learner.group import LearnerGroup
 from rltrain.rollout import GeneratorPool
-from rltrain.run.diagnostics import synthetic_rollouts
+from rltrain.diagnostics import synthetic_rollouts
 from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync
 from rltrain.sandbox import isolation_problem
 

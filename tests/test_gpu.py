@@ -4,7 +4,7 @@ by default and in CI; run with `pytest -m gpu` on a machine with at least 2 GPUs
 import pytest
 import torch
 
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,

@@ -12,7 +12,7 @@ from rltrain.learner.group import LearnerGroup, placement_of
 from rltrain.learner.policy import PolicyLearner
 from rltrain.loss.logprobs import token_entropy
 from rltrain.plan import plan_packed_micro_batches
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     critic_layout_config,
     layout_config,
     metrics_of_one_step,

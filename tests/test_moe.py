@@ -15,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from rltrain.forward import padded_forward
 from rltrain.models.tiny import MOE_EXPERTS, MOE_TOP_K, build_tiny_model
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     layout_config,
     metrics_of_one_step,
     relative_difference,

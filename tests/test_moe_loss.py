@@ -7,7 +7,6 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from rltrain.loss.moe import expert_counts, expert_load_max, load_balancing_loss, router_entropy_sum
-from rltrain.rollout.backends import unsent
 
 E, K, LAYERS = 8, 2, 3
 
@@ -67,20 +66,3 @@ def test_metrics():
     uniform = [torch.zeros(3, E) for _ in range(LAYERS)]
     total = router_entropy_sum(uniform, torch.tensor([True, False, True]))
     assert total.item() == pytest.approx(2 * LAYERS * torch.log(torch.tensor(float(E))).item(), rel=1e-6)
-
-
-def test_a_mixture_s_sent_weights_cover_vllm_s_fused_experts_and_router():
-    # vLLM's names for layer 0 of builtin:tiny-moe (read from a running engine), and what a sync sends:
-    # transformers' fused experts, or a checkpoint's experts one by one
-    engine = ["model.layers.0.mlp.experts.gate.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
-              "model.layers.0.mlp.experts.routed_experts.w2_weight"]  # fmt: skip
-    fused = ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-             "model.layers.0.mlp.experts.down_proj"]  # fmt: skip
-    one_by_one = ["model.layers.0.mlp.gate.weight"] + [
-        f"model.layers.0.mlp.experts.{e}.{p}.weight"
-        for e in range(8)
-        for p in ("gate_proj", "up_proj", "down_proj")
-    ]
-    assert unsent(engine, fused) == [] and unsent(engine, one_by_one) == []
-    # a sync that leaves the down projections behind: named
-    assert unsent(engine, fused[:2]) == ["model.layers.0.mlp.experts.routed_experts.w2_weight"]

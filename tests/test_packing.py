@@ -10,7 +10,7 @@ from rltrain.forward import attention, pack_sequences, packed_forward, sequence_
 from rltrain.forward.attention import document_attention
 from rltrain.masked_mean import group_token_totals
 from rltrain.plan import plan_packed_micro_batches
-from rltrain.run.diagnostics import synthetic_rollouts
+from rltrain.diagnostics import synthetic_rollouts
 
 
 def ragged_batch(seed: int = 0) -> TrainBatch:

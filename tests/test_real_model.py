@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,

@@ -14,9 +14,9 @@ from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN, Completion, Segment, colla
 from rltrain.config import Config
 from rltrain.forward import sequence_logprobs
 from rltrain.learner.route_rows import in_forward_order
-from rltrain.models.routers import RouterTap, replay_problem
+from rltrain.models.routers import RouterTap, read_routers, replay_problem
 from rltrain.models.tiny import build_tiny_model
-from rltrain.run.diagnostics import layout_config, synthetic_rollouts
+from rltrain.diagnostics import layout_config, synthetic_rollouts
 
 NEAR_TIES = 1e-3  # the routers' scale: experts' logits a few 1e-3 apart
 NUDGE = 1e-4  # the learner's routers differ from the engine's by this much (noise per weight)
@@ -88,7 +88,8 @@ def test_a_router_the_replay_cannot_drive_is_named(models):
     assert replay_problem(moe) is None
     router = moe.model.layers[0].mlp.gate
     router.forward = lambda hidden: torch.nn.functional.linear(hidden, router.weight)  # logits only
-    assert replay_problem(moe) == "its router Qwen3MoeTopKRouter does not return transformers' top-k (logits, scores, indices)"  # fmt: skip
+    # (read as logits alone, as Jamba's router: its block would choose, out of the replay's reach)
+    assert replay_problem(moe) == "its router Qwen3MoeTopKRouter returns its logits alone (the experts are chosen outside it)"  # fmt: skip
 
 
 def tiny_moe(kind: str, **more):
@@ -124,7 +125,9 @@ def test_replaying_a_sigmoid_routers_own_routes_runs_the_network_it_runs(kind):
     model = tiny_moe(kind)
     assert replay_problem(model) is None
     tap = RouterTap(model)
-    assert tap.scoring[0] == "sigmoid renormalized over the top-k, scaled"
+    (_, read), *_ = read_routers(model)
+    scale = {"deepseek_v3": 2.5, "glm4_moe": 1.5}[kind]
+    assert str(read.scoring) == f"sigmoid renormalized over the chosen, times {scale:g}"
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), tap.capture() as (_, chosen):
         own = model(ids).logits
@@ -139,10 +142,12 @@ def test_a_router_whose_weights_no_replay_scoring_reproduces_is_refused_in_one_l
     model = tiny_moe("qwen3_moe")
     router = model.model.layers[0].mlp.gate
     own = type(router).forward
-    router.forward = lambda hidden: (lambda out: (out[0], 2 * out[1], out[2]))(own(router, hidden))  # doubled
+    # squared: no activation times a constant gives it (doubled would be: softmax, times 2)
+    router.forward = lambda hidden: (lambda out: (out[0], out[1] ** 2, out[2]))(own(router, hidden))
     problem = replay_problem(model)
     assert problem.startswith("its router Qwen3MoeTopKRouter weights the experts it chooses in a way routing "
-                              "replay does not reproduce (none of: softmax renormalized over the top-k; ")  # fmt: skip
+                              "replay does not reproduce (a softmax or sigmoid of its logits, renormalized or "
+                              "not, times a constant)")  # fmt: skip
     assert "\n" not in problem
 
 

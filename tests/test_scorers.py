@@ -229,8 +229,8 @@ def reward_model_path(tmp_path_factory, tiny_model_path) -> str:
 
 def scorer_config(section: str, path: str, **layout) -> Config:
     """A layout of a teacher's (``algorithm``) or reward model's (``reward``) actors, for
-    :func:`rltrain.run.diagnostics.synthetic_rollouts` (t=14) at temperature 0.7."""
-    from rltrain.run.diagnostics import layout_config
+    :func:`rltrain.diagnostics.synthetic_rollouts` (t=14) at temperature 0.7."""
+    from rltrain.diagnostics import layout_config
 
     raw = layout_config(1, 2, 0).model_dump()
     raw["rollout"]["temperature"] = 0.7
@@ -264,7 +264,7 @@ def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teach
 
     from rltrain.forward import sequence_logprobs
     from rltrain.learner.frozen import TeacherLearner
-    from rltrain.run.diagnostics import synthetic_rollouts
+    from rltrain.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
@@ -284,7 +284,7 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 
     from rltrain.learner.frozen import TeacherLearner
     from rltrain.learner.group import LearnerGroup
-    from rltrain.run.diagnostics import synthetic_rollouts
+    from rltrain.diagnostics import synthetic_rollouts
     from rltrain.run.frozen_models import Teacher
 
     batch, config = synthetic_rollouts(), scorer_config("algorithm", teacher_path, num_learners=1)
@@ -305,7 +305,7 @@ def test_the_reward_models_actors_score_as_sequence_classification(ray_local, re
     from transformers import AutoModelForSequenceClassification
 
     from rltrain.learner.frozen import RewardModelLearner, last_token_scores
-    from rltrain.run.diagnostics import synthetic_rollouts
+    from rltrain.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
@@ -361,7 +361,7 @@ def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, ti
     from transformers import AutoModelForCausalLM
 
     from rltrain.forward import sequence_logprobs
-    from rltrain.run.diagnostics import (
+    from rltrain.diagnostics import (
         layout_config,
         relative_difference,
         synthetic_rollouts,

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.forward import attention, sequence_logprobs
 from rltrain.learner import sequence_parallel
-from rltrain.run.diagnostics import synthetic_rollouts
+from rltrain.diagnostics import synthetic_rollouts
 
 
 def multi_document_batch(vocab: int = 256):

@@ -17,7 +17,7 @@ from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize
 from rltrain.envs import ChainEnv, tool_schemas
 from rltrain.episodes.chat import with_call_ids
 from rltrain.rewards.functions import RewardScorer
-from rltrain.run.diagnostics import (
+from rltrain.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,

@@ -13,7 +13,7 @@ import torch
 
 from rltrain.batch import Completion, TrainBatch, collate
 from rltrain.config import Config
-from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step
+from rltrain.diagnostics import layout_config, relative_difference, updates_after_one_step
 
 pytestmark = pytest.mark.slow
 

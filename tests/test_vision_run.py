@@ -164,7 +164,7 @@ def test_token_mode_update_with_images_is_the_same_in_every_layout_and_the_naive
     # packed with prefix trees under ZeRO-2 (one micro-batch each) and ZeRO-3 (a budget of 60 tokens:
     # several micro-batches) give its update; the per-micro-batch mean over 2 x (3 + 1) padded
     # micro-batches does not
-    from rltrain.run.diagnostics import layout_config, relative_difference, updates_after_one_step
+    from rltrain.diagnostics import layout_config, relative_difference, updates_after_one_step
 
     g = torch.Generator().manual_seed(0)
     prompts = [shape_prompts[0].token_ids] * 4 + [shape_prompts[1].token_ids] * 4

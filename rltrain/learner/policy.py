@@ -24,7 +24,7 @@ from rltrain.loss.losses import PolicyLossSettings, policy_loss
 from rltrain.loss.moe import expert_counts, load_balancing_loss, router_entropy_sum
 from rltrain.models import adapters
 from rltrain.models.images import placeholder_ids
-from rltrain.models.routers import RouterTap, replay_problem
+from rltrain.models.routers import RouterTap, aux_coef, replay_problem
 
 
 def rollout_correction(config: Config) -> RolloutCorrection | None:
@@ -90,19 +90,22 @@ class PolicyLearner(EngineLearner):
     def _watch_routers(self, model: torch.nn.Module) -> None:
         """A mixture of experts: hooks on its routers (and the frozen reference's, which replay
         the routes too), the load-balancing loss's weight and scope, and the router metrics
-        (assignments per layer and expert, entropy, under replay the routes it changed)."""
+        (assignments per layer and expert, entropy, under replay the routes it changed). A router
+        no kind reads keeps its model's metrics off; asked for the loss or replay, it stops the
+        start in one line (preflight says so first)."""
+        name = self.config.model.name_or_path
         if self.replay and (problem := replay_problem(model)):
-            raise ValueError(f"rollout.routing_replay: {self.config.model.name_or_path}: {problem}")
+            raise ValueError(f"rollout.routing_replay: {name}: {problem}")
         tap = RouterTap(model)
+        coef = aux_coef(model, self.config.loss.moe_aux_coef) if tap.routers or tap.problem else 0.0
+        if tap.problem and coef > 0:
+            raise ValueError(f"loss.moe_aux_coef: {name}: {tap.problem}; set loss.moe_aux_coef=0")
         if not tap.routers:
             return
         self.tap = tap
         if self.replay and self.ref_model is not None:
             self.ref_tap = RouterTap(self.ref_model)
-        coef = self.config.loss.moe_aux_coef
-        self.moe_coef = (
-            float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
-        )
+        self.moe_coef = coef
         self.moe_step = self.moe_coef > 0 and self.config.loss.moe_aux_scope == "step"
         experts = len(tap.routers) * tap.num_experts
         self.METRIC_TOTALS = {"moe_aux": 1, "router_entropy": 1, "router_rows": 1, "expert_load": experts}
@@ -236,6 +239,9 @@ class PolicyLearner(EngineLearner):
         measured = out.pop("train/mismatch_tokens")
         out["rollout/mismatch_kl"] = out.pop("train/mismatch_kl") / measured if measured > 0 else 0.0
         out["rollout/mismatch_max"] = out.pop("train/mismatch_max")
+        # the share of the loss tokens both figures cover: those the current weights sampled (none
+        # where every rollout was generated ahead, under older weights)
+        out["rollout/mismatch_measured"] = measured
         rejected = out.pop("train/rejected")  # per kept token: the share of all is r / (1 + r)
         if self.loss_settings.correction is not None and self.loss_settings.correction.rejects:
             out["rollout/correction_rejected"] = rejected / (1.0 + rejected)

@@ -1,5 +1,11 @@
-"""The learners' side of the weight sync: which parameters go to the engines, by which names, and
-the collective sync's sender (:mod:`rltrain.weight_transfer`)."""
+"""The learners' side of the weight sync: which tensors go to the engines, by which names, and the
+collective sync's sender (:mod:`rltrain.weight_transfer`).
+
+What travels is the model's whole state as its checkpoint holds it: every parameter and every
+persistent buffer (the score-correction biases of DeepSeek-V3's, GLM-4.5's, MiniMax-M2's and
+LFM2-MoE's routers steer which experts a token goes to; a sync of ``named_parameters()`` alone
+left them behind, and an engine that had not loaded them from the same files computed another
+network). Buffers are not partitioned by ZeRO-3: every rank holds them whole."""
 
 from __future__ import annotations
 
@@ -16,16 +22,16 @@ class WeightSender:
     """Mixed into :class:`~rltrain.learner.state.LearnerState` (which sets ``engine``, ``lc``,
     ``config``, ``rank`` and ``sent_bytes``)."""
 
-    def _sent(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.nn.Parameter, str | None]]:
-        """The parameters that ``keep`` names, by every name the model's own state dict has, each
-        with the name it was first seen under where it is shared (a tied output head:
-        ``named_parameters()`` names it once, and an engine that reloads in place kept its first
-        head), else None."""
+    def _sent(self, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+        """The parameters and persistent buffers that ``keep`` names, by every name the model's own
+        state dict has, each with the name it was first seen under where it is shared (a tied output
+        head: ``named_parameters()`` names it once, and an engine that reloads in place kept its
+        first head), else None."""
         first_name: dict[int, str] = {}
-        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+        for name, tensor in weight_transfer.state_tensors(self.engine.module):
             if keep(name):
-                yield name, param, first_name.get(id(param))
-                first_name.setdefault(id(param), name)
+                yield name, tensor, first_name.get(id(tensor))
+                first_name.setdefault(id(tensor), name)
 
     def _sent_names(
         self, adapters_only: bool, synced: bool = True

@@ -8,8 +8,11 @@ Each decoder layer has a kind (the config's ``layer_types``, ``layers_block_type
 - **attention** (``full_attention``, ``sliding_attention``, ``attention``): windows, attention-logit
   soft-capping, attention sinks, the query scaling reach :mod:`rltrain.forward.attention` with every
   call, honoured in padded, packed and tree rows and under sequence parallelism. A model whose
-  attention does not go through transformers' attention functions (Bloom, MPT: their masks are
-  built over the whole row) runs padded rows alone, on its own attention;
+  attention is its own runs padded rows alone, on that attention (:func:`own_attention`): one that
+  does not go through transformers' attention functions (Bloom, MPT: their masks are built over the
+  whole row), one that reads or builds a mask of its own making (Doge's dynamic mask, the indexers
+  of DeepSeek-V3.2's sparse attention), one that passes its attention function arguments rltrain's
+  would not know (Inkling's position bias);
 - **MLP and mixture-of-experts** (``mlp``, ``moe``, ``dense``, ``sparse``): nothing along the row;
 - **recurrent** (``linear_attention``, ``mamba``, ``conv``, ``recurrent``, ``hybrid``): layers that
   carry a state along the row. A kind is *followed* where its layers run their convolution and scan
@@ -64,7 +67,7 @@ class ModelNeeds:
     unfollowed: dict[str, str] | None = None
     # kinds whose handling of padding rltrain cannot know (state in code of their own, unknown kinds)
     own_state: tuple[str, ...] = ()
-    attention_interface: bool = True  # its attention goes through transformers' attention functions
+    own_attention: str | None = None  # why its attention is its own (None: rltrain's runs it)
     position_bias: bool = False  # ALiBi
     state_functions: tuple[str, ...] = ()  # the recurrent layers' functions (rltrain.forward.recurrent)
 
@@ -77,10 +80,16 @@ class ModelNeeds:
         return None if self.unfollowed is None else not self.unfollowed
 
     @property
+    def attention_interface(self) -> bool:
+        """Its attention goes through transformers' attention functions as rltrain's can run them."""
+        return self.own_attention is None
+
+    @property
     def trailing_padding(self) -> bool:
         """Padded rows put their padding after each sequence: a layer whose handling of padding
-        rltrain cannot know (an unknown kind, state in code of its own) never reads it."""
-        return bool(self.own_state)
+        rltrain cannot know (an unknown kind, state in code of its own, attention of its own) never
+        reads it."""
+        return bool(self.own_state) or self.own_attention is not None
 
     def features(self) -> list[str]:
         """The needs beyond a plain causal decoder, in words (docs, notes)."""
@@ -105,9 +114,8 @@ class ModelNeeds:
     def blocked(self) -> list[str]:
         """What packed rows and prefix trees cannot keep per sequence, in words."""
         out = [f"{kind} layers ({why})" for kind, why in (self.unfollowed or {}).items()]
-        if not self.attention_interface:
-            out.append("attention that does not go through transformers' attention functions (its mask is "
-                       "built over the whole row)")  # fmt: skip
+        if self.own_attention is not None:
+            out.append(self.own_attention)
         if self.position_bias:
             out.append("ALiBi position biases (built from a mask over the row)")
         return out
@@ -135,10 +143,9 @@ def needs(config, model=None) -> ModelNeeds:
     ``model`` (loaded, or built on the meta device) tells what each kind of layer is made of."""
     kinds = layer_kinds(config)
     recurrent = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS + MLP_KINDS]
-    unfollowed, own, functions, interface = None, (), (), True
+    unfollowed, own, functions = None, (), ()
     if model is not None:
         unfollowed, own, functions = _read_layers(model, kinds)
-        interface = attention_interface(config, model)
     window = _read(config, "sliding_window")
     if _read(config, "use_sliding_window") is False:  # (Qwen2's config keeps a window it does not use)
         window = None
@@ -152,30 +159,48 @@ def needs(config, model=None) -> ModelNeeds:
         recurrent=tuple(recurrent),
         unfollowed=unfollowed,
         own_state=own,
-        attention_interface=interface,
+        own_attention=own_attention(config, model),
         position_bias=alibi(config, model),
         state_functions=functions,
     )
 
 
 def attention_interface(config, model=None) -> bool:
-    """Whether the model's attention goes through transformers' attention functions (rltrain's own
-    attention then runs it): the modeling modules of its decoder layers (of ``model``, or of the
-    classes ``config`` and its ``text_config`` load as) call them. A module whose source cannot be
-    read is taken at its word."""
-    if model is not None and (layers := decoder_layers(model)):
-        modules = {type(layer).__module__ for layer in layers}
-    else:
-        from transformers import AutoModel
-        from transformers.models.auto.auto_factory import _get_model_class
+    """Whether rltrain's attention can run the model's attention: its decoder layers' modeling
+    modules (of ``model``, or of the classes ``config`` and its ``text_config`` load as) call
+    transformers' attention functions, with transformers' mask and nothing the function would not
+    know (:func:`own_attention`). A module whose source cannot be read is taken at its word."""
+    return own_attention(config, model) is None
 
-        modules = set()
-        for c in (config, getattr(config, "text_config", None)):
-            try:
-                modules.add(_get_model_class(c, AutoModel._model_mapping).__module__)
-            except (KeyError, ValueError, AttributeError):
-                continue
-    return not modules or any(_calls_attention_functions(name) for name in modules)
+
+def own_attention(config, model=None) -> str | None:
+    """Why the model's attention is its own, in words (packed rows and prefix trees cannot run it;
+    padded rows run it on its own arithmetic), or None: it does not go through transformers'
+    attention functions (Bloom, MPT), reads or builds a mask of its own making (Doge's dynamic
+    mask, the indexers of DeepSeek-V3.2's sparse attention, which read the mask's cells), or passes
+    its attention function what rltrain's would not know (Inkling's ``position_bias``). Read from
+    the classes of the decoder layers of ``model`` (or of the model ``config`` builds, on the meta
+    device); a class whose source cannot be read is taken at its word."""
+    if model is None:
+        model = _meta_model(config)
+    layers = decoder_layers(model) if model is not None else []
+    classes = {type(m) for layer in layers for m in layer.modules()}
+    modules = {c.__module__ for c in classes if c.__module__.startswith("transformers.models.")}
+    if modules and not any(_calls_attention_functions(name) for name in modules):
+        return "attention that does not go through transformers' attention functions (its mask is built over the whole row)"  # fmt: skip
+    reasons = [why for cls in sorted(classes, key=lambda c: c.__name__) if (why := _attention_own(cls))]
+    return "; ".join(dict.fromkeys(reasons)) or None
+
+
+def _meta_model(config):
+    """The model ``config`` describes, built on the meta device (no weights), or None."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return causal_lm_class(config).from_config(config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: nothing to read
+        return None
 
 
 @functools.cache
@@ -184,6 +209,73 @@ def _calls_attention_functions(module_name: str) -> bool:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[module_name])
     except (KeyError, OSError, TypeError):
         return True
+
+
+# what rltrain's attention takes from an attention layer's call (:mod:`rltrain.forward.attention`)
+KNOWN_ATTENTION_ARGUMENTS = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids",
+                             "attention_mask", "is_causal", "output_attentions", "use_cache"}  # fmt: skip
+
+
+@functools.cache
+def _attention_own(cls: type) -> str | None:
+    """For an attention class whose forward calls an attention function: why that call is its own
+    (a mask it reads or builds, arguments rltrain's attention would not know), or None. A line that
+    hands the mask to another attention path of the class's own (GPT-2's upcast attention, chosen
+    by a config switch) or a cross-attention's mask does not count."""
+    from rltrain.forward.attention import PASSED_OVER
+
+    source = _code(getattr(cls, "forward", None))
+    call = _attention_call(source)
+    if call is None:
+        return None
+    uses = [line.strip() for line in _body(source.replace(call, "")).splitlines()
+            if re.search(r"\battention_mask\b", line)]  # fmt: skip
+    own = [line for line in uses if not re.fullmatch(r"attention_mask\s*=\s*encoder_attention_mask", line)]
+    alternatives = re.findall(r"self\.\w*att\w*\([^)]*\)", _body(source), flags=re.S)
+    own = [line for line in own if not any(line in alt for alt in alternatives)]
+    passed = set(re.findall(r"\b(\w+)\s*=(?!=)", call))
+    other_mask = re.search(r"\battention_mask\s*=\s*(?!attention_mask\b)\w", call)
+    unknown = sorted(passed - KNOWN_ATTENTION_ARGUMENTS - PASSED_OVER)
+    if own or other_mask:
+        return f"attention with a mask of its own making ({cls.__name__} reads or builds the mask)"
+    if unknown:
+        return f"attention that passes its attention function {', '.join(unknown)} ({cls.__name__})"
+    return None
+
+
+def _code(function) -> str:
+    """A function's source without its docstrings and comments ('' where it cannot be read)."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+    source = re.sub(r'("""|\'\'\')(.|\n)*?\1', "", source)
+    return re.sub(r"#[^\n]*", "", source)
+
+
+def _body(source: str) -> str:
+    """A function's source after its signature."""
+    start = source.find("(")
+    end = _closing(source, start) if start >= 0 else None
+    return source if end is None else source[source.index(":", end) + 1 :]
+
+
+def _closing(text: str, at: int) -> int | None:
+    """Where the bracket opened at ``at`` closes."""
+    depth = 0
+    for i in range(at, len(text)):
+        depth += {"(": 1, ")": -1, "[": 1, "]": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return None
+
+
+def _attention_call(source: str) -> str | None:
+    """The text of the attention function's call in a forward's source (``attention_interface(...)``
+    or ``ALL_ATTENTION_FUNCTIONS[...](...)``), or None."""
+    found = re.search(r"\battention_interface\s*\(|ALL_ATTENTION_FUNCTIONS\[[^\]]*\]\s*\(", source)
+    end = None if found is None else _closing(source, found.end() - 1)
+    return None if end is None else source[found.start() : end + 1]
 
 
 def alibi(config, model=None) -> bool:

@@ -120,14 +120,17 @@ def meta_model(config: Config, architecture):
         )
 
 
-def check_layout(config: Config, key: str, model_path: str, architecture):
+def check_layout(config: Config, key: str, model_path: str, architecture, model=None):
     """The learners of config section ``key`` can run the model exactly in their layout
     (:func:`rltrain.models.families.layout_problem`), or the run stops in one line naming why;
-    returns the model's :class:`~rltrain.models.families.ModelNeeds`."""
+    returns the model's :class:`~rltrain.models.families.ModelNeeds`. ``model``: the architecture's
+    meta model where one is built already."""
     section = config
     for part in key.split("."):
         section = getattr(section, part)
-    model_needs = families.needs(architecture, meta_model(config, architecture))
+    model_needs = families.needs(
+        architecture, model if model is not None else meta_model(config, architecture)
+    )
     sp = getattr(section, "sequence_parallel_size", 1)
     if problem := families.layout_problem(model_needs, key, section.packing, section.prefix_sharing, sp):
         raise ConfigError(f"{key}: {model_path}: {problem}")
@@ -138,7 +141,8 @@ def check_model(config: Config, model_path: str) -> None:
     """A local model folder must be a transformers model whose context holds the longest sequence,
     and one the learners can run in their layout (the critic's too, where it starts from it)."""
     architecture = model_config(config, "model.name_or_path", model_path)
-    model_needs = check_layout(config, "learner", model_path, architecture)
+    model = meta_model(config, architecture)
+    model_needs = check_layout(config, "learner", model_path, architecture, model)
     if config.algorithm.advantage == "gae":
         critic = config.critic.model or model_path
         check_layout(config, "critic.learners", critic, model_config(config, "critic.model", critic))
@@ -169,35 +173,36 @@ def check_model(config: Config, model_path: str) -> None:
                 "rollout.backend=vllm: vLLM's CPU engine runs Gated DeltaNet layers in bf16 only, off the "
                 "learners' fp32 log-probs; generate with rollout.backend=hf (on a GPU vLLM serves them)"
             )
+    check_experts(config, model_path, model)
+
+
+def check_experts(config: Config, model_path: str, model) -> None:
+    """What the run asks of a mixture of experts' routers, it can read (:mod:`rltrain.models.routers`):
+    the load-balancing loss (``loss.moe_aux_coef``, by default the model's own where its
+    transformers code adds one) and routing replay, which needs single-turn generation or the tool
+    loop (an episode's turns are not recorded). Each problem is one line naming the setting that runs."""
+    from rltrain.models.routers import aux_coef, find_routers, moe_problem
+
+    name, lc = config.model.name_or_path, config.loss
+    moe = bool(find_routers(model))
+    if lc.moe_aux_coef and not moe:
+        raise ConfigError(f"loss.moe_aux_coef={lc.moe_aux_coef}: {name} is not a mixture of experts (no "
+                          "load-balancing loss to weigh; leave it unset)")  # fmt: skip
     if config.rollout.routing_replay:
-        _check_replay(config, architecture, experts)
-    if config.loss.moe_aux_coef and not experts:
-        raise ConfigError(
-            f"loss.moe_aux_coef={config.loss.moe_aux_coef}: {config.model.name_or_path} is not a mixture "
-            "of experts (no load-balancing loss to weigh; leave it unset)"
-        )
-
-
-def _check_replay(config: Config, architecture, experts: bool) -> None:
-    """Routing replay needs a mixture of experts whose router it can drive, and one generation per
-    turn that it records (not an environment's episodes or an agent's calls)."""
-    name = config.model.name_or_path
-    if not experts:
-        raise ConfigError(f"rollout.routing_replay: {name} is not a mixture of experts (no routes to replay)")
-    for key, value in (("env.name", config.env.name), ("agent.entrypoint", config.agent.entrypoint)):
-        if value is not None:
+        if not moe:
             raise ConfigError(
-                f"rollout.routing_replay with {key}: the routes of an episode's turns are not recorded yet "
-                "(single-turn generation and the tool loop are); set rollout.routing_replay=false"
+                f"rollout.routing_replay: {name} is not a mixture of experts (no routes to replay)"
             )
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rltrain.models.routers import replay_problem
-
-    with torch.device("meta"):  # the architecture alone: no weights, no compute
-        model = AutoModelForCausalLM.from_config(
-            architecture, trust_remote_code=config.model.trust_remote_code
-        )
-    if problem := replay_problem(model):
-        raise ConfigError(f"rollout.routing_replay: {name}: {problem}")
+        for key, value in (("env.name", config.env.name), ("agent.entrypoint", config.agent.entrypoint)):
+            if value is not None:
+                raise ConfigError(
+                    f"rollout.routing_replay with {key}: the routes of an episode's turns are not recorded yet "
+                    "(single-turn generation and the tool loop are); set rollout.routing_replay=false"
+                )
+        if problem := moe_problem(model, "replay"):
+            raise ConfigError(f"rollout.routing_replay: {name}: {problem}; set rollout.routing_replay=false")
+    coef = aux_coef(model, lc.moe_aux_coef) if moe else 0.0
+    if coef > 0 and (problem := moe_problem(model, "aux")):
+        given = "" if lc.moe_aux_coef is not None else f" (the model's own router_aux_loss_coef, {coef:g})"
+        raise ConfigError(f"loss.moe_aux_coef{given}: the load-balancing loss cannot read {model_path}'s routers: "
+                          f"{problem}; set loss.moe_aux_coef=0")  # fmt: skip

@@ -1,22 +1,47 @@
-"""A mixture of experts' routers, as transformers builds them: found by the model's own declaration
-of where its router logits come from (transformers' ``_can_record_outputs["router_logits"]``, the
-recorder behind ``output_router_logits``), captured per forward by hooks, and routing replay: the
-experts the engine chose for each token put in place of the router's own top-k. The learners'
-forwards and the transformers generation backend both use it; the rows a forward's router sees
-are the learner's business (:mod:`rltrain.learner.route_rows`).
+"""A mixture of experts' routers, read by what they return.
 
-Replay (``rollout.routing_replay``): a router of transformers' top-k kind returns ``(logits,
-scores, indices)``; the hook keeps the logits (so the router keeps its gradients and the
-load-balancing loss its probabilities), takes the replayed ``indices`` and weights them as the
-router itself weights the experts it chose (:data:`SCORINGS`): a softmax over every expert,
-renormalized over the top-k or not (Mixtral, Qwen-MoE), or each expert's sigmoid, renormalized
-or not and times ``routed_scaling_factor`` (DeepSeek-V3, GLM-4-MoE: their correction bias and
-group limit steer the choice only, not the weights). Which one a router uses is not read from its
-class: it is found by running a copy of the router on random rows (random weights and bias) and
-comparing each scoring of the router's own top-k with the router's own weights
-(:func:`own_scoring`); a router none reproduces is refused before the run, in one line. Rows
-without a recorded route (padding, a sequence's last token, which the engine never ran) keep the
-router's own choice.
+Where: the modules transformers records as ``router_logits`` (the model's
+``_can_record_outputs["router_logits"]``, the recorders behind ``output_router_logits``: a class,
+narrowed by a layer name where given; a recorder whose module holds another recorder's, as JetMoE's
+attention holds its experts' router, is the same router seen twice and is left out).
+
+What: a router's output is read by its shape, once per router class, on a copy of the router with
+random weights run on random rows (:func:`inspect_router`; a router that takes more than the rows,
+as MiniMax-M2's and Hunyuan-V3's take their block's score-correction bias, gets a random one of
+the block's). Each kind of output is one entry of :data:`ROUTER_KINDS`:
+
+=========================  ==========================================  ===========================
+kind                        families (transformers 5.19)                experts chosen, read from
+=========================  ==========================================  ===========================
+top-k                       Qwen-MoE, Mixtral, OLMoE, gpt-oss; the      the integer ``[N, k]``
+                            sigmoid routers with a score-correction     (the bias steers the choice,
+                            bias and group limits (DeepSeek-V3, GLM-4.5, not the weights)
+                            MiniMax-M2, LFM2-MoE); Granite's order
+                            (experts, weights, logits)
+dense scores                Llama 4 (``[N, E]`` scores, zero off the    the non-zero scores
+                            experts chosen)
+sorted                      JetMoE (positions sorted by expert, their   the positions and the
+                            rows, gates and sizes), two routers a        tokens per expert
+                            layer (attention experts and MLP experts)
+logits alone                Jamba (a linear layer; its block takes the  the top-k of the logits
+                            top-k)
+=========================  ==========================================  ===========================
+
+Every kind gives the logits ``[N, E]`` (the load-balancing loss's probabilities and the router
+metrics) and the experts each row went to ``[N, k]`` (the loss's assignment counts, the recorded
+routes). Shared experts are not routers: every token goes to them. A router none of the kinds
+reads (Doge's product keys score ``2 x sqrt(E)`` keys, not the experts; Zaya's takes the previous
+layer's router state) is refused for the load-balancing loss and routing replay in one line
+(:func:`moe_problem`).
+
+Routing replay (``rollout.routing_replay``): the experts the engine chose for each token go in place
+of the router's own, weighted as the router weights the experts it chooses (:class:`Scoring`: a
+softmax over every expert or each expert's sigmoid, renormalized over the chosen or not, times a
+constant), found by comparing each scoring with the router's own weights on the same random rows.
+The logits keep their gradient, so the router still learns. A kind that returns no weights (logits
+alone: its block chooses) cannot be replayed. Rows without a recorded route (padding, a sequence's
+last token, which the engine never ran) keep the router's own choice. The rows a forward's router
+sees are the learner's business (:mod:`rltrain.learner.route_rows`).
 """
 
 from __future__ import annotations
@@ -24,49 +49,285 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from rltrain.batch import MAX_ROUTED_EXPERTS
 from rltrain.forward.head import probing
+from rltrain.models.router_outputs import PROBE_ROWS, RouterKind, Scoring, output_kind, own_scoring
 
-PROBE_ROWS = 64  # random rows a router's copy scores to find its scoring
 
+def _recorders(model: torch.nn.Module) -> list:
+    """The model's ``router_logits`` recorders (as transformers normalizes them), or []."""
+    from transformers.utils.output_capturing import OutputRecorder
 
-def _recorder(model: torch.nn.Module):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
-    for module in (base, getattr(base, "model", None)):
-        recorder = getattr(type(module), "_can_record_outputs", None) or {}
-        if "router_logits" in recorder:
-            return recorder["router_logits"]
+    for module in (base, getattr(base, "model", None), getattr(base, "language_model", None)):
+        found = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if found is not None:
+            found = found if isinstance(found, list) else [found]
+            return [r if isinstance(r, OutputRecorder) else
+                    OutputRecorder(target_class=None if isinstance(r, str) else r, index=1,
+                                   class_name=r if isinstance(r, str) else None) for r in found]  # fmt: skip
+    return []
+
+
+def _matches(recorder, name: str, module: torch.nn.Module) -> bool:
+    by_class = recorder.target_class is not None and isinstance(module, recorder.target_class)
+    by_name = recorder.class_name is not None and name.endswith(recorder.class_name)
+    if not (by_class or by_name):
+        return False
+    return recorder.layer_name is None or f".{recorder.layer_name.strip('.')}." in f".{name}."
+
+
+def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
+    """``(name, router, where its output holds the logits)`` of every router, in the model's module
+    order (the order they run in); empty for a dense model. A recorded module that holds another
+    recorded one is the inner router seen again (JetMoE's attention and its experts' gating)."""
+    recorders = _recorders(model)
+    found = [(name, module, recorder.index) for name, module in model.named_modules()
+             for recorder in recorders if _matches(recorder, name, module)]  # fmt: skip
+    names = [name for name, _, _ in found]
+    return [entry for entry in found if not any(other.startswith(entry[0] + ".") for other in names)]
+
+
+@dataclass(frozen=True)
+class RouterRead:
+    """What one class of router returns: its kind (or why none reads it), how it weights the experts it
+    chose (or why replay cannot reproduce it), its top-k and experts."""
+
+    name: str
+    kind: RouterKind | str
+    scoring: Scoring | str
+    top_k: int
+    num_experts: int
+
+
+def _parents(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    return {id(child): module for module in model.modules() for child in module.children()}
+
+
+def _random_copy(
+    module: torch.nn.Module, generator: torch.Generator, zero_buffers: bool = False
+) -> torch.nn.Module:
+    """A copy of ``module`` on the CPU with random floating-point weights and buffers (zero buffers
+    where asked; the original, on the meta device, a GPU or partitioned by ZeRO-3, is left as it
+    is); its forward is its own."""
+    out = copy.copy(module)
+    out._parameters = {n: None if p is None else torch.nn.Parameter(_fresh(p, generator), requires_grad=False)
+                       for n, p in module._parameters.items()}  # fmt: skip
+    out._buffers = {
+        n: None if b is None else _fresh(b, generator, zero_buffers) for n, b in module._buffers.items()
+    }
+    out._modules = {n: None if m is None else _random_copy(m, generator, zero_buffers)
+                    for n, m in module._modules.items()}  # fmt: skip
+    for key, value in vars(module).items():  # none of the original's hooks (a RouterTap's among them)
+        if key.endswith("hooks") and isinstance(value, dict):
+            setattr(out, key, type(value)())
+    return out
+
+
+PROBE_SCALE = 0.2  # of the random weights: logits of a few units, sigmoids short of saturation
+
+
+def _fresh(t: torch.Tensor, generator: torch.Generator, zero: bool = False) -> torch.Tensor:
+    shape = tuple(getattr(t, "ds_shape", None) or t.shape)  # (ZeRO-3: the full shape)
+    if t.is_floating_point() and not zero:
+        return (PROBE_SCALE * torch.randn(shape, generator=generator, dtype=torch.float32)).to(t.dtype)
+    return torch.zeros(shape, dtype=t.dtype)
+
+
+def _probe_inputs(
+    router: torch.nn.Module, parent, hidden: int, generator, zero_buffers: bool = False
+) -> list | str:
+    """Random rows and, for each further argument the router's forward takes, its block's tensor of
+    that name (random) or the argument's default; or why the router cannot be run alone."""
+    rows = torch.randn(PROBE_ROWS, hidden, generator=generator)
+    args: list = [rows]
+    for p in list(inspect.signature(router.forward).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        value = getattr(parent, p.name, None)
+        if isinstance(value, torch.Tensor):
+            args.append(_fresh(value, generator, zero_buffers))
+        elif value is not None or p.default is not p.empty:
+            args.append(value if value is not None else p.default)
+        else:
+            return f"takes {p.name}, which its block does not hold"
+    return args
+
+
+def _hidden_size(router: torch.nn.Module, model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    if getattr(router, "hidden_dim", None):
+        return int(router.hidden_dim)
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(getattr(weight, "ds_shape", weight.shape)[-1])
+    return int(text.hidden_size)
+
+
+def inspect_router(model: torch.nn.Module, name: str, router: torch.nn.Module, logits_at: int,
+                   parent: torch.nn.Module | None = None) -> RouterRead:  # fmt: skip
+    """Run random copies of ``router`` on random rows and read its output (module docstring): twice,
+    its buffers random (a score-correction bias steering the choice) and zero (a bias that leaves
+    each expert its chance: Zaya's skip expert); both must read alike."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    top_k = int(getattr(router, "top_k", None) or getattr(text, "num_experts_per_tok", 0) or 0)
+    experts = int(getattr(router, "num_experts", None) or config_experts(text))
+    reads = [_probe(model, router, logits_at, parent, top_k, seed, zero_buffers=seed == 1) for seed in (0, 1)]
+    for read in reads:
+        if isinstance(read, str):
+            return RouterRead(name, f"its router {type(router).__name__} {read}", "", top_k, experts)
+    (kind, scoring, k, e), (_, other, _, _) = reads
+    if isinstance(scoring, Scoring) and (not isinstance(other, Scoring) or not scoring.agrees(other)):
+        scoring = other if isinstance(other, str) else _UNREPRODUCED
+    if isinstance(scoring, str):
+        scoring = f"its router {type(router).__name__} {scoring}"
+    return RouterRead(name, kind, scoring, k, e)
+
+
+_UNREPRODUCED = (
+    "weights the experts it chooses in a way routing replay does not reproduce (a softmax or sigmoid of "
+    "its logits, renormalized or not, times a constant): replayed forwards would mix experts with other weights"
+)
+
+
+def _probe(model, router, logits_at: int, parent, top_k: int, seed: int, zero_buffers: bool):
+    """``(kind, scoring or why not, top-k, experts)`` of one random copy's output, or why it cannot
+    be read."""
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        probe = _random_copy(router, generator, zero_buffers)
+        inputs = _probe_inputs(router, parent, _hidden_size(router, model), generator, zero_buffers)
+        if isinstance(inputs, str):
+            return inputs
+        dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
+        rows = inputs[0].to(dtype)
+        with torch.no_grad():
+            try:
+                output = probe(rows, *inputs[1:])
+            except Exception:  # noqa: BLE001 - a router of [batch, tokens, hidden] (Doge's)
+                output = probe(rows[None], *inputs[1:])
+    except Exception as e:  # noqa: BLE001 - any failure means rltrain cannot read it
+        line = str(e).splitlines()[0] if str(e) else ""
+        return f"does not run on [tokens, hidden] rows ({type(e).__name__}: {line})"
+    kind = output_kind(output, logits_at, top_k)
+    if isinstance(kind, str):
+        return kind
+    logits, chosen = kind.read(output, top_k)
+    logits, chosen = logits.reshape(-1, logits.shape[-1]), chosen.reshape(-1, chosen.shape[-1])
+    weights = kind.weights(output, chosen.long())
+    if weights is None:
+        scoring = "returns its logits alone (the experts are chosen outside it)"
+    else:
+        scoring = own_scoring(logits, chosen.long(), weights.reshape(chosen.shape)) or _UNREPRODUCED
+        if isinstance(scoring, Scoring) and scoring.scale != 1.0:  # the router's own constant, exactly
+            constants = [v for v in vars(router).values() if isinstance(v, float)]
+            near = [v for v in constants if abs(v - scoring.scale) <= 1e-5 * abs(v)]
+            scoring = Scoring(scoring.activation, scoring.renormalized, near[0]) if near else scoring
+    return kind, scoring, chosen.shape[-1], logits.shape[-1]
+
+
+def read_routers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, RouterRead]]:
+    """Every router with what it returns (one inspection for each class of router)."""
+    found, parents, reads = find_routers(model), _parents(model), {}
+    out = []
+    for name, router, logits_at in found:
+        key = (type(router), logits_at)
+        if key not in reads:
+            reads[key] = inspect_router(model, name, router, logits_at, parents.get(id(router)))
+        out.append((router, reads[key]))
+    return out
+
+
+def moe_problem(model: torch.nn.Module, feature: str) -> str | None:
+    """Why ``feature`` (the load-balancing loss ``aux``, routing ``replay``, the router ``metrics``)
+    cannot read ``model``'s routers, in words, or None."""
+    return _problem(read_routers(model), feature)
+
+
+def _problem(routers: list[tuple[torch.nn.Module, RouterRead]], feature: str) -> str | None:
+    if not routers:
+        return "it is not a mixture of experts (no router)"
+    reads = list(dict.fromkeys(read for _, read in routers))
+    for read in reads:
+        if isinstance(read.kind, str):
+            return read.kind
+    if len({(r.top_k, r.num_experts) for r in reads}) > 1:
+        shapes = sorted({f"top-{r.top_k} of {r.num_experts}" for r in reads})
+        return f"its routers choose different numbers of experts ({', '.join(shapes)})"
+    if feature == "replay":
+        if reads[0].num_experts > MAX_ROUTED_EXPERTS:
+            return f"its {reads[0].num_experts} experts are more than routing replay's expert ids hold ({MAX_ROUTED_EXPERTS})"  # fmt: skip
+        for read in reads:
+            if isinstance(read.scoring, str):
+                return read.scoring
     return None
 
 
-def find_routers(model: torch.nn.Module, recorder=None) -> list[torch.nn.Module]:
-    """The model's routers in layer order; empty for a dense model (``recorder``: its
-    ``router_logits`` declaration, looked up where not given)."""
-    recorder = recorder or _recorder(model)
-    if recorder is None or recorder.target_class is None:
-        return []
-    return [m for m in model.modules() if isinstance(m, recorder.target_class)]
+def replay_problem(model: torch.nn.Module) -> str | None:
+    """Why routing replay cannot drive ``model``'s routers, or None (:func:`moe_problem`)."""
+    return moe_problem(model, "replay")
+
+
+def own_aux_loss(model) -> bool:
+    """Whether the model's own transformers code adds a load-balancing loss (its modeling module has
+    ``load_balancing_loss_func``); families that balance otherwise (DeepSeek-V3's score-correction
+    bias) do not."""
+    import sys
+
+    from rltrain.forward.model import causal_lm
+
+    modules = {type(causal_lm(model)).__module__, type(model).__module__}
+    return any(hasattr(sys.modules.get(m), "load_balancing_loss_func") for m in modules)
+
+
+def aux_coef(model, configured: float | None) -> float:
+    """The load-balancing loss's weight: ``configured`` (``loss.moe_aux_coef``), or where unset the
+    model config's ``router_aux_loss_coef`` if its transformers code adds the loss, else 0."""
+    if configured is not None:
+        return configured
+    if not own_aux_loss(model):
+        return 0.0
+    config = getattr(model, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = getattr(getattr(config, "text_config", None), "router_aux_loss_coef", None)
+    return float(coef or 0.0)
+
+
+def config_experts(config) -> int:
+    """How many routed experts a transformers config says its MoE layers have (0: dense)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value:
+            return value
+        if isinstance(value, (list, tuple)) and value:  # (one number a layer)
+            return int(max(value))
+    return 0
 
 
 class RouterTap:
-    """Forward hooks on every router; inside :meth:`capture` each forward appends its layers'
-    ``[N, E]`` router logits (the router's output ``index``) and the ``[N, k]`` experts each row
-    went to, to the lists it yields. Outside it the hooks record nothing (a recomputation under
-    gradient checkpointing, a reference forward). With :attr:`routes` set (``[N, L, k]``, the
-    forward's rows), every forward replays them, recomputations included, until it is set again."""
+    """Forward hooks on every router; inside :meth:`capture` each forward appends its routers'
+    ``[N, E]`` logits and the ``[N, k]`` experts each row went to, to the lists it yields. Outside
+    it the hooks record nothing (a recomputation under gradient checkpointing, a reference forward).
+    With :attr:`routes` set (``[N, L, k]``, the forward's rows), every forward replays them,
+    recomputations included, until it is set again. A model whose routers no kind reads has a tap
+    with no routers (:attr:`problem` says why)."""
 
     def __init__(self, model: torch.nn.Module):
-        recorder = _recorder(model)
-        self.routers = find_routers(model, recorder)
-        self.index = 0 if recorder is None else recorder.index
-        config = getattr(model, "config", None)
-        first = self.routers[0] if self.routers else None
-        self.top_k = int(getattr(first, "top_k", None) or getattr(config, "num_experts_per_tok", 0) or 0)
-        self.num_experts = int(getattr(first, "num_experts", None) or config_experts(config))
+        found = read_routers(model)
+        self.problem = _problem(found, "metrics") if found else None
+        reads = [read for _, read in found]
+        self.routers = [router for router, _ in found] if self.problem is None else []
+        self.top_k = reads[0].top_k if reads else 0
+        self.num_experts = reads[0].num_experts if reads else 0
         self._logits: list[torch.Tensor] | None = None
         self._chosen: list[torch.Tensor] = []
         self._measure = False
@@ -74,36 +335,39 @@ class RouterTap:
         # [N]: the sequences each row stands for in the measured counts (a prefix tree's shared
         # prompt token, once per member, as in the unshared forward); None: one each
         self.row_weights: torch.Tensor | None = None
-        # the routers' own weighting of their top-k, or why replay cannot reproduce it (raised at a replay)
-        self.scoring = own_scoring(first) if first is not None else None
         self.mismatch = torch.zeros(2, dtype=torch.float64)  # (rows replayed elsewhere, rows replayed)
-        for layer, router in enumerate(self.routers):
-            router.register_forward_hook(functools.partial(self._hook, layer))
+        # each router's place in the routes: the order they first run in (JetMoE registers its MLP's
+        # router before its attention's, which runs first)
+        self._layer: dict[int, int] = {}
+        for router, read in found if self.problem is None else []:
+            router.register_forward_hook(functools.partial(self._hook, read))
 
-    def _hook(self, layer: int, module, args, output):
+    def _hook(self, read: RouterRead, module, args, output):
         if probing():  # (the head path's probe: no forward of a batch)
             return None
-        logits = output[self.index] if isinstance(output, tuple) else output
-        logits = logits.reshape(-1, logits.shape[-1])
-        replayed = None
+        layer = self._layer.setdefault(id(module), len(self._layer))
+        logits, own = read.kind.read(output, self.top_k)
+        logits, own = logits.reshape(-1, logits.shape[-1]), own.reshape(-1, self.top_k)
+        replayed, chosen = None, own
         if self.routes is not None:
-            replayed = output = self._replay(module, output, logits, self.routes[:, layer])
+            replayed, chosen = self._replay(read, output, logits, own, self.routes[:, layer])
         if self._logits is not None:
             self._logits.append(logits)
-            self._chosen.append(output[2].detach() if isinstance(output, tuple) else None)
+            self._chosen.append(chosen.detach().long())
         return replayed
 
-    def _replay(self, module, output, logits_NE: torch.Tensor, routes_Nk: torch.Tensor):
-        """``output`` with the recorded experts in place of the router's own top-k."""
+    def _replay(self, read: RouterRead, output, logits_NE, own_Nk, routes_Nk: torch.Tensor):
+        """``output`` with the recorded experts in place of the router's own, and those experts."""
         if routes_Nk.shape[0] != logits_NE.shape[0]:
             raise RuntimeError(
                 f"routing replay: {routes_Nk.shape[0]} recorded rows for a router forward of {logits_NE.shape[0]}"
             )
-        _, scores, own = output[:3]
+        if isinstance(read.scoring, str) or read.kind.with_choice is None:
+            raise RuntimeError(f"routing replay: {read.scoring}")
         known_N = (routes_Nk >= 0).all(-1)
-        chosen = torch.where(known_N[:, None], routes_Nk.to(own.dtype), own)
+        chosen = torch.where(known_N[:, None], routes_Nk.to(own_Nk.device).long(), own_Nk.long())
         if self._measure:
-            elsewhere_N = known_N & (chosen.sort(-1).values != own.sort(-1).values).any(-1)
+            elsewhere_N = known_N & (chosen.sort(-1).values != own_Nk.long().sort(-1).values).any(-1)
             w_N = (
                 self.row_weights
                 if self.row_weights is not None
@@ -111,10 +375,7 @@ class RouterTap:
             )
             counts = torch.stack([(elsewhere_N * w_N).sum(), (known_N * w_N).sum()])
             self.mismatch += counts.double().cpu()
-        if not isinstance(self.scoring, tuple):
-            raise RuntimeError(f"routing replay: {self.scoring}")
-        weights = self.scoring[1](module, logits_NE, chosen)
-        return (output[0], weights.to(scores.dtype), chosen, *output[3:])
+        return read.kind.with_choice(output, chosen, read.scoring(logits_NE, chosen)), chosen
 
     @contextlib.contextmanager
     def capture(self, measure: bool = False) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
@@ -133,111 +394,3 @@ class RouterTap:
         the last call, over every layer."""
         out, self.mismatch = self.mismatch, torch.zeros(2, dtype=torch.float64)
         return out
-
-
-def _softmax(router, logits_NE: torch.Tensor, chosen_Nk: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(logits_NE.float(), dim=-1).gather(-1, chosen_Nk)
-
-
-def _softmax_renormalized(router, logits_NE: torch.Tensor, chosen_Nk: torch.Tensor) -> torch.Tensor:
-    picked = _softmax(router, logits_NE, chosen_Nk)
-    return picked / picked.sum(-1, keepdim=True)
-
-
-def _sigmoid(router, logits_NE: torch.Tensor, chosen_Nk: torch.Tensor) -> torch.Tensor:
-    picked = logits_NE.float().sigmoid().gather(-1, chosen_Nk)
-    return picked * getattr(router, "routed_scaling_factor", 1.0)
-
-
-def _sigmoid_renormalized(router, logits_NE: torch.Tensor, chosen_Nk: torch.Tensor) -> torch.Tensor:
-    picked = logits_NE.float().sigmoid().gather(-1, chosen_Nk)
-    picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)  # (DeepSeek-V3's guard, kept exact)
-    return picked * getattr(router, "routed_scaling_factor", 1.0)
-
-
-# how a router weights the experts it chose, from its logits [N, E] and the chosen ids [N, k]
-SCORINGS: dict[str, Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "softmax renormalized over the top-k": _softmax_renormalized,  # Mixtral, Qwen-MoE (norm_topk_prob)
-    "softmax": _softmax,
-    "sigmoid renormalized over the top-k, scaled": _sigmoid_renormalized,  # DeepSeek-V3, GLM-4-MoE
-    "sigmoid, scaled": _sigmoid,
-}
-
-
-def _random_copy(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
-    """A copy of ``module`` on the CPU with random floating-point weights and buffers (the original,
-    on the meta device, a GPU or partitioned by ZeRO-3, is left as it is); its forward is its own."""
-    out = copy.copy(module)
-    shape = lambda t: tuple(getattr(t, "ds_shape", None) or t.shape)  # noqa: E731  (ZeRO-3: the full shape)
-
-    def fresh(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            return torch.randn(shape(t), generator=generator, dtype=torch.float32).to(t.dtype)
-        return torch.zeros(shape(t), dtype=t.dtype)
-
-    out._parameters = {n: None if p is None else torch.nn.Parameter(fresh(p), requires_grad=False)
-                       for n, p in module._parameters.items()}  # fmt: skip
-    out._buffers = {n: None if b is None else fresh(b) for n, b in module._buffers.items()}
-    out._modules = {n: None if m is None else _random_copy(m, generator) for n, m in module._modules.items()}
-    for key, value in vars(module).items():  # none of the original's hooks (a RouterTap's among them)
-        if key.endswith("hooks") and isinstance(value, dict):
-            setattr(out, key, type(value)())
-    return out
-
-
-def own_scoring(router: torch.nn.Module) -> tuple[str, Callable] | str:
-    """``(name, scoring)``: the first of :data:`SCORINGS` that gives the router's own weights for
-    its own top-k on random rows (a copy of the router with random weights and bias), or why
-    replay cannot drive the router (one line)."""
-    name, top_k = type(router).__name__, getattr(router, "top_k", None)
-    hidden = (
-        getattr(router, "hidden_dim", None) or getattr(getattr(router, "weight", None), "shape", [0, 0])[-1]
-    )
-    generator = torch.Generator().manual_seed(0)
-    try:
-        probe = _random_copy(router, generator)
-        rows = torch.randn(PROBE_ROWS, hidden, generator=generator)
-        dtype = next((p.dtype for p in probe.parameters() if p.is_floating_point()), torch.float32)
-        with torch.no_grad():
-            out = probe(rows.to(dtype))
-    except Exception as e:  # noqa: BLE001 - any failure means the replay cannot drive it
-        return f"its router {name} does not run on [tokens, hidden] rows ({type(e).__name__}: {e})"
-    ok = (
-        isinstance(out, tuple) and len(out) >= 3 and top_k is not None
-        and not out[2].is_floating_point() and tuple(out[2].shape) == (PROBE_ROWS, top_k)
-        and tuple(out[1].shape) == (PROBE_ROWS, top_k)
-    )  # fmt: skip
-    if not ok:
-        return f"its router {name} does not return transformers' top-k (logits, scores, indices)"
-    logits, scores, chosen = out[0].reshape(PROBE_ROWS, -1), out[1].float(), out[2].long()
-    for kind, scoring in SCORINGS.items():
-        replayed = scoring(probe, logits, chosen).to(out[1].dtype).float()
-        if torch.allclose(replayed, scores, rtol=1e-4, atol=1e-6):
-            return kind, scoring
-    return (
-        f"its router {name} weights the experts it chooses in a way routing replay does not reproduce "
-        f"(none of: {'; '.join(SCORINGS)}): replayed forwards would mix experts with other weights"
-    )
-
-
-def replay_problem(model: torch.nn.Module) -> str | None:
-    """Why routing replay cannot drive ``model``'s routers, or None: it has none (not a mixture of
-    experts), more experts than route ids hold, or a router that does not return transformers'
-    top-k ``(logits, scores, indices)`` or whose weighting of its own top-k no replay scoring
-    reproduces (:func:`own_scoring`, on a random copy of its first router)."""
-    routers = find_routers(model)
-    if not routers:
-        return "it is not a mixture of experts (no router)"
-    experts = int(getattr(routers[0], "num_experts", None) or config_experts(getattr(model, "config", None)))
-    if experts > MAX_ROUTED_EXPERTS:
-        return f"its {experts} experts are more than routing replay's expert ids hold ({MAX_ROUTED_EXPERTS})"
-    found = own_scoring(routers[0])
-    return found if isinstance(found, str) else None
-
-
-def config_experts(config) -> int:
-    """How many routed experts a transformers config says its MoE layers have (0: dense)."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return 0

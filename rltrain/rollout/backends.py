@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,12 +38,9 @@ class GeneratorBackend(Protocol):
         (temperature 1: vLLM does not apply sampling parameters to prompt log-probs)."""
         ...
 
-    def parameter_names(self) -> list[str]:
-        """The engine's own parameter names, shared ones under each name (the weight sync's check)."""
-        ...
-
-    def engine_names(self, names: list[str]) -> list[str]:
-        """Sent (checkpoint) names as the engine's model names its parameters."""
+    def not_loaded(self, sent_names: list[str]) -> list[str]:
+        """The engine's parameters (and persistent buffers) that the last weights it took, by
+        ``sent_names``, wrote nothing into (all of them before any)."""
         ...
 
 
@@ -163,6 +160,8 @@ class VLLMBackend:
         # a vision-language model's placeholders are never sampled (the learners leave them out too)
         self.banned = placeholder_ids(self.llm.llm_engine.model_config.hf_config)
         self.reload = Reloader(self.llm)
+        self._model_path = model_path
+        self._dropped: set[str] | None = None  # sent buffers vLLM's model has no place for
         self._request_ids = itertools.count()
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
         # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
@@ -274,6 +273,19 @@ class VLLMBackend:
             seg.text = seg.text if self._detokenize else decode(self.tokenizer, seg.token_ids)
         return list(segments.values())
 
+    def _known(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The sent tensors vLLM's model can take: a persistent buffer of the learners' model (they
+        send the whole state) whose name vLLM's model holds nowhere, as a parameter or a buffer
+        (a value vLLM folds into its kernels), is left out; every parameter goes to its loader."""
+        if self._dropped is None:
+            leaves = set(self.llm.apply_model(_leaf_names)[0])
+            self._dropped = {
+                name for name in _buffer_names(self._model_path) if name.rpartition(".")[2] not in leaves
+            }
+        for name, tensor in named_tensors:
+            if name not in self._dropped:
+                yield name, tensor
+
     @property
     def lora_request(self):
         """The adapter of the newest policy version (None before the first: the base, which a
@@ -293,20 +305,19 @@ class VLLMBackend:
         # in-place reload through the model's own checkpoint loader (accepts Hugging Face names);
         # cached prefixes were computed with the old weights (with requests in flight the reset
         # waits: GeneratorActor resets again before the next call)
-        self.reload(named_tensors)
+        self.reload(self._known(named_tensors))
         if self.recorder is not None:  # (a reload may rebuild a layer's router)
             self._hook_routers()
         self.stale_prefixes = not self.llm.reset_prefix_cache()
         self.stale_encodings = self.multimodal
         self._reset_stale_encodings()
 
-    def parameter_names(self) -> list[str]:
-        return self.llm.apply_model(_parameter_names)[0]
-
-    def engine_names(self, names: list[str]) -> list[str]:
-        """Checkpoint (Hugging Face) names as the engine's model names them (a vision-language
-        model's ``model.language_model.`` is vLLM's ``language_model.model.``)."""
-        return self.llm.apply_model(lambda model: _mapped(model, names))[0]
+    def not_loaded(self, sent_names: list[str]) -> list[str]:
+        """vLLM's own account of the last reload (its weight loaders, :mod:`rltrain.rollout.vllm_reload`):
+        the names of its model are its own (fused projections and experts, renamed layers)."""
+        if self.reload.unloaded is None:
+            return self.llm.apply_model(_parameter_names)[0]
+        return list(self.reload.unloaded)
 
     def reset_stale_prefixes(self) -> None:
         if self.stale_prefixes:
@@ -404,35 +415,25 @@ def _lora_options(lora, rc: RolloutConfig) -> dict[str, Any]:
             "lora_target_modules": list(lora.target_modules)}  # fmt: skip
 
 
-def _mapped(model, names: list[str]) -> list[str]:
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return [mapper._map_name(name) or name for name in names] if mapper is not None else names
+def _buffer_names(model_path: str) -> list[str]:
+    """The persistent buffers of the transformers model in ``model_path`` (built on the meta device)."""
+    from transformers import AutoConfig
+
+    from rltrain.models.families import causal_lm_class
+    from rltrain.weight_transfer import state_tensors
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = causal_lm_class(config).from_config(config)
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return [name for name, _ in state_tensors(model) if name not in parameters]
+
+
+def _leaf_names(model: torch.nn.Module) -> list[str]:
+    """The last part of every parameter's and buffer's name (``weight``, ``e_score_correction_bias``)."""
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    return sorted({n.rpartition(".")[2] for n in names})
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters(remove_duplicate=False)]
-
-
-# vLLM fuses these projections into one parameter, loaded from each part's checkpoint name
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
-
-
-def unsent(engine_names: list[str], sent_names: list[str]) -> list[str]:
-    """The engine's parameters that no sent name loads: each sent name loads the engine parameter
-    of that name, or the fused one it is part of (a mixture's experts, fused as transformers holds
-    them or one by one as checkpoints store them, load vLLM's ``w13``/``w2``; its router, vLLM's
-    ``experts.gate``)."""
-    covered = set(sent_names)
-    for name in sent_names:
-        module, _, leaf = name.rpartition(".")
-        parent, _, part = module.rpartition(".")
-        if part in FUSED:
-            covered.add(f"{parent}.{FUSED[part]}.{leaf}")
-        layer, experts, rest = name.partition(".mlp.experts.")
-        if experts:
-            fused = "w2_weight" if "down_proj" in rest else "w13_weight"
-            covered.add(f"{layer}.mlp.experts.routed_experts.{fused}")
-        elif name.endswith(".mlp.gate.weight"):
-            covered.add(name.replace(".mlp.gate.", ".mlp.experts.gate."))
-    return [name for name in engine_names if name not in covered]

@@ -23,7 +23,7 @@ from rltrain.episodes.turns import Episodes
 from rltrain.models.adapters import is_adapter
 from rltrain.models.images import is_vision_parameter
 from rltrain.remote import gather, where
-from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode, unsent
+from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode
 from rltrain.rollout.hf_backend import HFBackend
 from rltrain.rollout.inflight import generate_in_chunks
 
@@ -222,7 +222,7 @@ class GeneratorActor:
         if self._loaded_names and all(map(is_adapter, self._loaded_names)):
             return []  # an adapter over an unchanged base: no base weight is meant to arrive
         with self._engine:
-            missing = unsent(self.backend.parameter_names(), self.backend.engine_names(self._loaded_names))
+            missing = self.backend.not_loaded(self._loaded_names)
         # (a frozen vision side is never sent: the engine holds it from the start)
         return [n for n in missing if not (self.config.model.freeze_vision and is_vision_parameter(n))]
 

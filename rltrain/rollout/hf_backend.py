@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rltrain import weight_transfer
 from rltrain.batch import Segment, images_of
 from rltrain.config import RolloutConfig
 from rltrain.forward import sequence_logprobs
@@ -17,7 +18,7 @@ from rltrain.models import adapters
 from rltrain.models.adapters import is_adapter
 from rltrain.models.families import causal_lm_class
 from rltrain.models.images import ImageInputs, is_vision_parameter, placeholder_ids
-from rltrain.rollout.backends import _parameter_names, decode
+from rltrain.rollout.backends import decode
 
 
 class HFBackend:
@@ -109,11 +110,9 @@ class HFBackend:
             raise RuntimeError(f"weights that do not fit the engine's model: unexpected {unexpected[:5]}, "
                                f"missing {[n for n in missing if not is_vision_parameter(n)][:5]}")  # fmt: skip
 
-    def parameter_names(self) -> list[str]:
-        return _parameter_names(self.model)
-
-    def engine_names(self, names: list[str]) -> list[str]:
-        return names
+    def not_loaded(self, sent_names: list[str]) -> list[str]:
+        sent = set(sent_names)
+        return [name for name, _ in weight_transfer.state_tensors(self.model) if name not in sent]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return [self._logprobs(seq, 1.0) for seq in sequences]

@@ -35,6 +35,9 @@ class Reloader:
     def __init__(self, llm):
         self.llm = llm
         self.left_out: set[str] | None = None  # checkpoint names the reload leaves out (None: not known yet)
+        # the engine's parameters the last reload wrote nothing into, as vLLM's own loaders
+        # accounted for them (None: no reload yet)
+        self.unloaded: list[str] | None = None
 
     def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``named_tensors`` (Hugging Face names, read as they arrive)."""
@@ -46,7 +49,7 @@ class Reloader:
                     kept.append((name, tensor))
                 yield name, tensor
 
-        with _failed_layers() as failed:
+        with _failed_layers() as (failed, unloaded):
             self.llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": keep(named_tensors), "is_checkpoint_format": True},
@@ -54,32 +57,42 @@ class Reloader:
         if failed or self.left_out:
             loaded = self.llm.apply_model(lambda model: _load_left_out(model, failed, kept))[0]
             self.left_out = set(loaded) if self.left_out is None else self.left_out
+            written = set(self.llm.apply_model(lambda model: _written(model, loaded))[0])
+            unloaded = [name for name in unloaded if name not in written]
         elif self.left_out is None:
             self.left_out = set()
+        self.unloaded = unloaded
         if not torch.cuda.is_available():
             self.llm.apply_model(_relayout_cpu_experts)
 
 
 @contextlib.contextmanager
-def _failed_layers() -> Iterator[list[str]]:
-    """The module paths of the layers with parameters that the reload inside leaves as they were
-    (the in-process engine: its reload runs in this process)."""
+def _failed_layers() -> Iterator[tuple[list[str], list[str]]]:
+    """The module paths of the layers with parameters that the reload inside leaves as they were,
+    and the names of every parameter no weight loader wrote (vLLM's own account of its loading:
+    the in-process engine's reload runs in this process). A layer loaded whole is processed and
+    forgotten as its last weight arrives; the ones still waiting at the end are read here."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     failed: list[str] = []
+    unloaded: list[str] = []
     finalize = layerwise.finalize_layerwise_processing
 
     def watched(model, model_config):
         for path, layer in model.named_modules():
             info = layerwise.get_layerwise_info(layer)
-            left = info.can_load() and info.load_numel <= 0 and info.kernel_tensors is not None
-            if left and info.load_numel_total > 0 and any(True for _ in layer.parameters(recurse=False)):
+            own = [name for name, _ in layer.named_parameters(recurse=False)]
+            if not info.can_load() or not own or not info.load_numel_total:
+                continue
+            loaded = {name for name, _ in info.loaded_weights} if info.load_numel > 0 else set()
+            unloaded.extend(f"{path}.{name}" if path else name for name in own if name not in loaded)
+            if info.load_numel <= 0 and info.kernel_tensors is not None:
                 failed.append(path)
         return finalize(model, model_config)
 
     layerwise.finalize_layerwise_processing = watched
     try:
-        yield failed
+        yield failed, unloaded
     finally:
         layerwise.finalize_layerwise_processing = finalize
 
@@ -106,6 +119,20 @@ def _load_left_out(model, failed: list[str], kept: list[tuple[str, torch.Tensor]
     if left_out:
         model.load_weights(iter(left_out))
     return [name for name, _ in left_out]
+
+
+def _written(model, checkpoint_names: list[str]) -> list[str]:
+    """The engine parameters that the left-out tensors ``checkpoint_names`` load (as their layer's
+    own loader names them)."""
+    from vllm.model_executor.model_loader.weight_utils import maybe_remap_moe_expert_param_name
+
+    params = dict(model.named_parameters())
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    out = []
+    for name in checkpoint_names:
+        mapped = mapper._map_name(name) if mapper is not None else name
+        out.append(maybe_remap_moe_expert_param_name(mapped or name, params))
+    return out
 
 
 def _relayout_cpu_experts(model) -> int:

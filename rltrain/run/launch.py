@@ -163,6 +163,8 @@ class Run:
     teacher: Any = None  # a rltrain.run.frozen_models.Teacher (its actors' group; distillation), or None
     reward_model: Any = None  # a rltrain.run.frozen_models.RewardModel (its actors' group), or None
     judge_engines: Any = None  # a GeneratorPool of reward.judge.model, or None
+    startup: dict | None = None  # the start-up check's figures (sync/startup_gap, sync/startup_kl)
+    gap_checked: bool = False  # run.max_first_step_gap, at the first step that measures a gap
 
     @property
     def groups(self) -> list[Any]:
@@ -186,8 +188,11 @@ class Run:
         self.scorer.close()
 
 
-def start_run(config: Config, inputs: Inputs) -> Run:
-    """Actors, prompts and rewards; restored from the newest checkpoint when resuming."""
+def start_run(config: Config, inputs: Inputs, generators=None) -> Run:
+    """Actors, prompts and rewards; restored from the newest checkpoint when resuming; the engines
+    then take the learners' weights and are checked against them before any work
+    (:func:`~rltrain.run.weight_sync.check_engines`). ``generators``: engines started already (on
+    another checkpoint: before the warm start, which they were checked against)."""
     # ray, deepspeed and vllm load here, not at import: --help stays instant
     from rltrain.learner.group import LearnerGroup
     from rltrain.rollout import GeneratorPool
@@ -203,7 +208,9 @@ def start_run(config: Config, inputs: Inputs) -> Run:
     try:  # a failure while starting still stops what did start
         # engines first: they load in their own actors (not waited for here) while the learner
         # groups below set up one after another
-        parts["generators"] = GeneratorPool(config, inputs.model_path, lora=config.model.lora.rank > 0)
+        parts["generators"] = generators or GeneratorPool(
+            config, inputs.model_path, lora=config.model.lora.rank > 0
+        )
         judge = config.reward.judge
         if judge is not None and judge.model is not None:
             parts["judge_engines"] = GeneratorPool(config, judge.model)
@@ -245,11 +252,38 @@ def start_run(config: Config, inputs: Inputs) -> Run:
             state = checkpoint.load(run.learners, out, run.critic)
             run.start_step = state["step"]
             orchestrator.load_state(state["data"], run.start_step)
-            run.weight_sync.push(run.learners, run.generators, run.start_step)
+        # the engines hold what the learners hold, the whole state (a checkpoint's buffers too),
+        # and compute what they compute, before any work
+        run.weight_sync.push(run.learners, run.generators, run.start_step)
+        if config.run.check_sync:
+            run.startup = engines_agree(config, inputs, run.learners, run.generators)
     except BaseException:
         run.shutdown()
         raise
     return run
+
+
+def engines_agree(
+    config: Config, inputs: Inputs, learners, generators, synced: bool = True
+) -> dict[str, float]:
+    """:func:`~rltrain.run.weight_sync.check_engines` on a probe of the run's prompts; a gap stops
+    the run in one line (:class:`~rltrain.config.ConfigError`: the same settings fail again)."""
+    from transformers import AutoConfig
+
+    from rltrain.models.routers import config_experts
+    from rltrain.run.weight_sync import EnginesDisagree, check_engines, startup_probe
+
+    experts = (
+        config_experts(
+            AutoConfig.from_pretrained(inputs.model_path, trust_remote_code=config.model.trust_remote_code)
+        )
+        > 0
+    )
+    try:
+        probe = startup_probe(inputs.prompts, inputs.tokenizer)
+        return check_engines(config, learners, generators, probe, experts, synced)
+    except EnginesDisagree as e:
+        raise ConfigError(f"{e} (run.check_sync=false skips this check)") from None
 
 
 def model_scorers(config: Config, inputs: Inputs, parts: dict[str, Any]) -> dict[str, Any]:

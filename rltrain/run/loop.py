@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rltrain.config import Config
+from rltrain.config import Config, ConfigError
 from rltrain.run import checkpoint
 from rltrain.run.eval import evaluate
 from rltrain.run.launch import Run, start_run
@@ -61,13 +61,8 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
     for restart in range(config.run.max_restarts + 1):
         try:
             if config.sft_warmup.steps:  # RL starts from the warmed-up model (kept in the run folder)
-                from rltrain.run.warm_start import BadExamples, warm_start
-
-                try:
-                    warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out)
-                except BadExamples as e:
-                    raise RunFailed(str(e)) from None
-                return train_once(config, dataclasses.replace(inputs, model_path=warm))
+                warm, generators = warmed_up(config, inputs)
+                return train_once(config, dataclasses.replace(inputs, model_path=warm), generators)
             return train_once(config, inputs)
         except (StartupTimeout, LayoutMismatch) as e:  # nothing to restart: the same would happen again
             raise RunFailed(str(e)) from None
@@ -76,6 +71,8 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
                 f"{e}; stopped (not restarted: the same weights would fail the same way)"
             ) from None
         except ActorFailure as failure:
+            if failure.recurs:  # its start-up raised what a fresh start raises again
+                raise ConfigError(f"{failure}; not restarted (the same settings fail the same way)") from None
             tag = checkpoint.latest_tag(inputs.out)
             # a restart resumes what this run saved or resumed from, never an older run's checkpoint
             resumable = config.run.resume or checkpoint.latest_marker(inputs.out) != before
@@ -92,11 +89,43 @@ def train(config: Config, inputs: Inputs | None = None) -> Path:
     raise AssertionError("unreachable")
 
 
-def train_once(config: Config, inputs: Inputs) -> Path:
+def warmed_up(config: Config, inputs: Inputs):
+    """The warm start (:func:`~rltrain.run.warm_start.warm_start`): the warmed-up model's folder, and
+    the engines RL generates with where they were started first, so that they were checked against
+    the warm start's learners before it trained (None where it was done already, or with LoRA: the
+    adapters' base is the warmed-up model, which fresh engines load)."""
+    from rltrain.rollout import GeneratorPool
+    from rltrain.run.launch import engines_agree
+    from rltrain.run.warm_start import BadExamples, warm_start, warmed
+
+    if warmed(config, inputs.model_path, inputs.out):
+        return warmed(config, inputs.model_path, inputs.out), None
+    generators = GeneratorPool(config, inputs.model_path, lora=config.model.lora.rank > 0)
+    # (the engines loaded the model's files: no sync to check yet, their log-probs are checked)
+    check = (
+        partial(engines_agree, config, inputs, generators=generators, synced=False)
+        if config.run.check_sync
+        else None
+    )
+    try:
+        warm = warm_start(config, inputs.model_path, inputs.rows, inputs.tokenizer, inputs.out, check)
+    except BadExamples as e:
+        generators.shutdown()
+        raise RunFailed(str(e)) from None
+    except BaseException:
+        generators.shutdown()
+        raise
+    if config.model.lora.rank:
+        generators.shutdown()
+        generators = None
+    return warm, generators
+
+
+def train_once(config: Config, inputs: Inputs, generators=None) -> Path:
     """The loop: generate, score, compute advantages, train, sync; log and checkpoint."""
     from rltrain.run.tracking import Tracker
 
-    run = start_run(config, inputs)  # (every actor it starts is shut down on any way out below)
+    run = start_run(config, inputs, generators)  # (every actor it starts is shut down on any way out below)
     generators, orchestrator = run.generators, run.orchestrator
     step = trained = last_saved = run.start_step  # trained: the last step whose update was issued
     sync_unchecked = config.run.check_sync  # the run's first sync of an update is checked
@@ -122,13 +151,7 @@ def train_once(config: Config, inputs: Inputs) -> Path:
                 batch = build_batch(scored, config, run.tokenizer.pad_token_id, version=step - 1)
                 metrics = {} if batch.routes is None else {"perf/routes_bytes": float(batch.routes.numel())}
             if batch is not None and run.teacher is not None:  # distillation: the teacher scores every token
-                teacher_logprobs = run.teacher.per_token(batch)
-                scored.metrics["distill/teacher_failures"] = float(teacher_logprobs is None)
-                if teacher_logprobs is None:  # its actors failed and start afresh: no update this step
-                    batch = None
-                else:
-                    batch, distill_metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
-                    metrics |= distill_metrics
+                batch = taught(run, config, batch, scored, metrics)
             last = step in (config.run.steps, config.run.stop_after)  # (a skipped step ends a run too)
             if batch is None:
                 skip(run, tracker, step, scored.metrics, user_code.note)
@@ -172,6 +195,18 @@ def train_once(config: Config, inputs: Inputs) -> Path:
         interrupt.restore()
     run.shutdown()
     return run.out
+
+
+def taught(run: Run, config: Config, batch, scored, metrics: dict[str, float]):
+    """Distillation: the batch with the teacher's log-probs of every token, or None where its
+    actors failed (they start afresh: no update this step)."""
+    teacher_logprobs = run.teacher.per_token(batch)
+    scored.metrics["distill/teacher_failures"] = float(teacher_logprobs is None)
+    if teacher_logprobs is None:
+        return None
+    batch, distill_metrics = with_distillation(batch, teacher_logprobs, config.algorithm)
+    metrics |= distill_metrics
+    return batch
 
 
 def held_out(run: Run, config: Config, inputs: Inputs) -> dict[str, float]:
@@ -284,8 +319,8 @@ class CtrlC:
 
 def update(run: Run, config: Config, step: int, batch, rewards) -> dict[str, float]:
     """The step's updates: PPO's critic (on GAE from its values) and the policy (once the critic's
-    warm-up steps are over); their metrics."""
-    metrics = {}
+    warm-up steps are over); their metrics (the first, with the start-up check's figures)."""
+    metrics, run.startup = dict(run.startup or {}), None
     if run.critic is not None:
         ref_logprobs = run.learners.per_token(batch) if config.algorithm.kl_in_reward else None
         values = run.critic.per_token(batch)
@@ -390,11 +425,13 @@ def check_first_gap(config: Config, step: int, metrics: dict[str, float]) -> Non
 
 def check_mismatch(config: Config, step: int, metrics: dict[str, float], run: Run) -> None:
     """``run.max_mismatch_kl``: stop, in one line, a run whose engine is evidently not sampling
-    from the learner's weights, instead of training on what it samples; at the run's first step,
-    :func:`check_first_gap` too."""
+    from the learner's weights, instead of training on what it samples; at the run's first step
+    that measures a gap (tokens its weights sampled: a resumed asynchronous run's first batches
+    may all come from older weights), :func:`check_first_gap` too."""
     out = run.out
-    if step == run.start_step + 1:
+    if not run.gap_checked and metrics.get("rollout/mismatch_measured", 1.0) > 0:
         check_first_gap(config, step, metrics)
+        run.gap_checked = True
     limit, value = config.mismatch_limit, metrics.get("rollout/mismatch_kl")
     if limit is None or value is None or value <= limit:
         return

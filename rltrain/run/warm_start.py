@@ -40,13 +40,23 @@ class BadExamples(ValueError):
     """A warm-up example that cannot be encoded (the run stops with its one line)."""
 
 
-def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out: Path) -> str:
-    """The warmed-up model's folder (trained now, or found from an earlier attempt of this run)."""
+def warmed(config: Config, model_path: str, out: Path) -> str | None:
+    """The folder of a warmed-up model an earlier attempt of this run wrote with these settings."""
+    folder = out / "sft_model"
+    done = folder / DONE
+    if done.exists() and json.loads(done.read_text())["settings"] == _settings(config, model_path):
+        return str(folder)
+    return None
+
+
+def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out: Path, check=None) -> str:
+    """The warmed-up model's folder (trained now, or found from an earlier attempt of this run).
+    ``check``: called with the warm start's learners before they train (the engines against them)."""
     sft, folder = config.sft_warmup, out / "sft_model"
     settings = _settings(config, model_path)
     done = folder / DONE
-    if done.exists() and json.loads(done.read_text())["settings"] == settings:
-        return str(folder)
+    if (found := warmed(config, model_path, out)) is not None:
+        return found
     # a vision-language model's processor renders examples with images (it loads at the first)
     images = vision_inputs(config, model_path)
     if sft.source == SFT_FROM_ENV:
@@ -63,6 +73,8 @@ def warm_start(config: Config, model_path: str, rows: list[dict], tokenizer, out
     learners = LearnerGroup(config, model_path, sft.steps, SFTLearner)
     rng, losses, start = random.Random(config.run.seed), [], time.perf_counter()
     try:
+        if check is not None:
+            check(learners=learners)
         # a bar on a terminal; in a log file a line at every fifth of the way
         with tqdm(total=sft.steps, desc="sft warm-up", unit="step", dynamic_ncols=True, leave=False,
                   disable=None) as bar:  # fmt: skip

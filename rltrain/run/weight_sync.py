@@ -164,9 +164,11 @@ def weight_sync(config, learners: LearnerGroup, generators: GeneratorPool) -> We
     return ObjectStoreSync(adapters_only)
 
 
-def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch) -> float:
+def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch, with_kl: bool = False):
     """The largest ``|engine - learner|`` log-prob over every engine and every predicted token of
-    the probe's first sequences (the model's own distribution, temperature 1)."""
+    the probe's first sequences (the model's own distribution, temperature 1); ``with_kl``: and the
+    mean over those tokens of ``k3 = exp(d) - d - 1``, ``d = learner - engine`` (as
+    ``rollout/mismatch_kl`` measures a step's sampled tokens)."""
     probe = probe.select(torch.arange(min(len(probe), PROBE_SEQUENCES)))
     # both sides route with the weights they hold (a rollout's routes came from the older ones)
     probe = probe.replace(routes=None)
@@ -176,13 +178,76 @@ def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBat
     if probe.images is not None:  # (each with its images)
         sequences = [ImagePrompt(seq, im, probe.image_token) if im else seq
                      for seq, im in zip(sequences, probe.images)]  # fmt: skip
-    gap = 0.0
+    gap, k3, tokens = 0.0, 0.0, 0
     for engine in generators.prompt_logprobs(sequences, every=True):
         for engine_logprobs, values, at in zip(engine, learner_BT, positions):
             # position 0 of a sequence has no prefix: the engine gives it 0
             diff = torch.tensor(engine_logprobs[1:]) - values[at[1:]]
             gap = max(gap, diff.abs().max().item() if diff.numel() else 0.0)
-    return gap
+            d = (-diff).double().clamp(-20, 20)
+            k3, tokens = k3 + (torch.expm1(d) - d).sum().item(), tokens + diff.numel()
+    return (gap, k3 / max(tokens, 1)) if with_kl else gap
+
+
+class EnginesDisagree(RuntimeError):
+    """Before any work, an engine does not compute what the learners do on the weights both hold."""
+
+
+# the start-up probe's sequences beside the data's first prompts (an environment's prompts are
+# rendered per episode): plain text, through the model's own tokenizer
+STARTUP_TEXTS = ("What is 17 + 25? Add the tens, then the ones: 17 + 25 = 42.",
+                 "The quick brown fox jumps over the lazy dog, and the dog sleeps on.")  # fmt: skip
+
+
+def startup_probe(prompts, tokenizer) -> TrainBatch:
+    """A few fixed sequences (up to two of the data's prompts and :data:`STARTUP_TEXTS`) as a batch
+    of prompts alone, for :func:`check_engines`."""
+    from rltrain.batch import Completion, collate
+
+    sequences = [p.token_ids for p in prompts if p.token_ids][:2]
+    sequences += [tokenizer.encode(text, add_special_tokens=False) for text in STARTUP_TEXTS]
+    sequences = [s for s in sequences if len(s) > 1][:PROBE_SEQUENCES]
+    return collate(sequences, [Completion() for _ in sequences], torch.zeros(len(sequences)),
+                   tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)  # fmt: skip
+
+
+def check_engines(config, learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch,
+                  experts: bool, synced: bool = True) -> dict[str, float]:  # fmt: skip
+    """Before any work, on the weights the engines and the learners both hold: every engine holds
+    every weight a sync sends (the sync loads all of its model: parameters and persistent buffers),
+    and its log-probs of the probe's sequences are the learners'. Where both compute in fp32 (CPU
+    engines and learners), the largest gap must stay within ``run.max_first_step_gap``; otherwise
+    (or for a mixture of experts, where a near-tie routes apart) the mean k3 within
+    ``run.max_mismatch_kl``. A gap past them raises :class:`EnginesDisagree`, one line naming the
+    gap, the engine and the way that runs. Returns ``sync/startup_gap`` and ``sync/startup_kl``.
+    ``synced`` false: the engines loaded the model's files themselves (no sync to check yet)."""
+    rc, lc, backend = config.rollout, config.learner, config.rollout.backend
+    if synced and (missing := generators.weights_not_loaded()):
+        names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise EnginesDisagree(f"the weight sync loads nothing into the engine's {names} (rollout.backend="
+                              f"{backend}); stopped before any step")  # fmt: skip
+    gap, kl = probe_gap(learners, generators, probe, with_kl=True)
+    fp32 = lc.gpus_per_learner == 0 and lc.precision != "bf16" and rc.gpus_per_engine == 0
+    limit, what = (config.run.max_first_step_gap, "largest log-prob gap") if fp32 and not experts else (
+        config.mismatch_limit, "mean k3 KL")  # fmt: skip
+    value = gap if what == "largest log-prob gap" else kl
+    if limit is None or value <= limit:
+        return {"sync/startup_gap": gap, "sync/startup_kl": kl}
+    layout = [
+        text for on, text in [(lc.packing, "packed rows"), (lc.prefix_sharing is True, "prefix trees")] if on
+    ]
+    if backend == "hf":  # the engine runs each sequence alone under the model's own forward
+        advice = (f"the learners do not run this model exactly in their layout ({' and '.join(layout) or 'padded rows'}"
+                  f"{': set learner.packing=false learner.prefix_sharing=false' if layout else ''})")  # fmt: skip
+    else:
+        advice = (
+            "vLLM computes this model otherwise; rollout.backend=hf generates with transformers' own forward"
+        )
+    raise EnginesDisagree(
+        f"before any step, on the weights both hold, the engine's (rollout.backend={backend}) log-probs of "
+        f"{len(probe)} fixed sequences differ from the learners' by {gap:.3g} at most (mean k3 KL {kl:.3g}; "
+        f"{what} limit {limit:g}): {advice}"
+    )
 
 
 def check_sync(

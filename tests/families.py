@@ -24,9 +24,12 @@ WINDOW = 6  # tokens a sliding layer sees (itself included): the prompt alone is
 
 
 def config(family: str, **changes):
-    """The tiny config of ``family`` (a key of :data:`FAMILIES`), ``changes`` made to it."""
+    """The tiny config of ``family`` (a key of :data:`FAMILIES`, or a model type of :data:`MOE`),
+    ``changes`` made to it."""
     import transformers as t
 
+    if family in MOE:
+        return moe_config(family, **changes)
     make, extra = FAMILIES[family]
     extra = {**extra, **changes}
     cls = getattr(t, make)
@@ -216,6 +219,78 @@ FAMILIES = {
 }
 
 
+def moe_families() -> list[str]:
+    """Every mixture-of-experts family transformers ships: the model types of its causal LMs whose
+    default config names routed experts."""
+    import transformers as t
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from rltrain.models.routers import config_experts
+
+    found = []
+    verbosity = t.logging.get_verbosity()
+    t.logging.set_verbosity_error()  # (default configs warn of their own token ids)
+    try:
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                default = getattr(t, CONFIG_MAPPING_NAMES[model_type])()
+            except Exception:  # noqa: BLE001 - a config without defaults (an encoder-decoder's)
+                continue
+            if config_experts(default):
+                found.append(model_type)
+    finally:
+        t.logging.set_verbosity(verbosity)
+    return found
+
+
+# the tiny shapes of a mixture of experts, each key set where the family's config has it: 4 experts,
+# top-2, one expert group, every layer routed
+MOE_SHAPE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+                 moe_topk=2, n_group=1, topk_group=1, first_k_dense_replace=0, num_dense_layers=0,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=32, router_hidden_size=32)  # fmt: skip
+# multi-head latent attention (DeepSeek's): the rotary part is the head the positions turn
+MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+# what a family needs beyond that: its own layer kinds, a top-1 router, a MoE it switches on, an
+# indexer and n-gram tables small enough
+MOE = {model_type: {} for model_type in moe_families()}
+MOE |= {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
+    "doge": dict(is_moe=True, num_experts=16),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_d_state=8, mamba_expand=1, mamba_dt_rank=8),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4, ngram_vocab_size_base=512, split_ngram_parts=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=2, hc_lowrank=16, ple_embed_dim=32),
+}  # fmt: skip
+
+
+def moe_config(model_type: str, **changes):
+    """The tiny config of the mixture of experts ``model_type``: :data:`SHAPE` and :data:`MOE_SHAPE`
+    where its config has the key (the head size always), two layers of each kind its defaults
+    list, and what :data:`MOE` adds; ``changes`` last."""
+    import transformers as t
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    cls = getattr(t, CONFIG_MAPPING_NAMES[model_type])
+    default = cls()
+    shape = {**SHAPE, "num_hidden_layers": 2, **MOE_SHAPE}
+    kw = {k: v for k, v in shape.items() if hasattr(default, k) or k == "head_dim"}
+    if getattr(default, "kv_lora_rank", None):
+        kw |= {k: v for k, v in MLA.items() if hasattr(default, k)}
+        kw |= {"num_key_value_heads": kw["num_attention_heads"], "head_dim": MLA["qk_rope_head_dim"]}
+    for key in ("layer_types", "mlp_layer_types"):  # each kind the defaults list, in their order
+        kinds = getattr(default, key, None)
+        if kinds and not isinstance(getattr(cls, key, None), property):
+            kw[key] = (list(dict.fromkeys(kinds)) * 2)[: kw["num_hidden_layers"]]
+    return cls(**{**kw, **MOE.get(model_type, {}), **changes})
+
+
 def build(family: str, attn_implementation: str | None = None, seed: int = 0, **changes) -> torch.nn.Module:
     """A freshly initialized tiny model of ``family`` (fp32, eval), its weights fixed by ``seed``;
     ``changes``: to its config."""
@@ -224,13 +299,26 @@ def build(family: str, attn_implementation: str | None = None, seed: int = 0, **
     auto = causal_lm_class(made)
     if not attention_interface(made):  # (its own attention, as the learners load it)
         attn_implementation = None
-    model = auto.from_config(made, attn_implementation=attn_implementation or "eager")
+    # (a mixture's experts in plain torch: the grouped matmul kernel takes no float64)
+    experts = {"experts_implementation": "eager"} if family in MOE else {}
+    model = auto.from_config(made, attn_implementation=attn_implementation or "eager", **experts)
     prepare(model, needs(made, model))
     with torch.no_grad():  # attention sinks start at zero: give each head its own
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
                 param.normal_(0.0, 1.0)
+        for name, buffer in model.named_buffers():  # a trained model's routing biases and hash tables
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                buffer.normal_(0.0, 0.05)
+            elif name.endswith("tid2eid"):
+                buffer.copy_(torch.randint_like(buffer, 0, int(buffer.max()) + made_experts(made)))
     return model.float().eval()
+
+
+def made_experts(config) -> int:
+    from rltrain.models.routers import config_experts
+
+    return config_experts(getattr(config, "text_config", None) or config) or 1
 
 
 def group_batch(seed: int = 0) -> TrainBatch:

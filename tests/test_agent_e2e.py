@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
 from rltrain.data import Prompt, episode_rows
+from rltrain.diagnostics import layout_config, relative_difference, updates_after_one_step
 from rltrain.envs import GuessEnv
 from rltrain.episodes.agents import AgentRunner
 from rltrain.episodes.chat import ChatRenderer
 from rltrain.forward import sequence_logprobs
 from rltrain.losses import sft_cross_entropy
 from rltrain.rollout import GeneratorActor
-from rltrain.diagnostics import layout_config, relative_difference, updates_after_one_step
 from rltrain.run.scoring import ScoredGroups, build_batch
 
 pytestmark = pytest.mark.slow

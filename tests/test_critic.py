@@ -8,9 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from rltrain.forward import token_outputs
-from rltrain.learner.critic import CriticLearner
-from rltrain.learner.group import LearnerGroup
 from rltrain.diagnostics import (
     critic_layout_config,
     relative_difference,
@@ -18,6 +15,9 @@ from rltrain.diagnostics import (
     updates_after_one_step,
     with_value_targets,
 )
+from rltrain.forward import token_outputs
+from rltrain.learner.critic import CriticLearner
+from rltrain.learner.group import LearnerGroup
 
 pytestmark = pytest.mark.slow
 

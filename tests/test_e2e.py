@@ -18,10 +18,10 @@ from dist_utils import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltrain.config import Config
+from rltrain.diagnostics import synthetic_rollouts
 from rltrain.forward import sequence_logprobs
 from rltrain.learner.group import LearnerGroup
 from rltrain.rollout import GeneratorPool
-from rltrain.diagnostics import synthetic_rollouts
 from rltrain.run.weight_sync import CollectiveSync, ObjectStoreSync
 from rltrain.sandbox import isolation_problem
 

@@ -234,8 +234,8 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
     from transformers import AutoConfig
 
     from rltrain.config import BUILTIN_MODELS
-    from rltrain.models.families import causal_lm_class
     from rltrain.diagnostics import relative_difference
+    from rltrain.models.families import causal_lm_class
 
     def weights(folder):
         return causal_lm_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder).state_dict()
@@ -287,13 +287,13 @@ def test_a_hybrid_models_token_mode_update_is_the_same_in_every_layout_and_the_n
     # trees under ZeRO-2 (one micro-batch each) and ZeRO-3 (a budget of 16 tokens: several
     # micro-batches, accumulation) give its update. The per-micro-batch mean over 2 x (3 + 1) padded
     # micro-batches does not (with one micro-batch on one learner it is the token mean: the reference)
-    from rltrain.models.tiny import build_tiny_model
     from rltrain.diagnostics import (
         layout_config,
         relative_difference,
         synthetic_rollouts,
         updates_after_one_step,
     )
+    from rltrain.models.tiny import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "qwen3.5", family="qwen3_5_text"))
     batch = synthetic_rollouts(group_size=4)

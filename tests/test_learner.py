@@ -6,12 +6,6 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
-from rltrain.forward import sequence_logprobs
-from rltrain.learner.critic import CriticLearner
-from rltrain.learner.group import LearnerGroup, placement_of
-from rltrain.learner.policy import PolicyLearner
-from rltrain.loss.logprobs import token_entropy
-from rltrain.plan import plan_packed_micro_batches
 from rltrain.diagnostics import (
     critic_layout_config,
     layout_config,
@@ -22,6 +16,12 @@ from rltrain.diagnostics import (
     updates_after_one_step,
     with_value_targets,
 )
+from rltrain.forward import sequence_logprobs
+from rltrain.learner.critic import CriticLearner
+from rltrain.learner.group import LearnerGroup, placement_of
+from rltrain.learner.policy import PolicyLearner
+from rltrain.loss.logprobs import token_entropy
+from rltrain.plan import plan_packed_micro_batches
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from test_resume import stopped_after_step_2
 from transformers import AutoModelForCausalLM
 
 from rltrain.config import Config
+from rltrain.diagnostics import layout_config, on_learners, relative_difference, synthetic_rollouts
 from rltrain.learner.group import LearnerGroup
 from rltrain.remote import gather
-from rltrain.diagnostics import layout_config, on_learners, relative_difference, synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 LORA = {"rank": 8, "alpha": 16}

@@ -13,8 +13,6 @@ from test_e2e import REPO, SMALL, final_weights
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from rltrain.forward import padded_forward
-from rltrain.models.tiny import MOE_EXPERTS, MOE_TOP_K, build_tiny_model
 from rltrain.diagnostics import (
     layout_config,
     metrics_of_one_step,
@@ -22,6 +20,8 @@ from rltrain.diagnostics import (
     synthetic_rollouts,
     updates_after_one_step,
 )
+from rltrain.forward import padded_forward
+from rltrain.models.tiny import MOE_EXPERTS, MOE_TOP_K, build_tiny_model
 
 pytestmark = pytest.mark.slow
 COEF = 0.5  # large beside the policy loss, so a wrong aux gradient shows in the whole update

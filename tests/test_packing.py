@@ -6,11 +6,11 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import TrainBatch
 from rltrain.config import ConfigError, load_config
+from rltrain.diagnostics import synthetic_rollouts
 from rltrain.forward import attention, pack_sequences, packed_forward, sequence_logprobs
 from rltrain.forward.attention import document_attention
 from rltrain.masked_mean import group_token_totals
 from rltrain.plan import plan_packed_micro_batches
-from rltrain.diagnostics import synthetic_rollouts
 
 
 def ragged_batch(seed: int = 0) -> TrainBatch:

@@ -379,8 +379,8 @@ def test_a_failed_check_before_the_first_reference_forward_plans_every_batch_uns
     # unshared, within the budget of the unshared forward
     from model_utils import positionless_model
 
-    from rltrain.learner.group import LearnerGroup
     from rltrain.diagnostics import layout_config, synthetic_rollouts
+    from rltrain.learner.group import LearnerGroup
 
     path = positionless_model(tiny_model_path, tmp_path / "positionless")
     batch = synthetic_rollouts(group_size=4)
@@ -423,9 +423,9 @@ def test_packed_rows_that_differ_from_padded_ones_stop_the_run_in_one_line(
     # it trained on; only the engine-learner gap hinted at it)
     from model_utils import positionless_model
 
+    from rltrain.diagnostics import layout_config, synthetic_rollouts
     from rltrain.learner.group import LearnerGroup
     from rltrain.learner.prefix_tree import LayoutMismatch
-    from rltrain.diagnostics import layout_config, synthetic_rollouts
 
     path = positionless_model(tiny_model_path, tmp_path / "ignores", ignored=True)
     raw = layout_config(1, 1, 0, max_tokens_per_micro_batch=200, prefix_sharing=False).model_dump()

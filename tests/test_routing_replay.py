@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from rltrain.batch import ROUTE_DTYPE, ROUTE_UNKNOWN, Completion, Segment, collate, extend_routes, nonempty
 from rltrain.config import Config
+from rltrain.diagnostics import layout_config, synthetic_rollouts
 from rltrain.forward import sequence_logprobs
 from rltrain.learner.route_rows import in_forward_order
 from rltrain.models.routers import RouterTap, read_routers, replay_problem
 from rltrain.models.tiny import build_tiny_model
-from rltrain.diagnostics import layout_config, synthetic_rollouts
 
 NEAR_TIES = 1e-3  # the routers' scale: experts' logits a few 1e-3 apart
 NUDGE = 1e-4  # the learner's routers differ from the engine's by this much (noise per weight)

@@ -262,9 +262,9 @@ SCORER_LAYOUTS = {
 def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teacher_path):
     from transformers import AutoModelForCausalLM
 
+    from rltrain.diagnostics import synthetic_rollouts
     from rltrain.forward import sequence_logprobs
     from rltrain.learner.frozen import TeacherLearner
-    from rltrain.diagnostics import synthetic_rollouts
 
     batch = synthetic_rollouts()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
@@ -282,9 +282,9 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 
     import ray
 
+    from rltrain.diagnostics import synthetic_rollouts
     from rltrain.learner.frozen import TeacherLearner
     from rltrain.learner.group import LearnerGroup
-    from rltrain.diagnostics import synthetic_rollouts
     from rltrain.run.frozen_models import Teacher
 
     batch, config = synthetic_rollouts(), scorer_config("algorithm", teacher_path, num_learners=1)
@@ -304,8 +304,8 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 def test_the_reward_models_actors_score_as_sequence_classification(ray_local, reward_model_path):
     from transformers import AutoModelForSequenceClassification
 
-    from rltrain.learner.frozen import RewardModelLearner, last_token_scores
     from rltrain.diagnostics import synthetic_rollouts
+    from rltrain.learner.frozen import RewardModelLearner, last_token_scores
 
     batch = synthetic_rollouts()
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path)
@@ -360,13 +360,13 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
 def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
     from transformers import AutoModelForCausalLM
 
-    from rltrain.forward import sequence_logprobs
     from rltrain.diagnostics import (
         layout_config,
         relative_difference,
         synthetic_rollouts,
         updates_after_one_step,
     )
+    from rltrain.forward import sequence_logprobs
 
     batch = synthetic_rollouts()
     with torch.no_grad():

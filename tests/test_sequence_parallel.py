@@ -10,9 +10,11 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 from transformers import AutoModelForCausalLM
 
-from rltrain.forward import attention, sequence_logprobs
-from rltrain.learner import sequence_parallel
 from rltrain.diagnostics import synthetic_rollouts
+from rltrain.forward import RowLayout, attention, sequence_logprobs
+from rltrain.forward import logprobs as forward_logprobs
+from rltrain.forward.layouts import owned_positions, shard_packed_row
+from rltrain.learner import sequence_parallel
 
 
 def multi_document_batch(vocab: int = 256):
@@ -30,12 +32,14 @@ def _rank_main(rank: int, sp: int, port: int, model_path: str, out: dict) -> Non
         name = sequence_parallel.use_group(dist.new_group(list(range(sp))))
         model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=name)
         ids, attention = multi_document_batch(model.config.vocab_size)
-        logprobs, entropy = sequence_parallel.sequence_logprobs(model, ids, attention, 0.8, True, sp, rank)
+        # this rank's share of the packed row, through the forward's own layout
+        row = RowLayout(ids, attention, packed=True, shard=(sp, rank))
+        logprobs, entropy = forward_logprobs(model, row, 0.8, with_entropy=True)
         logprobs.sum().backward()
         out[rank] = {
             "logprobs": logprobs.detach(),
             "entropy": entropy,
-            "owned": sequence_parallel.owned_positions(attention, sp, rank),
+            "owned": owned_positions(attention, sp, rank),
             "grad": torch.cat([p.grad.reshape(-1) for p in model.parameters()]),
         }
     finally:
@@ -77,11 +81,11 @@ def test_sequence_parallel_row_equals_the_single_rank_packed_row(family, tiny_mo
 def test_shard_packed_row_pads_to_a_multiple_of_sp_with_a_document_of_its_own():
     ids, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 2, 0, 1]])
     # 5 tokens over 2 ranks: 3 each, the sixth is padding with position 0 (a new document)
-    assert [x.tolist() for x in sequence_parallel.shard_packed_row(ids, positions, 2, 0)] == [
+    assert [x.tolist() for x in shard_packed_row(ids, positions, 2, 0)] == [
         [[5, 6, 7]],
         [[0, 1, 2]],
     ]
-    assert [x.tolist() for x in sequence_parallel.shard_packed_row(ids, positions, 2, 1)] == [
+    assert [x.tolist() for x in shard_packed_row(ids, positions, 2, 1)] == [
         [[8, 9, 0]],
         [[0, 1, 0]],
     ]

@@ -14,15 +14,15 @@ from rltrain.batch import Completion
 from rltrain.config import Config, DataConfig, EvalConfig, SFTWarmupConfig
 from rltrain.curves import PANELS, panels_for, plot_curves
 from rltrain.data import arithmetic_rows, sft_examples, split_held_out, tokenize_completion
-from rltrain.envs import ChainEnv, tool_schemas
-from rltrain.episodes.chat import with_call_ids
-from rltrain.rewards.functions import RewardScorer
 from rltrain.diagnostics import (
     layout_config,
     relative_difference,
     synthetic_rollouts,
     updates_after_one_step,
 )
+from rltrain.envs import ChainEnv, tool_schemas
+from rltrain.episodes.chat import with_call_ids
+from rltrain.rewards.functions import RewardScorer
 from rltrain.run.eval import evaluate
 from rltrain.run.tracking import Tracker, eval_table
 

@@ -54,10 +54,8 @@ def token_outputs(
             out = token_outputs(model, input_ids_BT.gather(1, order), attention_mask_BT.gather(1, order))
             return unordered(out, order)
         return padded_forward(model, input_ids_BT, attention_mask_BT).logits
-    keep_BT = attention_mask_BT.bool()
     out_1LC = packed_forward(model, *pack_sequences(input_ids_BT, attention_mask_BT)).logits
-    out_BTC = out_1LC.new_zeros(*keep_BT.shape, out_1LC.shape[-1])
-    return out_BTC.masked_scatter(keep_BT[..., None], out_1LC[0])
+    return unpacked(out_1LC[0], attention_mask_BT.bool())
 
 
 def pack_sequences(
@@ -72,6 +70,45 @@ def pack_sequences(
     keep_BT = attention_mask_BT.bool()
     position_ids_BT = attention_mask_BT.long().cumsum(-1) - 1
     return input_ids_BT[keep_BT][None], position_ids_BT[keep_BT][None]
+
+
+def unpacked(values_L: torch.Tensor, keep_BT: torch.Tensor) -> torch.Tensor:
+    """The values of a packed row's tokens (``[L, ...]``, in :func:`pack_sequences`' order) back at
+    their cells of ``[B, T, ...]`` (``keep_BT``: the attended ones), 0 elsewhere: the one scatter
+    of every packed layout."""
+    mask = keep_BT.reshape(*keep_BT.shape, *[1] * (values_L.dim() - 1))
+    return values_L.new_zeros(*keep_BT.shape, *values_L.shape[1:]).masked_scatter(mask, values_L)
+
+
+def row_slice(length: int, sp: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous part of a packed row of ``length`` tokens padded to a multiple of
+    ``sp`` (sequence parallelism's share of a row; ``sp`` 1: the whole row)."""
+    per_rank = -(-length // sp)
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def shard_packed_row(
+    input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor, sp: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad the row to a multiple of ``sp`` (the padding is a document of its own, masked out of
+    everything) and return rank ``rank``'s slice of ids and position ids."""
+    length = input_ids_1L.shape[1]
+    pad = -length % sp
+    ids = torch.nn.functional.pad(input_ids_1L, (0, pad))
+    positions = torch.cat([position_ids_1L, torch.arange(pad, device=position_ids_1L.device)[None]], dim=1)
+    part = row_slice(length, sp, rank)
+    return ids[:, part], positions[:, part]
+
+
+def owned_positions(attention_mask_BT: torch.Tensor, sp: int, rank: int) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens whose log-prob rank ``rank`` of ``sp`` computes (packed index
+    ``j`` with its predicting position ``j - 1`` in the rank's slice). Over the ``sp`` ranks each
+    attended token but the row's first is owned exactly once."""
+    keep_BT = attention_mask_BT.bool()
+    length = int(keep_BT.sum())
+    part = row_slice(length, sp, rank)
+    packed_index = torch.arange(length, device=attention_mask_BT.device)
+    return unpacked((packed_index - 1 >= part.start) & (packed_index - 1 < part.stop), keep_BT)
 
 
 def packed_forward(

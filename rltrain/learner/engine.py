@@ -36,6 +36,7 @@ import torch
 from rltrain import forward
 from rltrain.batch import TrainBatch, nonempty
 from rltrain.config import Config, LearnerConfig
+from rltrain.forward.layouts import row_slice
 from rltrain.forward.model import causal_lm
 from rltrain.forward.vision import Images
 from rltrain.learner import sequence_parallel
@@ -296,7 +297,7 @@ class EngineLearner(EngineStart, LearnerState):
         the packed row, or every padded cell."""
         if not self.sharing.packed():
             return mb.input_ids.numel()
-        return sequence_parallel.row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
+        return row_slice(int(mb.attention_mask.sum()), self.sp, 0).stop
 
     def _images(self, mb: TrainBatch) -> tuple[list[Images | None] | None, Images | None]:
         """Each sequence's images as the model's forward takes them (its own image processor's
@@ -318,11 +319,11 @@ class EngineLearner(EngineStart, LearnerState):
 
     def _row(self, mb: TrainBatch, images: bool = True) -> forward.RowLayout:
         """How ``mb`` runs through the model: a prefix tree, one packed row or padded rows
-        (:attr:`sharing`), with its images (``images``: :meth:`_images`, a collective where the tower is)."""
+        (:attr:`sharing`), this rank's share of the packed row under sequence parallelism, with its
+        images (``images``: :meth:`_images`, a collective where the tower is)."""
         seen, idle = self._images(mb) if images else (None, None)
-        return forward.RowLayout(
-            mb.input_ids, mb.attention_mask, self.sharing.packed(), self.sharing.tree(mb), seen, idle
-        )
+        return forward.RowLayout(mb.input_ids, mb.attention_mask, self.sharing.packed() or self.sp > 1,
+                                 self.sharing.tree(mb), seen, idle, (self.sp, self.sp_rank))  # fmt: skip
 
     def _tower_everywhere(self) -> bool:
         """Whether the model's vision tower runs on every rank whenever it runs on one: its forward

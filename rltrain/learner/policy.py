@@ -145,11 +145,6 @@ class PolicyLearner(EngineLearner):
             tap = self.ref_tap if model is self.ref_model else self.tap
             tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
             tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
-        if self.sp > 1:
-            return sequence_parallel.sequence_logprobs(
-                model, mb.input_ids, mb.attention_mask, temperature, with_entropy, self.sp, self.sp_rank,
-                truncation, self.agree_chunks,
-            )  # fmt: skip
         return forward.logprobs(
             model, self._row(mb), temperature, with_entropy, truncation, agree_chunks=self.agree_chunks
         )

@@ -164,25 +164,3 @@ class PrefixSharing:
                     f"on the first micro-batch: this model is not run exactly packed; set {self.key}.packing=false"
                 )
         return self.on
-
-
-# names that moved to rltrain.forward.tree (a prefix tree and its forward): importable from here for
-# one release
-MOVED_NAMES = (
-    "first_index",
-    "tree_forward",
-    "tree_logprobs",
-    "tree_outputs",
-)  # (and PrefixTree, build_tree: used here)
-
-
-def __getattr__(name: str):
-    if name not in MOVED_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from rltrain.forward import tree
-
-    warnings.warn(f"rltrain.learner.prefix_tree.{name} is now rltrain.forward.tree.{name}; the old name goes "
-                  "in the next release", DeprecationWarning, stacklevel=2)  # fmt: skip
-    return getattr(tree, name)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from rltrain.batch import ROUTE_UNKNOWN, TrainBatch
+from rltrain.forward.layouts import row_slice
 from rltrain.forward.tree import PrefixTree
-from rltrain.learner import sequence_parallel
 from rltrain.loss.moe import expert_load_max
 
 
@@ -33,7 +33,7 @@ def in_forward_order(
     real = values_BT[attention_BT.bool()]  # the packed row's tokens, in order
     if sp == 1:
         return real
-    part = sequence_parallel.row_slice(len(real), sp, sp_rank)
+    part = row_slice(len(real), sp, sp_rank)
     padding = real.new_full((max(part.stop - len(real), 0), *real.shape[1:]), fill)
     return torch.cat([real, padding])[part]
 

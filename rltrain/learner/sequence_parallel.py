@@ -17,8 +17,10 @@ Where this departs from DeepSpeed's ``UlyssesSPAttentionHF``: documents are kept
 than the mask dropped (that wrapper is exact only with one sequence per row), and any key/value
 head count works.
 
-Loss tokens: the log-prob of packed token ``j`` comes from the logits at ``j - 1``, so the rank
-holding position ``j - 1`` *owns* it (:func:`owned_positions`). Each rank sums its loss over the
+A rank's share of a row is a packed row's layout like any other (``RowLayout.shard``, its slice
+and its tokens' log-probs in :mod:`rltrain.forward`). Loss tokens: the log-prob of packed token
+``j`` comes from the logits at ``j - 1``, so the rank holding position ``j - 1`` *owns* it
+(:func:`rltrain.forward.layouts.owned_positions`). Each rank sums its loss over the
 tokens it owns and counts only those in the token totals, so every loss token is counted exactly
 once over the world, in the same one collective as without sequence parallelism. The scale factor
 that cancels the engine's gradient reduction is derived in :mod:`rltrain.loss.masked_mean`.
@@ -28,14 +30,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
 from rltrain.batch import TrainBatch
 from rltrain.forward.attention import document_attention, layer_asks, register_attention
-from rltrain.forward.head import head_forward
-from rltrain.forward.layouts import pack_sequences, packed_forward
-from rltrain.loss.logprobs import Truncation, predicted_logprobs
+from rltrain.forward.layouts import owned_positions
 
 ATTENTION = "rltrain_ulysses"
 _group: dist.ProcessGroup | None = None
@@ -113,84 +112,6 @@ def _all_gather_positions(position_ids: torch.Tensor, sp: int) -> torch.Tensor:
     parts = [torch.empty_like(position_ids) for _ in range(sp)]
     dist.all_gather(parts, position_ids.contiguous(), group=_group)
     return torch.cat(parts, dim=-1)
-
-
-# ---------------------------------------------------------------------------- slicing a packed row
-
-
-def row_slice(length: int, sp: int, rank: int) -> slice:
-    """This rank's contiguous part of a packed row of ``length`` tokens padded to a multiple of ``sp``."""
-    per_rank = -(-length // sp)
-    return slice(rank * per_rank, (rank + 1) * per_rank)
-
-
-def shard_packed_row(
-    input_ids_1L: torch.Tensor, position_ids_1L: torch.Tensor, sp: int, rank: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad the row to a multiple of ``sp`` (the padding is a document of its own, masked out of
-    everything) and return this rank's slice of ids and position ids."""
-    length = input_ids_1L.shape[1]
-    pad = -length % sp
-    ids = F.pad(input_ids_1L, (0, pad))
-    positions = torch.cat([position_ids_1L, torch.arange(pad, device=position_ids_1L.device)[None]], dim=1)
-    part = row_slice(length, sp, rank)
-    return ids[:, part], positions[:, part]
-
-
-def owned_positions(attention_mask_BT: torch.Tensor, sp: int, rank: int) -> torch.Tensor:
-    """``[B, T]`` bool: the tokens whose log-prob this rank computes (packed index ``j`` with its
-    predicting position ``j - 1`` in this rank's slice). Over the ``sp`` ranks each attended token
-    but the row's first is owned exactly once."""
-    keep_BT = attention_mask_BT.bool()
-    length = int(keep_BT.sum())
-    part = row_slice(length, sp, rank)
-    packed_index = torch.arange(length, device=attention_mask_BT.device)
-    owned_L = (packed_index - 1 >= part.start) & (packed_index - 1 < part.stop)
-    return torch.zeros_like(keep_BT).masked_scatter(keep_BT, owned_L)
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids_BT: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
-    temperature: float,
-    with_entropy: bool,
-    sp: int,
-    rank: int,
-    truncation: Truncation | None = None,
-    agree_chunks=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`rltrain.forward.sequence_logprobs` (packed) for one rank of a sequence-parallel group:
-    ``[B, T]`` log-probs (and entropy) on this rank's :func:`owned_positions`, 0 elsewhere.
-
-    Every rank of the group calls this with the same micro-batch at the same time.
-    """
-    keep_BT = attention_mask_BT.bool()
-    ids_1L, positions_1L = pack_sequences(input_ids_BT, attention_mask_BT)
-    length = ids_1L.shape[1]
-    local_ids, local_positions = shard_packed_row(ids_1L, positions_1L, sp, rank)
-    states_1N, head = head_forward(
-        model, lambda **extra: packed_forward(model, local_ids, local_positions, **extra)
-    )
-    # targets: the next token of the whole row (the last local position predicts the first of the
-    # next rank's slice); positions past the row predict padding and are dropped below
-    part = row_slice(length, sp, rank)
-    targets_1N = F.pad(ids_1L, (0, part.stop + 1 - length))[:, part.start + 1 : part.stop + 1]
-    logprobs_1N, entropy_1N = predicted_logprobs(
-        states_1N, head, targets_1N, temperature, with_entropy, truncation, agree_chunks
-    )
-    # packed index j = part.start + 1 + n; a document's first token is predicted by the previous
-    # document and gets 0, as in the single-rank packed layout
-    index_N = torch.arange(part.start + 1, part.stop + 1, device=ids_1L.device)
-    valid_N = index_N < length
-    starts_N = positions_1L[0, index_N.clamp(max=length - 1)] == 0
-    owned_BT = owned_positions(attention_mask_BT, sp, rank)
-
-    def unpack(values_1N: torch.Tensor) -> torch.Tensor:
-        values_N = torch.where(starts_N, 0.0, values_1N[0])[valid_N]
-        return values_N.new_zeros(keep_BT.shape).masked_scatter(owned_BT, values_N)
-
-    return unpack(logprobs_1N), None if entropy_1N is None else unpack(entropy_1N)
 
 
 def own_tokens(mb: TrainBatch, sp: int, rank: int) -> TrainBatch:

@@ -272,19 +272,3 @@ def predicted_logprobs(
         )
     return head_logprobs_and_entropy(head, states, token_ids, temperature, with_entropy=with_entropy,
                                      truncation=truncation, agree_chunks=agree_chunks)  # fmt: skip
-
-
-# names that moved to rltrain.forward (how a model runs a row): importable from here for one release
-MOVED_NAMES = ("sequence_logprobs", "token_outputs", "pack_sequences", "packed_forward", "padded_forward",
-               "head_forward", "text_positions")  # fmt: skip
-
-
-def __getattr__(name: str):
-    if name not in MOVED_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(f"rltrain.loss.logprobs.{name} is now rltrain.forward.{name}; the old name goes in the next "
-                  "release", DeprecationWarning, stacklevel=2)  # fmt: skip
-    return getattr(importlib.import_module("rltrain.forward"), name)

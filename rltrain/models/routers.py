@@ -178,7 +178,7 @@ def inspect_router(model: torch.nn.Module, name: str, router: torch.nn.Module, l
     each expert its chance: Zaya's skip expert); both must read alike."""
     config = getattr(model, "config", None)
     text = getattr(config, "text_config", None) or config
-    top_k = int(getattr(router, "top_k", None) or getattr(text, "num_experts_per_tok", 0) or 0)
+    top_k = int(getattr(router, "top_k", None) or config_top_k(text))
     experts = int(getattr(router, "num_experts", None) or config_experts(text))
     reads = [_probe(model, router, logits_at, parent, top_k, seed, zero_buffers=seed == 1) for seed in (0, 1)]
     for read in reads:
@@ -296,14 +296,29 @@ def aux_coef(model, configured: float | None) -> float:
     if not own_aux_loss(model):
         return 0.0
     config = getattr(model, "config", None)
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if coef is None:
-        coef = getattr(getattr(config, "text_config", None), "router_aux_loss_coef", None)
-    return float(coef or 0.0)
+    for section, key in ((config, "router_aux_loss_coef"), (getattr(config, "text_config", None), "router_aux_loss_coef"),
+                         (getattr(config, "ffn_config", None), "moe_loss_weight")):  # fmt: skip
+        if getattr(section, key, None) is not None:
+            return float(getattr(section, key))
+    return 0.0
+
+
+def config_top_k(config) -> int:
+    """How many experts a transformers config says each token goes to (0: not said)."""
+    if getattr(config, "ffn_config", None) is not None:  # (DBRX's)
+        config = config.ffn_config
+    for key in ("num_experts_per_tok", "moe_topk", "moe_top_k"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value:
+            return value
+    return 0
 
 
 def config_experts(config) -> int:
-    """How many routed experts a transformers config says its MoE layers have (0: dense)."""
+    """How many routed experts a transformers config says its MoE layers have (0: dense); DBRX
+    says so in its ``ffn_config``."""
+    if getattr(config, "ffn_config", None) is not None:
+        config = config.ffn_config
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value:

@@ -20,8 +20,8 @@ import torch
 from common import model_folder, start_ray, table
 
 from rltrain.batch import TrainBatch
-from rltrain.learner.group import LearnerGroup
 from rltrain.diagnostics import layout_config
+from rltrain.learner.group import LearnerGroup
 
 
 def rl_like_batch(n: int, max_length: int, vocab: int = 256, seed: int = 0) -> TrainBatch:

@@ -20,9 +20,9 @@ import torch
 from common import model_folder, start_ray, table
 
 from rltrain.batch import TrainBatch
+from rltrain.diagnostics import layout_config
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.policy import PolicyLearner
-from rltrain.diagnostics import layout_config
 
 
 class MemoryLearner(PolicyLearner):

@@ -14,9 +14,9 @@ import ray
 from common import model_folder, start_ray, table
 
 import rltrain.learner.engine
+from rltrain.diagnostics import count_collectives, layout_config, synthetic_rollouts
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.policy import PolicyLearner
-from rltrain.diagnostics import count_collectives, layout_config, synthetic_rollouts
 
 
 class CountingLearner(PolicyLearner):

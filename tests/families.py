@@ -421,3 +421,27 @@ def worst_differences(
         )
         out[layout] = ((lp - reference)[keep].abs().max().item(), grad_gap)
     return out
+
+
+def save_moe(model_type: str, folder, **changes):
+    """A tiny model of the mixture of experts ``model_type`` written to ``folder`` with the built-in
+    byte-level tokenizer, in shapes vLLM's CPU engine takes (heads of 32; experts of 32), its routing
+    biases those of a trained model: a folder ``model.name_or_path`` takes. Returns the folder."""
+    from rltrain.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, max_position_embeddings=1024, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32)  # fmt: skip
+    made = moe_config(model_type, **ids, **changes)
+    if getattr(made, "kv_lora_rank", None):  # (multi-head latent attention: its rotary part is the head)
+        made = moe_config(model_type, **{**ids, "num_key_value_heads": 2, "qk_rope_head_dim": 32}, **changes)
+    torch.manual_seed(0)
+    model = causal_lm_class(made).from_config(made)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                buffer.normal_(0.0, 0.05)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

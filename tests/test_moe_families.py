@@ -72,7 +72,9 @@ def test_a_moe_familys_routers_are_read_by_what_they_return_or_refused_in_one_li
         with torch.no_grad(), tap.capture() as (whole, whole_chosen):
             out = model(input_ids=ids[1:], output_router_logits=True, use_cache=False)
         all_rows = torch.ones(ids[1:].numel(), dtype=torch.bool)
-        ours = load_balancing_loss(whole, all_rows, expert_counts(whole, all_rows, tap.top_k, whole_chosen), tap.top_k)
+        ours = load_balancing_loss(
+            whole, all_rows, expert_counts(whole, all_rows, tap.top_k, whole_chosen), tap.top_k
+        )
         if out.aux_loss is not None and len(out.router_logits) == len(whole):
             assert ours.item() == pytest.approx(float(out.aux_loss), rel=1e-5)
     if model_type in NO_REPLAY:
@@ -91,11 +93,15 @@ def test_a_moe_familys_routers_are_read_by_what_they_return_or_refused_in_one_li
     other, _ = sequence_logprobs(model, ids, mask)
     other.sum().backward()
     assert (other.detach() - own)[mask.bool()].abs().max() > 1e-4
-    assert all(any(p.grad is not None and p.grad.abs().sum() > 0 for p in r.parameters()) for r in tap.routers)
+    assert all(
+        any(p.grad is not None and p.grad.abs().sum() > 0 for p in r.parameters()) for r in tap.routers
+    )
 
 
 @pytest.mark.parametrize("model_type", MOE)
-def test_a_moe_family_is_exact_in_every_layout_its_contract_allows_and_refused_in_one_line_elsewhere(model_type):
+def test_a_moe_family_is_exact_in_every_layout_its_contract_allows_and_refused_in_one_line_elsewhere(
+    model_type,
+):
     # each completion's log-prob and every parameter's gradient against each sequence alone, in fp32;
     # where a recurrent layer's scan rounds apart on other chunk boundaries, again in float64
     model_needs = needs(families.config(model_type), families.build(model_type))

@@ -297,8 +297,10 @@ class LossConfig(Section):
     """The constant of seq-mean-token-sum-norm; null: rollout.max_new_tokens."""
     moe_aux_coef: float | None = Field(None, ge=0)
     """Weight of a mixture of experts' load-balancing loss (Switch Transformer's, as transformers
-    computes it); null: the model config's `router_aux_loss_coef` (0 for a model without one);
-    0: off. A dense model refuses a positive value."""
+    computes it, from what each router returns: docs/moe.md); null: the model config's
+    `router_aux_loss_coef` where its transformers code adds the loss, 0 for a family that balances
+    otherwise (DeepSeek-V3's score-correction bias); 0: off. A dense model, or one whose routers no
+    kind of output rltrain reads, refuses a positive value at start-up in one line."""
     moe_aux_scope: Literal["step", "micro_batch"] = "step"
     """`step`: the loss of each optimizer step is transformers' `load_balancing_loss_func` over all
     of the step's tokens (every micro-batch on every rank), whatever the layout (the assignment

@@ -60,10 +60,14 @@ class RunConfig(Section):
     first traceback is printed once and kept in `errors/` in the run folder either way. null: never
     stop for it (failures score 0 and are counted in `failures/<kind>`)."""
     check_sync: bool = True
-    """After the run's first weight sync, every engine and the learners score the first sequences
-    of that step's batch; a gap beyond 10x the engine-learner gap measured before the update (at
-    least 1e-4) stops the run with one line naming the engine parameters the sync does not load,
-    or saying that none is known to differ."""
+    """The engines against the learners, twice. At start-up, before any work (the warm start
+    included): every engine holds every tensor the sync sends (parameters and persistent buffers)
+    and its log-probs of a few fixed sequences are the learners' on the same weights (within
+    `max_first_step_gap` in fp32, `max_mismatch_kl` otherwise); a gap stops the run in one line
+    naming it and the engine (exit 2). After the run's first weight sync of an update, every engine
+    and the learners score the first sequences of that step's batch; a gap beyond 10x the
+    engine-learner gap measured before the update (at least 1e-4) stops the run with one line
+    naming the engine parameters the sync does not load, or saying that none is known to differ."""
     max_mismatch_kl: Annotated[float, Field(gt=0)] | Literal["auto"] | None = "auto"
     """Stop the run (one line, exit 1) when a step's `rollout/mismatch_kl` (the engine's sampling
     log-probs against the learner's on the same tokens) exceeds this: the engine is then evidently

@@ -197,7 +197,13 @@ def _packed_sequence_logprobs(
     )  # packed token predicted
     targets_1N = torch.nn.functional.pad(wanted_1L, (0, part.stop + shift - length))[:, index_N]
     logprobs_1N, entropy_1N = predicted_logprobs(
-        states_1N, head, targets_1N, temperature, with_entropy and targets_BT is None, truncation, agree_chunks
+        states_1N,
+        head,
+        targets_1N,
+        temperature,
+        with_entropy and targets_BT is None,
+        truncation,
+        agree_chunks,
     )
     valid_N = index_N < length
     first_N = (positions_1L[0, index_N.clamp(max=length - 1)] == 0) & (shift == 1)

@@ -12,11 +12,17 @@ learners + 1 vLLM engine on Ray, packed micro-batches), once with synchronous ge
 with `rollout.max_staleness=1`; TRL runs its single-process trainer with transformers `generate`
 (its vLLM colocate mode does not sync weights on CPU). The first step of each (warm-up) is left out.
 Needs `trl` (`make bench` installs it).
+
+The runs alternate (rltrain, rltrain async, TRL, rltrain, rltrain async, TRL, ...; ``--repeats``
+rounds, at least 3 each), so the machine's load falls on all of them alike; each ratio is the
+median over the rounds of that round's rltrain / TRL tokens per second, with the lowest and highest
+beside it (single runs on a shared machine read 1.09x to 1.41x for one size).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -115,6 +121,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of alternating runs (at least 3)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     rows = []
@@ -127,22 +134,33 @@ def main() -> None:
         else:
             hidden, layers = (int(x) for x in shape.split("x"))
             model = model_folder(None, hidden, layers)
-        runs = {
-            "rltrain": run_rltrain(model, int(length), 0, args, tmp / f"{size}-sync"),
-            "rltrain, async 1": run_rltrain(model, int(length), 1, args, tmp / f"{size}-async"),
-            "TRL": run_trl(model, int(length), args, tmp / f"{size}-trl"),
-        }
-        speed = {name: r["tokens"] / r["seconds"] for name, r in runs.items()}
+        rounds = []
+        for i in range(max(3, args.repeats)):  # alternating: every trainer meets the machine's load alike
+            runs = {
+                "rltrain": run_rltrain(model, int(length), 0, args, tmp / f"{size}-sync-{i}"),
+                "rltrain, async 1": run_rltrain(model, int(length), 1, args, tmp / f"{size}-async-{i}"),
+                "TRL": run_trl(model, int(length), args, tmp / f"{size}-trl-{i}"),
+            }
+            for r in runs.values():
+                r["speed"] = r["tokens"] / r["seconds"]
+            rounds.append(runs)
+            print(f"done: {size} round {i + 1}", file=sys.stderr, flush=True)
+        trl = [r["TRL"]["speed"] for r in rounds]
         for name in ("rltrain", "rltrain, async 1"):
-            r = runs[name]
-            r["score"] = r["seconds"] - r["generate"] - r["train"] - r["sync"]
-            split = " / ".join(f"{r[part] / r['seconds']:.0%}" for part in SHARES)
-            rows.append([f"{parameters(model) / 1e6:.2g}M ({shape})", length, name, f"{speed[name]:.0f}",
-                         f"{speed['TRL']:.0f}", f"{speed[name] / speed['TRL']:.2f}", split])  # fmt: skip
-        print(f"done: {size}", file=sys.stderr, flush=True)
-    print(f"{args.prompts} prompts x {args.group} completions per step; steps 2-{args.steps}; CPU")
-    print(table(["model", "completion tokens", "trainer", "tokens/s", "TRL tokens/s", "rltrain / TRL",
-                 "generate / score / train / sync share of rltrain's step"], rows))  # fmt: skip
+            ratios = [r[name]["speed"] / r["TRL"]["speed"] for r in rounds]
+            total = {
+                part: sum(r[name][part] for r in rounds) for part in ("seconds", "generate", "train", "sync")
+            }
+            total["score"] = total["seconds"] - total["generate"] - total["train"] - total["sync"]
+            split = " / ".join(f"{total[part] / total['seconds']:.0%}" for part in SHARES)
+            rows.append([f"{parameters(model) / 1e6:.2g}M ({shape})", length, name,
+                         f"{statistics.median(r[name]['speed'] for r in rounds):.0f}", f"{statistics.median(trl):.0f}",
+                         f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})", split])  # fmt: skip
+    print(f"{args.prompts} prompts x {args.group} completions per step; steps 2-{args.steps}; "
+          f"{max(3, args.repeats)} alternating rounds; CPU")  # fmt: skip
+    print(table(["model", "completion tokens", "trainer", "tokens/s (median)", "TRL tokens/s (median)",
+                 "rltrain / TRL: median (lowest-highest)", "generate / score / train / sync share of rltrain's step"],
+                rows))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -179,6 +179,14 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def zero_advantage(self) -> torch.Tensor:
+        """``[N]`` bool: the sequences whose every loss token has an advantage of exactly 0 (a
+        sequence without loss tokens among them)."""
+        keep = self.response_mask.bool() & self.loss_tool_mask().bool()
+        if self.advantages.dim() == 1:
+            return (self.advantages == 0) | ~keep.any(-1)
+        return ((self.advantages == 0) | ~keep).all(-1)
+
     def select(self, idx: torch.Tensor) -> TrainBatch:
         return TrainBatch(**{f.name: _take(getattr(self, f.name), idx) for f in fields(self)})
 

@@ -28,9 +28,35 @@ class MicroBatchPlan:
 
     groups: list[list[list[torch.Tensor]]] = field(default_factory=list)
     oversized: int = 0  # sequences longer than the token budget, each alone in its micro-batch
+    # per accumulation group: the sequences counted in its totals but run by no rank (their
+    # gradient is exactly zero: :func:`plan_skipping`); empty where none is skipped
+    counted_only: list[torch.Tensor] = field(default_factory=list)
 
     def micro_batches_per_group(self) -> list[int]:
         return [len(group) for group in self.groups[0]]
+
+
+def plan_skipping(num_sequences: int, num_mini_batches: int, skipped: torch.Tensor, world_size: int,
+                  plan_kept) -> MicroBatchPlan:  # fmt: skip
+    """The plan of a batch some of whose sequences are counted but not run (``skipped``, ``[N]``
+    bool): the accumulation groups are the whole batch's contiguous cuts, as without skipping, so
+    every skipped sequence counts in the group it would have run in (:attr:`MicroBatchPlan.counted_only`);
+    each group's other sequences are planned alone by ``plan_kept(indices)`` (a one-group plan of the
+    batch of those sequences). A group with none to run gives every rank one empty micro-batch."""
+    if num_sequences < num_mini_batches:
+        raise ValueError(f"{num_sequences} sequences cannot fill {num_mini_batches} mini-batches")
+    plan = MicroBatchPlan([[] for _ in range(world_size)])
+    for cut in torch.arange(num_sequences).tensor_split(num_mini_batches):
+        kept, plan.counted_only = cut[~skipped[cut]], [*plan.counted_only, cut[skipped[cut]]]
+        if not len(kept):
+            for rank in plan.groups:
+                rank.append([cut[:0]])
+            continue
+        one = plan_kept(kept)
+        plan.oversized += one.oversized
+        for rank, (group,) in zip(plan.groups, one.groups):
+            rank.append([kept[idx] for idx in group])
+    return plan
 
 
 def plan_micro_batches(

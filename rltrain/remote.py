@@ -103,6 +103,7 @@ def _with_reason(line: str, text: str) -> str:
         return line
     after = text[text.index(line) + len(line) :].strip().splitlines()
     reason = next((ln.strip() for ln in after if ln.strip() and not ln.strip().startswith("For further")), "")
+    reason = reason.split(" [type=")[0]  # (pydantic's error type and the input it read)
     return f"{line}: {reason}" if reason else line
 
 

@@ -433,9 +433,9 @@ def save_moe(model_type: str, folder, **changes):
     ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id, max_position_embeddings=1024, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32)  # fmt: skip
-    made = moe_config(model_type, **ids, **changes)
+    made = moe_config(model_type, **{**ids, **changes})
     if getattr(made, "kv_lora_rank", None):  # (multi-head latent attention: its rotary part is the head)
-        made = moe_config(model_type, **{**ids, "num_key_value_heads": 2, "qk_rope_head_dim": 32}, **changes)
+        made = moe_config(model_type, **{**ids, "num_key_value_heads": 2, "qk_rope_head_dim": 32, **changes})
     torch.manual_seed(0)
     model = causal_lm_class(made).from_config(made)
     with torch.no_grad():

@@ -72,3 +72,9 @@ def digits_task_reward(completion, answer):
 
 def words_task_reward(completion, answer):
     return float(completion == answer) if completion.isalpha() else None
+
+
+def tied_reward(completion, answer):
+    # a group whose answer is even ties (every completion 1: advantage 0, its gradient zero); the
+    # others score a completion's length parity (mixed, for a random model)
+    return 1.0 if int(answer) % 2 == 0 else float(len(completion) % 2)

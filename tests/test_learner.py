@@ -524,3 +524,19 @@ def test_zero3_heads_with_a_real_vocabulary_gather_alike_on_ranks_with_uneven_ro
     )  # fmt: skip
     assert relative_difference(rows, reference) < 1e-5
     assert relative_difference(tree, reference) < 1e-5
+
+
+def test_a_plan_that_skips_counts_each_skipped_sequence_in_the_group_it_would_have_run_in():
+    from rltrain.plan import plan_micro_batches, plan_skipping
+
+    # 10 sequences in 2 mini-batches (0-4, 5-9) over 2 ranks, micro-batches of 2; 1, 2, 3 and all of
+    # 5-9 but 9 have advantage 0: group 0 runs 0 and 4, group 1 runs 9 alone (rank 1 a blank one)
+    skipped = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 0]).bool()
+    plan = plan_skipping(10, 2, skipped, 2, lambda kept: plan_micro_batches(len(kept), 2, 1, 2))
+    assert [[[idx.tolist() for idx in group] for group in rank] for rank in plan.groups] == [
+        [[[0]], [[9]]],
+        [[[4]], [[]]],
+    ]
+    assert [idx.tolist() for idx in plan.counted_only] == [[1, 2, 3], [5, 6, 7, 8]]
+    every = plan_skipping(4, 1, torch.ones(4, dtype=torch.bool), 2, None)  # nothing to run: blanks
+    assert [[[idx.tolist() for idx in group] for group in rank] for rank in every.groups] == [[[[]]], [[[]]]]

@@ -164,6 +164,14 @@ class LearnerConfig(Section):
     true/false force it on or off. Not with sequence parallelism."""
     num_mini_batches: int = Field(1, ge=1)
     """Optimizer steps per training step: the global batch is cut into this many accumulation groups."""
+    skip_zero_gradient: bool = True
+    """Sequences whose gradient is exactly zero are counted, not run: every loss token's advantage 0
+    (a group whose rewards are all equal, a reward at its group's mean) and nothing else in the loss
+    that moves weights at zero advantage (no KL to a reference, load-balancing loss, critic's or
+    teacher's per-token advantages, rejecting rollout correction; the step's denominator over the
+    whole step: token mode). Their loss tokens and sequences still count in every denominator of
+    the step, so the update is the one without the skip; `perf/skipped_sequences` logs the share.
+    The policy learners only."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the global batch per training step."""
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"

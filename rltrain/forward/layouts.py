@@ -38,6 +38,11 @@ def trailing_order(model: torch.nn.Module, attention_mask_BT: torch.Tensor) -> t
     return None if bool((order == torch.arange(order.shape[1], device=order.device)).all()) else order
 
 
+def ordered(values_BT: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Per-cell values (``[B, T, ...]``) laid out as the rows of ``order`` (:func:`trailing_order`)."""
+    return values_BT.gather(1, order.reshape(*order.shape, *[1] * (values_BT.dim() - 2)).expand_as(values_BT))
+
+
 def unordered(values_BT: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Values of rows laid out by ``order`` (:func:`trailing_order`) back in the input's columns."""
     index = order.reshape(*order.shape, *[1] * (values_BT.dim() - 2)).expand_as(values_BT)

@@ -172,8 +172,12 @@ class EngineLearner(EngineStart, LearnerState):
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
-        """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g."""
+    def train_step(
+        self, groups: list[list[TrainBatch]], counted: list[TrainBatch | None] | None = None
+    ) -> dict[str, float]:
+        """Train on this rank's share: ``groups[g]`` are the micro-batches of accumulation group g;
+        ``counted[g]`` (rank 0 alone): group g's sequences that count in its totals but are not run
+        (their gradient is exactly zero: :meth:`zero_gradient_proof`)."""
 
         start = time.perf_counter()
         lc, mode = self.lc, self.config.loss.masked_mean_denominator
@@ -193,10 +197,14 @@ class EngineLearner(EngineStart, LearnerState):
         totals, extra = None, self._step_counts(flat)
         if mode == "token" or extra is not None:
             # one collective for every accumulation group of the step (the same over PPO epochs);
-            # with packing, groups may hold different numbers of micro-batches
-            counted = None if self.sp == 1 else [mb.counted for mb in flat]
-            totals = step_totals([mb.response_mask for mb in flat], [len(g) for g in groups],
-                                 [mb.loss_tool_mask() for mb in flat], counted, extra=extra)  # fmt: skip
+            # with packing, groups may hold different numbers of micro-batches; the sequences not run
+            # count on rank 0, whole (each once, its own rank under sequence parallelism)
+            ghosts = [[c] if c is not None else [] for c in (counted or [None] * len(groups))]
+            counts = [mb for group, ghost in zip(groups, ghosts) for mb in [*group, *ghost]]
+            owners = None if self.sp == 1 else [mb.counted if mb.counted is not None else
+                                                torch.ones(len(mb), dtype=torch.long) for mb in counts]  # fmt: skip
+            totals = step_totals([mb.response_mask for mb in counts], [len(g) + len(x) for g, x in zip(groups, ghosts)],
+                                 [mb.loss_tool_mask() for mb in counts], owners, extra=extra)  # fmt: skip
         step = StepMetrics(self.METRIC_SUMS, self.METRIC_MAXES, self.METRIC_TOTALS)
         real_tokens = sum(mb.attention_mask.sum().item() for mb in flat) / self.sp
         unshared = [self._forward_tokens(mb) for mb in flat]
@@ -242,6 +250,11 @@ class EngineLearner(EngineStart, LearnerState):
     def _loss(self, mb: TrainBatch, denominator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one micro-batch reduced with ``denominator`` and its token sums."""
         raise NotImplementedError
+
+    def zero_gradient_proof(self) -> str | None:
+        """Why a sequence whose every loss token has advantage 0 could still move the weights under
+        this learner's objective, or None where it cannot (it is then counted, not run)."""
+        return f"the {self.ROLE}'s loss reads more than the advantages"
 
     def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
         """What every micro-batch needs from the pre-update model (nothing by default)."""

@@ -44,7 +44,7 @@ class FrozenLearner(EngineLearner):
             self.engine = model.to("cuda" if self.use_cuda else "cpu")
         output_head(self.engine)  # (a language model's head path, checked once on a probe)
 
-    def train_step(self, groups: list[list[TrainBatch]]) -> dict[str, float]:
+    def train_step(self, groups: list[list[TrainBatch]], counted=None) -> dict[str, float]:
         raise RuntimeError(f"a {self.ROLE} scores and never trains")
 
     def _shared_forwards(self) -> dict:

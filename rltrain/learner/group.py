@@ -17,7 +17,13 @@ from rltrain.config import Config
 from rltrain.learner.engine import EngineLearner
 from rltrain.learner.policy import PolicyLearner
 from rltrain.learner.prefix_tree import LayoutMismatch
-from rltrain.plan import MicroBatchPlan, plan_micro_batches, plan_packed_micro_batches, shared_prefix_lengths
+from rltrain.plan import (
+    MicroBatchPlan,
+    plan_micro_batches,
+    plan_packed_micro_batches,
+    plan_skipping,
+    shared_prefix_lengths,  # fmt: skip
+)
 from rltrain.remote import gather, wait_placed
 
 
@@ -74,6 +80,9 @@ class LearnerGroup:
             self.sharing = False
         # packed rows and trees are checked against padded rows at the first call that runs them
         self.layouts_checked = self.sharing is False and not (lc.packing and lc.sequence_parallel_size == 1)
+        # why a sequence of advantage 0 could move the weights (None: it cannot, and is skipped);
+        # False until the learners are asked
+        self.skip_proof: str | None | bool = False
         return lc
 
     def restart(self, config: Config, total_optimizer_steps: int) -> None:
@@ -98,10 +107,16 @@ class LearnerGroup:
         """Node, address and pid of every rank."""
         return [{"actor": name, **w} for name, w in zip(self.names, self._all("where"))]
 
-    def _plan(self, batch: TrainBatch, num_mini_batches: int) -> MicroBatchPlan:
-        """Micro-batches per data-parallel rank (the ranks of a sequence-parallel group share one)."""
+    def _plan(
+        self, batch: TrainBatch, num_mini_batches: int, skipped: torch.Tensor | None = None
+    ) -> MicroBatchPlan:
+        """Micro-batches per data-parallel rank (the ranks of a sequence-parallel group share one);
+        ``skipped`` sequences counted in their group's totals, not run (:func:`plan_skipping`)."""
         lc = self.lc
         data_parallel = lc.num_learners // lc.sequence_parallel_size
+        if skipped is not None and skipped.any():
+            return plan_skipping(len(batch), num_mini_batches, skipped, data_parallel,
+                                 lambda kept: self._plan(batch.select(kept), 1))  # fmt: skip
         if lc.packing:
             budget = self.config.token_budget(lc)
             # a group's prefix tree travels whole, and counts its shared prefix once against the budget
@@ -137,17 +152,27 @@ class LearnerGroup:
         self.layouts_checked = not unchecked
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One training step on ``batch``: planned over the ranks, every rank at once. Sequences
+        whose gradient the objective proves zero (:meth:`EngineLearner.zero_gradient_proof`) are
+        not run: they travel to rank 0 as counts alone, in their accumulation group's totals."""
         batch.validate()
         self._check_layouts(batch)
         sp = self.lc.sequence_parallel_size
-        plan = self._plan(batch, self.lc.num_mini_batches)
+        if self.skip_proof is False:  # asked once (a restart asks again)
+            self.skip_proof = self._gather([self.actors[0].zero_gradient_proof.remote()])[0]
+        skipped = batch.zero_advantage() if self.skip_proof is None else None
+        plan = self._plan(batch, self.lc.num_mini_batches, skipped)
         shards = [[[batch.select(idx).trim() for idx in group] for group in rank] for rank in plan.groups]
-        results = self._gather([a.train_step.remote(shards[i // sp]) for i, a in enumerate(self.actors)])
+        counted = [batch.select(idx).trim() if len(idx) else None for idx in plan.counted_only] or None
+        results = self._gather([a.train_step.remote(shards[i // sp], counted if i == 0 else None)
+                                for i, a in enumerate(self.actors)])  # fmt: skip
         metrics = results[0]  # every rank holds the same all-reduced metrics, except its own memory
         prefix, perf = self.learner_cls.PREFIX, self.learner_cls.PERF
         metrics[f"perf/{perf}peak_memory_mib"] = max(r[f"perf/{perf}peak_memory_mib"] for r in results)
         metrics[f"{prefix}/micro_batches"] = float(sum(plan.micro_batches_per_group()))
         metrics[f"{prefix}/oversized_sequences"] = float(plan.oversized)
+        if self.skip_proof is None:  # the share of the step's sequences counted but not run
+            metrics[f"perf/{perf}skipped_sequences"] = float(skipped.sum()) / len(batch)
         return metrics
 
     def per_token(self, batch: TrainBatch, own: bool = False) -> torch.Tensor:

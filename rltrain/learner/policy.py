@@ -14,6 +14,7 @@ import torch
 from rltrain import forward
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
+from rltrain.forward.layouts import trailing_order
 from rltrain.forward.model import causal_lm
 from rltrain.learner import sequence_parallel
 from rltrain.learner.engine import EngineLearner
@@ -112,6 +113,10 @@ class PolicyLearner(EngineLearner):
         if self.replay:
             self.METRIC_TOTALS["routing_mismatch"] = 2  # (rows the router would send elsewhere, rows)
 
+    def zero_gradient_proof(self) -> str | None:
+        """See :func:`zero_gradient_proof` (the policy's)."""
+        return zero_gradient_proof(self.config, self.lc, self.loss_settings, self.moe_coef)
+
     def _shared_forwards(self) -> dict:
         forwards = super()._shared_forwards()
         if self.ref_model is not None or (self.has_reference and self.lora_rank):
@@ -119,7 +124,8 @@ class PolicyLearner(EngineLearner):
         return forwards
 
     def _rows(self, mb: TrainBatch) -> torch.Tensor:
-        return router_rows(mb, self.sharing.packed(), self.sp, self.sp_rank, self.sharing.tree(mb))
+        order = trailing_order(self.engine, mb.attention_mask)  # (a model's padding after each sequence)
+        return router_rows(mb, self.sharing.packed(), self.sp, self.sp_rank, self.sharing.tree(mb), order)
 
     def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs: the frozen copy's, or with LoRA the policy's own with
@@ -143,7 +149,9 @@ class PolicyLearner(EngineLearner):
         packed, tree = self.sharing.packed(), self.sharing.tree(mb)
         if self.replay and self.tap is not None:  # this forward's routes (kept for a recomputation)
             tap = self.ref_tap if model is self.ref_model else self.tap
-            tap.routes = replayed_routes(mb, packed, self.sp, self.sp_rank, tree)
+            tap.routes = replayed_routes(
+                mb, packed, self.sp, self.sp_rank, tree, trailing_order(self.engine, mb.attention_mask)
+            )
             tap.row_weights = None if tree is None else self._rows(mb)  # a shared row: once per member
         return forward.logprobs(
             model, self._row(mb), temperature, with_entropy, truncation, agree_chunks=self.agree_chunks
@@ -292,3 +300,20 @@ def reject(mb: TrainBatch, correction: RolloutCorrection, sp: int, sp_rank: int)
     first = torch.where(ranks.any(-1), (ranks > 0).float().argmax(-1), -1)
     counted = (first == sp_rank).long()
     return mb.replace(sequence_tokens=sequence_sum(accept.sum(-1).float()).long(), counted=counted)
+
+
+def zero_gradient_proof(config: Config, lc, settings: PolicyLossSettings, moe_coef: float) -> str | None:
+    """None where the policy loss is ``A`` times a function of the log-probs and nothing else of the
+    step reads a sequence of advantage 0 (``learner.skip_zero_gradient``): every surrogate here
+    (PPO's clipped ratio, GSPO's, CISPO's, DPPO's) is zero with its gradient at ``A = 0``; else the
+    term that reads it, in words."""
+    loss, alg, correction = config.loss, config.algorithm, settings.correction
+    reasons = [
+        (not lc.skip_zero_gradient, "learner.skip_zero_gradient=false"),
+        (loss.masked_mean_denominator is None, "per-micro-batch means (a micro-batch's denominator is what it holds)"),
+        (loss.kl_beta > 0, "loss.kl_beta > 0 (the KL to the reference moves weights at any advantage)"),
+        (moe_coef > 0, "the load-balancing loss (its routers' rows in every sequence)"),
+        (alg.advantage in ("gae", "distill"), f"algorithm.advantage={alg.advantage} (a critic's or a teacher's per-token advantages)"),
+        (correction is not None and correction.rejects, "a rejecting rollout correction (it decides on every token before the totals)"),
+    ]  # fmt: skip
+    return next((why for holds, why in reasons if holds), None)

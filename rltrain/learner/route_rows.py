@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.batch import ROUTE_UNKNOWN, TrainBatch
-from rltrain.forward.layouts import row_slice
+from rltrain.forward.layouts import ordered, row_slice
 from rltrain.forward.tree import PrefixTree
 from rltrain.loss.moe import expert_load_max
 
@@ -21,14 +21,18 @@ def in_forward_order(
     sp_rank: int,
     fill,
     tree: PrefixTree | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, T, ...]`` per-token values as the rows of a forward on the micro-batch: padded, every
-    cell; packed, the attended tokens in one row; a prefix tree, its row's tokens (a shared token
-    takes its first member's); sequence-parallel, this rank's slice of that row, padded with
-    ``fill`` to a multiple of ``sp``."""
+    cell (laid out by ``order`` where the model keeps its padding after each sequence:
+    :func:`rltrain.forward.layouts.trailing_order`; ignored in the other layouts); packed, the attended tokens in one row; a prefix
+    tree, its row's tokens (a shared token takes its first member's); sequence-parallel, this rank's
+    slice of that row, padded with ``fill`` to a multiple of ``sp``."""
     if tree is not None:
         return tree.in_row_order(values_BT)
     if not packed and sp == 1:
+        if order is not None:
+            values_BT = ordered(values_BT, order)
         return values_BT.reshape(-1, *values_BT.shape[2:])
     real = values_BT[attention_BT.bool()]  # the packed row's tokens, in order
     if sp == 1:
@@ -39,8 +43,9 @@ def in_forward_order(
 
 
 def router_rows(
-    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None
-) -> torch.Tensor:
+    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Which rows of a forward on ``mb`` the router sees are real tokens: ``[N]`` bool, in the
     forward's order (:func:`in_forward_order`); through a prefix ``tree``, ``[N]`` int64, how many
     sequences each row stands for (a shared prompt token counts once per member, as in the
@@ -50,17 +55,20 @@ def router_rows(
         keep_BT = keep_BT & ~mb.blank.bool()[:, None]
     if tree is not None:
         return torch.bincount(tree.cell_BT[keep_BT], minlength=tree.tokens)
-    return in_forward_order(keep_BT, mb.attention_mask, packed, sp, sp_rank, False)
+    return in_forward_order(keep_BT, mb.attention_mask, packed, sp, sp_rank, False, order=order)
 
 
 def replayed_routes(
-    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None
-) -> torch.Tensor | None:
+    mb: TrainBatch, packed: bool, sp: int, sp_rank: int, tree: PrefixTree | None = None,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # fmt: skip
     """``mb.routes`` as the rows of its forward, ``[N, L, k]`` int64 (None: no routes); a shared
     prompt token takes its first member's routes."""
     if mb.routes is None:
         return None
-    return in_forward_order(mb.routes, mb.attention_mask, packed, sp, sp_rank, ROUTE_UNKNOWN, tree).long()
+    return in_forward_order(
+        mb.routes, mb.attention_mask, packed, sp, sp_rank, ROUTE_UNKNOWN, tree, order
+    ).long()
 
 
 def moe_metrics(

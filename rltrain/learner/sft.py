@@ -51,6 +51,9 @@ class SFTLearner(PolicyLearner):
     def _before_training(self, groups: list[list[TrainBatch]]) -> list[list[TrainBatch]]:
         return groups
 
+    def zero_gradient_proof(self) -> str | None:
+        return "the warm start's own loss (the cross-entropy of every completion token)"
+
     def _finish_metrics(self, out: dict[str, float]) -> dict[str, float]:
         return out
 

@@ -243,6 +243,7 @@ class GeneratorPool:
         self.size, self.inflight = rc.num_engines, rc.inflight_updates
         self.timeout_s = config.run.actor_timeout_s
         self._submitted: dict[ray.ObjectRef, str] = {}  # in flight: which generator answers
+        self._loading: list[ray.ObjectRef] = []  # weights queued behind rollouts in flight (settle)
         self._turn = -1  # the engine the last sample request went to
 
     def submit(self, requests: list, seeds: list[int], greedy: bool = False) -> list[ray.ObjectRef]:
@@ -274,6 +275,7 @@ class GeneratorPool:
     def collect(self, refs: list[ray.ObjectRef]) -> list[Completion]:
         """The completions, in submission order; a generator that dies or passes
         run.actor_timeout_s raises :class:`~rltrain.remote.ActorFailure`."""
+        self.settle()
         names = [self._submitted.pop(ref, "generator") for ref in refs]
         return [c for part in gather(refs, names, self.timeout_s) for c in part]
 
@@ -287,9 +289,24 @@ class GeneratorPool:
         self._load("take_received", version)
 
     def _load(self, method: str, *args: Any) -> None:
+        """Every engine's ``method``: beside the rollouts in flight (in-flight updates), or queued
+        after them, in order with the rollouts. Queued after a rollout in flight, it is not waited
+        for here (the push returns at the copy's pace, not the rollout's): the next call that reads
+        the engines waits for it first (:meth:`settle`), and the rollouts submitted after it take
+        its weights, as the actor runs its calls in order."""
+        self.settle()
         group = "weights" if self.inflight else None  # beside the rollouts in flight, or after them
         refs = [getattr(a, method).options(concurrency_group=group).remote(*args) for a in self.actors]
-        gather(refs, self.names, self.timeout_s)
+        if self._submitted and group is None:
+            self._loading = refs
+        else:
+            gather(refs, self.names, self.timeout_s)
+
+    def settle(self) -> None:
+        """Wait for weights queued behind rollouts to be taken (their errors raise here)."""
+        loading, self._loading = self._loading, []
+        if loading:
+            gather(loading, self.names, self.timeout_s)
 
     def device_keys(self) -> list[str | None]:
         """Each engine's GPU (:func:`rltrain.weight_transfer.device_key`)."""
@@ -330,6 +347,7 @@ class GeneratorPool:
     def prompt_logprobs(self, sequences: list[list[int]], every: bool = False) -> list[list[float]]:
         """The first engine's :meth:`GeneratorBackend.prompt_logprobs`; ``every``: a list of every
         engine's."""
+        self.settle()
         actors, names = (self.actors, self.names) if every else (self.actors[:1], self.names[:1])
         answers = gather([a.prompt_logprobs.remote(sequences) for a in actors], names, self.timeout_s)
         return answers if every else answers[0]
@@ -343,6 +361,7 @@ class GeneratorPool:
 
     def weights_not_loaded(self) -> list[str]:
         """The parameters of any engine that the last weights it took do not load, each named once."""
+        self.settle()
         answers = gather([a.weights_not_loaded.remote() for a in self.actors], self.names, self.timeout_s)
         return list(dict.fromkeys(name for names in answers for name in names))
 

@@ -49,7 +49,8 @@ class Reloader:
                     kept.append((name, tensor))
                 yield name, tensor
 
-        with _failed_layers() as (failed, unloaded):
+        self.llm.apply_model(_account)
+        with _failed_layers() as failed:
             self.llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": keep(named_tensors), "is_checkpoint_format": True},
@@ -57,44 +58,61 @@ class Reloader:
         if failed or self.left_out:
             loaded = self.llm.apply_model(lambda model: _load_left_out(model, failed, kept))[0]
             self.left_out = set(loaded) if self.left_out is None else self.left_out
-            written = set(self.llm.apply_model(lambda model: _written(model, loaded))[0])
-            unloaded = [name for name in unloaded if name not in written]
         elif self.left_out is None:
             self.left_out = set()
-        self.unloaded = unloaded
+        self.unloaded = self.llm.apply_model(_unloaded)[0]
         if not torch.cuda.is_available():
             self.llm.apply_model(_relayout_cpu_experts)
 
 
 @contextlib.contextmanager
-def _failed_layers() -> Iterator[tuple[list[str], list[str]]]:
-    """The module paths of the layers with parameters that the reload inside leaves as they were,
-    and the names of every parameter no weight loader wrote (vLLM's own account of its loading:
-    the in-process engine's reload runs in this process). A layer loaded whole is processed and
-    forgotten as its last weight arrives; the ones still waiting at the end are read here."""
+def _failed_layers() -> Iterator[list[str]]:
+    """The module paths of the layers with parameters that the reload inside leaves as they were
+    (the in-process engine: its reload runs in this process)."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     failed: list[str] = []
-    unloaded: list[str] = []
     finalize = layerwise.finalize_layerwise_processing
 
     def watched(model, model_config):
         for path, layer in model.named_modules():
             info = layerwise.get_layerwise_info(layer)
-            own = [name for name, _ in layer.named_parameters(recurse=False)]
-            if not info.can_load() or not own or not info.load_numel_total:
-                continue
-            loaded = {name for name, _ in info.loaded_weights} if info.load_numel > 0 else set()
-            unloaded.extend(f"{path}.{name}" if path else name for name in own if name not in loaded)
-            if info.load_numel <= 0 and info.kernel_tensors is not None:
+            left = info.can_load() and info.load_numel <= 0 and info.kernel_tensors is not None
+            if left and info.load_numel_total > 0 and any(True for _ in layer.parameters(recurse=False)):
                 failed.append(path)
         return finalize(model, model_config)
 
     layerwise.finalize_layerwise_processing = watched
     try:
-        yield failed, unloaded
+        yield failed
     finally:
         layerwise.finalize_layerwise_processing = finalize
+
+
+def _account(model) -> None:
+    """From now until :func:`_unloaded`, the engine parameters the model's own loader says it loaded
+    (its ``load_weights`` returns their names, as vLLM's reload reads them to warn of the rest)."""
+    if not hasattr(model, "_rltrain_loaded"):
+        original = model.load_weights
+
+        def load_weights(weights, *args, **kwargs):
+            names = original(weights, *args, **kwargs)
+            if model._rltrain_loaded is not None:
+                model._rltrain_loaded = None if names is None else model._rltrain_loaded | set(names)
+            return names
+
+        model.load_weights = load_weights
+    model._rltrain_loaded = set()
+
+
+def _unloaded(model) -> list[str]:
+    """The engine parameters no weight of the last reload loaded, by the loader's own account (none
+    named where the loader does not say what it loaded)."""
+    loaded = model._rltrain_loaded
+    if loaded is None:
+        return []
+    names = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
+    return sorted(names - loaded)
 
 
 def _load_left_out(model, failed: list[str], kept: list[tuple[str, torch.Tensor]]) -> list[str]:
@@ -119,20 +137,6 @@ def _load_left_out(model, failed: list[str], kept: list[tuple[str, torch.Tensor]
     if left_out:
         model.load_weights(iter(left_out))
     return [name for name, _ in left_out]
-
-
-def _written(model, checkpoint_names: list[str]) -> list[str]:
-    """The engine parameters that the left-out tensors ``checkpoint_names`` load (as their layer's
-    own loader names them)."""
-    from vllm.model_executor.model_loader.weight_utils import maybe_remap_moe_expert_param_name
-
-    params = dict(model.named_parameters())
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    out = []
-    for name in checkpoint_names:
-        mapped = mapper._map_name(name) if mapper is not None else name
-        out.append(maybe_remap_moe_expert_param_name(mapped or name, params))
-    return out
 
 
 def _relayout_cpu_experts(model) -> int:

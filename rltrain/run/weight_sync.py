@@ -164,11 +164,13 @@ def weight_sync(config, learners: LearnerGroup, generators: GeneratorPool) -> We
     return ObjectStoreSync(adapters_only)
 
 
-def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch, with_kl: bool = False):
+def probe_gap(
+    learners: LearnerGroup, generators: GeneratorPool, probe: TrainBatch, beyond: float | None = None
+):
     """The largest ``|engine - learner|`` log-prob over every engine and every predicted token of
-    the probe's first sequences (the model's own distribution, temperature 1); ``with_kl``: and the
-    mean over those tokens of ``k3 = exp(d) - d - 1``, ``d = learner - engine`` (as
-    ``rollout/mismatch_kl`` measures a step's sampled tokens)."""
+    the probe's first sequences (the model's own distribution, temperature 1); with ``beyond``:
+    ``(largest, mean k3, share of tokens whose gap passes beyond)``, ``k3 = exp(d) - d - 1`` and
+    ``d = learner - engine`` (as ``rollout/mismatch_kl`` measures a step's sampled tokens)."""
     probe = probe.select(torch.arange(min(len(probe), PROBE_SEQUENCES)))
     # both sides route with the weights they hold (a rollout's routes came from the older ones)
     probe = probe.replace(routes=None)
@@ -178,7 +180,7 @@ def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBat
     if probe.images is not None:  # (each with its images)
         sequences = [ImagePrompt(seq, im, probe.image_token) if im else seq
                      for seq, im in zip(sequences, probe.images)]  # fmt: skip
-    gap, k3, tokens = 0.0, 0.0, 0
+    gap, k3, off, tokens = 0.0, 0.0, 0, 0
     for engine in generators.prompt_logprobs(sequences, every=True):
         for engine_logprobs, values, at in zip(engine, learner_BT, positions):
             # position 0 of a sequence has no prefix: the engine gives it 0
@@ -186,7 +188,13 @@ def probe_gap(learners: LearnerGroup, generators: GeneratorPool, probe: TrainBat
             gap = max(gap, diff.abs().max().item() if diff.numel() else 0.0)
             d = (-diff).double().clamp(-20, 20)
             k3, tokens = k3 + (torch.expm1(d) - d).sum().item(), tokens + diff.numel()
-    return (gap, k3 / max(tokens, 1)) if with_kl else gap
+            off += int((diff.abs() > (beyond or 0.0)).sum())
+    return gap if beyond is None else (gap, k3 / max(tokens, 1), off / max(tokens, 1))
+
+
+# a mixture of experts in fp32: the share of the probe's tokens that may differ past
+# run.max_first_step_gap (a near-tie routed apart on one side changes a token or two)
+NEAR_TIES = 0.1
 
 
 class EnginesDisagree(RuntimeError):
@@ -216,9 +224,9 @@ def check_engines(config, learners: LearnerGroup, generators: GeneratorPool, pro
     """Before any work, on the weights the engines and the learners both hold: every engine holds
     every weight a sync sends (the sync loads all of its model: parameters and persistent buffers),
     and its log-probs of the probe's sequences are the learners'. Where both compute in fp32 (CPU
-    engines and learners), the largest gap must stay within ``run.max_first_step_gap``; otherwise
-    (or for a mixture of experts, where a near-tie routes apart) the mean k3 within
-    ``run.max_mismatch_kl``. A gap past them raises :class:`EnginesDisagree`, one line naming the
+    engines and learners), the largest gap must stay within ``run.max_first_step_gap`` (for a
+    mixture of experts, where a near-tie may route a token apart, the share of tokens past it within
+    :data:`NEAR_TIES`); otherwise the mean k3 within ``run.max_mismatch_kl``. A gap past them raises :class:`EnginesDisagree`, one line naming the
     gap, the engine and the way that runs. Returns ``sync/startup_gap`` and ``sync/startup_kl``.
     ``synced`` false: the engines loaded the model's files themselves (no sync to check yet)."""
     rc, lc, backend = config.rollout, config.learner, config.rollout.backend
@@ -226,11 +234,15 @@ def check_engines(config, learners: LearnerGroup, generators: GeneratorPool, pro
         names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise EnginesDisagree(f"the weight sync loads nothing into the engine's {names} (rollout.backend="
                               f"{backend}); stopped before any step")  # fmt: skip
-    gap, kl = probe_gap(learners, generators, probe, with_kl=True)
     fp32 = lc.gpus_per_learner == 0 and lc.precision != "bf16" and rc.gpus_per_engine == 0
-    limit, what = (config.run.max_first_step_gap, "largest log-prob gap") if fp32 and not experts else (
-        config.mismatch_limit, "mean k3 KL")  # fmt: skip
-    value = gap if what == "largest log-prob gap" else kl
+    first = config.run.max_first_step_gap
+    gap, kl, off = probe_gap(learners, generators, probe, beyond=first or 0.0)
+    if fp32 and first is not None and not experts:
+        limit, what, value = first, "largest log-prob gap", gap
+    elif fp32 and first is not None:  # a near-tie may route a token apart; a wrong model, most tokens
+        limit, what, value = NEAR_TIES, f"share of tokens past {first:g}", off
+    else:
+        limit, what, value = config.mismatch_limit, "mean k3 KL", kl
     if limit is None or value <= limit:
         return {"sync/startup_gap": gap, "sync/startup_kl": kl}
     layout = [

@@ -111,8 +111,14 @@ def _unloaded(model) -> list[str]:
     loaded = model._rltrain_loaded
     if loaded is None:
         return []
-    names = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
-    return sorted(names - loaded)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    names = {name for name, _ in model.named_parameters()}
+    # a tied head under its own name too: a reload in place unties it, and it keeps its old values
+    # unless that name loads (vLLM's loader skips only such aliases of the embeddings)
+    names |= {f"{path}.{name}" for path, module in model.named_modules(remove_duplicate=False)
+              if isinstance(module, VocabParallelEmbedding) for name, _ in module.named_parameters(recurse=False)}  # fmt: skip
+    return sorted({name.replace(".base_layer.", ".") for name in names} - loaded)
 
 
 def _load_left_out(model, failed: list[str], kept: list[tuple[str, torch.Tensor]]) -> list[str]:

@@ -28,7 +28,7 @@ if os.environ.get("RLTRAIN_TEST_HANG"):
         """``EngineLearner.train_step`` first checks the file (every learner role inherits it)."""
         original = module.EngineLearner.train_step
 
-        def train_step(self, groups):
+        def train_step(self, groups, *args, **kwargs):
             try:  # another rank may delete it between a check and the read
                 rank, steps, seconds = Path(os.environ["RLTRAIN_TEST_HANG"]).read_text().split()
             except FileNotFoundError:
@@ -36,7 +36,7 @@ if os.environ.get("RLTRAIN_TEST_HANG"):
             if rank is not None and (int(rank), int(steps)) == (self.rank, self.optimizer_steps):
                 os.unlink(os.environ["RLTRAIN_TEST_HANG"])
                 planted_sleep(float(seconds))
-            return original(self, groups)
+            return original(self, groups, *args, **kwargs)
 
         module.EngineLearner.train_step = train_step
 

@@ -191,20 +191,18 @@ def test_a_hybrid_model_on_vllms_cpu_engine_is_refused_in_one_line(tmp_path):
 # each family's CLI runs: (model, engine, config, overrides): gpt-oss on the demo's task; Gemma 3 on
 # an environment's episodes (configs/cpu_env.yaml: a system turn with the calculator's schema,
 # hermes calls, multi-turn trees); the hybrid on the demo's task with the in-process engine; the
-# vision-language model on configs/cpu_vision.yaml's pictures (each group's image once in its tree;
-# one group of 3 a step under ZeRO-3: a tree of two on one learner, one sequence on the other, which
-# auto's check and the tower run alike, every collective checked across the ranks),
-# and in builtin:shapes' episodes (after a short warm start on its demonstrations, pictures rendered
-# by the processor, a turn that ends gets the picture again, larger: sequences of two images, the
-# second in the completion)
+# vision-language model on configs/cpu_vision.yaml's pictures in builtin:shapes' episodes (each
+# group's image once in its tree, under ZeRO-3 with every collective checked across the ranks; after
+# a short warm start on its demonstrations, pictures rendered by the processor, a turn that ends gets
+# the picture again, larger: sequences of two images, the second in the completion; a tree on one
+# rank and a lone sequence on the other: tests/test_uneven_ranks.py)
 CLI_FAMILIES = {
     "gpt-oss": ("builtin:tiny-gpt-oss", "vllm", "configs/cpu_demo.yaml", []),
     "gemma3 episodes": ("builtin:tiny-gemma3", "vllm", "configs/cpu_env.yaml", ["reward.functions={env: 1.0, digits: 1.0}"]),
     "qwen3.5": ("builtin:tiny-qwen3.5", "hf", "configs/cpu_demo.yaml", []),
-    "vision": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", ["algorithm.prompts_per_step=1", "algorithm.group_size=3",
-               "learner.zero_stage=3", "run.check_collectives=true"]),
     "vision episodes": ("builtin:tiny-vl", "vllm", "configs/cpu_vision.yaml", ["env.name=builtin:shapes", "sft_warmup.steps=40", "sft_warmup.source=env",
-                        "reward.functions={env: 1.0, digits: 1.0}", "run.save_rollouts_every=1"]),
+                        "reward.functions={env: 1.0, digits: 1.0}", "run.save_rollouts_every=1", "learner.zero_stage=3",
+                        "run.check_collectives=true"]),
 }  # fmt: skip
 
 
@@ -245,12 +243,11 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
            "learner.max_grad_norm=0", "learner.warmup_steps=0", "rollout.max_new_tokens=24",
            "run.checkpoint_every=1", *more]  # fmt: skip
     out, one = tmp_path / "run", tmp_path / "one"
-    rows = train(config, out, *sgd, "run.steps=3", "learner.prefix_sharing=true", env=ray_cluster)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = train(config, out, *sgd, "run.steps=2", "learner.prefix_sharing=true", env=ray_cluster)
+    assert [r["step"] for r in rows] == [1, 2]  # (step 2's gap: the engine on the synced update)
     for row in rows:
         assert row["rollout/mismatch_max"] <= 1e-4, row
-        # each group's prompt computed once (vision: one group of 3, two of them in one learner's tree)
-        assert row["perf/prefix_shared_fraction"] > (0.2 if family == "vision" else 0.3)
+        assert row["perf/prefix_shared_fraction"] > 0.3  # each group's prompt computed once
     (unshared,) = train(config, one, *sgd, "run.steps=1", "learner.num_learners=1", "learner.zero_stage=0",
                         "learner.packing=false", "learner.micro_batch_size=16", "learner.prefix_sharing=false",
                         env=ray_cluster)  # fmt: skip
@@ -260,14 +257,16 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
     update = {k: step_1[k] - start[k] for k in start}
     reference = {k: v - start[k] for k, v in weights(one / "final_model").items()}
     assert relative_difference(update, reference) < 1e-5
-    if family == "vision":  # the exported model is whole (its processor too) and its tower as it began
+    if (
+        family == "vision episodes"
+    ):  # the exported model is whole (its processor too) and its tower as it began
         from transformers import AutoProcessor
 
         from rltrain.models.images import is_vision_parameter
 
         assert AutoProcessor.from_pretrained(out / "final_model").image_token == "<|image_pad|>"
         assert all(update[k].abs().max() == 0 for k in update if is_vision_parameter(k))
-    if family == "vision episodes":  # some episode was shown its picture again, in its completion
+        # some episode was shown its picture again, in its completion
         lines = (out / "rollouts" / "step_1.jsonl").read_text().splitlines()
         shown = [[p for m in json.loads(line)["messages"] if isinstance(m["content"], list) for p in m["content"]
                   if p["type"] == "image"] for line in lines]  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rltrain.config import Config, load_config
-from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts, updates_after_one_step
+from rltrain.diagnostics import layout_config, relative_difference, synthetic_rollouts
 
 SKIPPED = [0, 1, 2, 3, 6]  # the first group of 4 (equal rewards), and one sequence at its group's mean
 
@@ -51,37 +51,38 @@ def test_skipping_zero_gradient_sequences_leaves_the_update_as_it_is_and_droppin
 ):
     # each case: with the skip, without it, and the control trained on the batch without those
     # sequences (their tokens and sequences out of every denominator); two learners a case, one
-    # group of processes restarted between the configs
+    # group of processes restarted between the configs. Last, a batch with nothing to run (every
+    # advantage 0) under ZeRO-3: blank micro-batches on every rank, every collective alike, no step
+    from rltrain.diagnostics import on_learners
+
     batch = with_zero_advantages()
+    nothing = batch.replace(advantages=torch.zeros(len(batch)))
     kept = torch.tensor([i for i in range(len(batch)) if i not in SKIPPED])
     configs, batches = [], []
     for case in CASES:
         configs += [case_config(case, True), case_config(case, False), case_config(case, True)]
         batches += [batch, batch, batch.select(kept)]
-    updates = updates_after_one_step(configs, tiny_model_path, batches)
+    configs.append(case_config("CISPO, ZeRO-3, packed rows and trees", True))
+    batches.append(nothing)
+
+    def one_step(group, i):
+        before = group.state_dict()
+        metrics = group.train_step(batches[i])
+        after = group.state_dict()
+        return {k: after[k] - before[k] for k in before}, metrics
+
+    results = on_learners(configs, tiny_model_path, one_step)
+    updates = [update for update, _ in results]
     for i, case in enumerate(CASES):
         skipped, full, dropped = updates[3 * i : 3 * i + 3]
         gap, control = relative_difference(skipped, full), relative_difference(dropped, full)
         print(f"{case}: skip vs none {gap:.2e}, dropped from the denominators {control:.2e}")
         assert gap < 1e-6 and control > 1e-2, (case, gap, control)
-
-
-@pytest.mark.slow
-def test_the_skip_is_logged_and_a_batch_with_nothing_to_run_runs_blank_micro_batches_on_every_rank(
-    ray_local, tiny_model_path
-):
-    from rltrain.diagnostics import metrics_of_one_step
-
-    batch = with_zero_advantages()
-    metrics = metrics_of_one_step(
-        case_config("CISPO, ZeRO-3, packed rows and trees", True), tiny_model_path, batch
-    )
-    assert metrics["perf/skipped_sequences"] == pytest.approx(5 / 8)
-    nothing = batch.replace(advantages=torch.zeros(len(batch)))  # ZeRO-3: every rank's collectives alike
-    (update,) = updates_after_one_step(
-        [case_config("CISPO, ZeRO-3, packed rows and trees", True)], tiny_model_path, nothing
-    )
-    assert max(v.abs().max().item() for v in update.values()) == 0.0  # plain SGD: no gradient, no step
+        # the share not run: 5 of the 8 sequences; none without the skip
+        assert results[3 * i][1]["perf/skipped_sequences"] == pytest.approx(5 / 8)
+        assert "perf/skipped_sequences" not in results[3 * i + 1][1]
+    assert results[-1][1]["perf/skipped_sequences"] == 1.0
+    assert max(v.abs().max().item() for v in updates[-1].values()) == 0.0  # plain SGD: no gradient, no step
 
 
 def test_every_term_that_reads_a_sequence_of_advantage_zero_turns_the_skip_off():

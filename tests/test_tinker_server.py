@@ -284,6 +284,34 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
                 lambda: stolen.sample(types.ModelInput.from_ints([5]), 1, too_long).result(),
                 "sampling session",
             )
+        # ids that order calls and name folders, sent raw: refused before anything is queued (a
+        # seq_id "abc" was queued and hung every later call; a model_seq_id of "../" wrote a folder
+        # outside the server's)
+        import httpx
+
+        def post(route: str, body: dict) -> httpx.Response:
+            return httpx.post(
+                f"{server['url']}/api/v1/{route}", json=body, headers={"X-API-Key": KEY}, timeout=30
+            )
+
+        session = post("create_session", {}).json()["session_id"]
+        for route, body, key in [
+            ("optim_step", {"model_id": tc.model_id, "seq_id": "abc", "adam_params": {}}, "seq_id"),
+            ("optim_step", {"model_id": tc.model_id, "seq_id": -1, "adam_params": {}}, "seq_id"),
+            (
+                "create_model",
+                {
+                    "session_id": session,
+                    "base_model": base,
+                    "model_seq_id": "../../ESCAPED",
+                    "lora_config": {"rank": 2},
+                },
+                "model_seq_id",
+            ),  # fmt: skip
+        ]:
+            answer = post(route, body)
+            assert answer.status_code == 400 and key in answer.json()["error"], (route, answer.text)
+        assert not list(server["out"].parent.rglob("ESCAPED"))
         # the model served on, untouched: the same log-probs, and no gradient waiting for a step
         again = tc.forward(good, "cross_entropy").result().loss_fn_outputs
         for a, b in zip(again, first):

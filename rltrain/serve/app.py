@@ -95,6 +95,7 @@ class Server:
                      load: tuple[str, bool] | None = None) -> tuple[ServedModel, str]:  # fmt: skip
         """The model a ``create_model`` (or a ``load_weights`` that creates one) asks for, started
         on its thread: (the model, the request id of its start)."""
+        model_seq_id = sequence_number(model_seq_id, "model_seq_id")  # (it becomes the model's folder)
         if base not in self.base_models:
             raise BadRequest(
                 f"base_model {base!r} is not served (serve.base_models: {', '.join(self.base_models)})"
@@ -156,8 +157,19 @@ def accepted(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     return {"request_id": request_id, "model_id": model_id}
 
 
+def sequence_number(value: Any, key: str) -> int | None:
+    """A call's ``seq_id`` or a model's ``model_seq_id``: absent, or a non-negative integer (it
+    orders the model's calls and names the model); anything else is refused before it is queued."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def queued(server: Server, model: ServedModel, seq_id, call) -> dict[str, Any]:
     """``call`` on the model's thread in ``seq_id`` order: its request id."""
+    seq_id = sequence_number(seq_id, "seq_id")
     request_id = server.futures.new()
     model.submit(seq_id, request_id, call)
     return accepted(request_id, model.model_id)

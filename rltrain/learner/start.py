@@ -6,6 +6,7 @@ the same process (:meth:`EngineStart.restart`: a fresh engine without a new proc
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from typing import Any
 
@@ -101,6 +102,9 @@ class EngineStart:
         if hasattr(self.engine, "destroy"):  # (a frozen model without ZeRO-3 runs as a plain module)
             self.engine.destroy()
         type(self).__init__(self, config, self.model_path, self.rank, self.world_size)
+        # the old engine, model and optimizer state sit in reference cycles that only the cyclic
+        # collector frees, which tensors' sizes never trigger: freed now, before the new ones load
+        gc.collect()
         self._set_layout()
         self._start_engine(total_optimizer_steps)
 

@@ -43,7 +43,7 @@ from rltrain.learner import sequence_parallel
 from rltrain.learner.prefix_tree import PrefixSharing
 from rltrain.learner.start import EngineStart, most_over_ranks
 from rltrain.learner.state import LearnerState
-from rltrain.loss.masked_mean import loss_token_mask, step_totals
+from rltrain.loss.masked_mean import step_totals
 from rltrain.models.images import ImageInputs, blank_image, is_vision_parameter
 from rltrain.remote import node_address, where
 
@@ -201,9 +201,7 @@ class EngineLearner(EngineStart, LearnerState):
             # count on rank 0, whole (each once, its own rank under sequence parallelism)
             ghosts = [[c] if c is not None else [] for c in (counted or [None] * len(groups))]
             counts = [mb for group, ghost in zip(groups, ghosts) for mb in [*group, *ghost]]
-            owners = None if self.sp == 1 else [mb.counted if mb.counted is not None else
-                                                loss_token_mask(mb.response_mask, mb.loss_tool_mask()).any(-1)
-                                                for mb in counts]  # fmt: skip
+            owners = None if self.sp == 1 else [mb.counted for mb in counts]  # (a sequence not run: whole)
             totals = step_totals([mb.response_mask for mb in counts], [len(g) + len(x) for g, x in zip(groups, ghosts)],
                                  [mb.loss_tool_mask() for mb in counts], owners, extra=extra)  # fmt: skip
         step = StepMetrics(self.METRIC_SUMS, self.METRIC_MAXES, self.METRIC_TOTALS)

@@ -215,7 +215,7 @@ def step_totals(
     masks: Sequence[torch.Tensor],
     accumulation_steps: int | Sequence[int],
     tool_masks: Sequence[torch.Tensor] | None = None,
-    counted: Sequence[torch.Tensor] | None = None,
+    counted: Sequence[torch.Tensor | None] | None = None,
     group: dist.ProcessGroup | None = None,
     extra: Sequence[torch.Tensor] | None = None,
 ) -> StepTotals:
@@ -224,7 +224,8 @@ def step_totals(
 
     A sequence counts when it holds at least one loss token; ``counted`` (a bool ``[B]`` per
     micro-batch) overrides which sequences this rank counts (under sequence parallelism, those whose
-    first loss token it owns, so a sequence split over ranks counts once). ``extra``: other integer
+    first loss token it owns, so a sequence split over ranks counts once; None for a micro-batch
+    counted whole, as without ``counted``). ``extra``: other integer
     counts of each micro-batch (an int64 ``[K]`` each: a mixture of experts' assignments,
     :mod:`rltrain.loss.moe`), summed per group in the same collective.
     """
@@ -238,7 +239,8 @@ def step_totals(
     for i, mask in enumerate(masks):
         keep = loss_token_mask(mask, None if tool_masks is None else tool_masks[i])
         totals[group_of[i], 0] += keep.sum()
-        totals[group_of[i], 1] += (keep.any(-1) if counted is None else counted[i].bool()).sum()
+        owned = None if counted is None else counted[i]
+        totals[group_of[i], 1] += (keep.any(-1) if owned is None else owned.bool()).sum()
         if width:
             totals[group_of[i], 2:] += extra[i].reshape(-1).to(device)
     if dist.is_available() and dist.is_initialized():

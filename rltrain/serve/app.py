@@ -38,6 +38,9 @@ from rltrain.serve.models import (
 from rltrain.serve.sampling import NOT_HELD, Engines, Sampler, base_loader, sample_call, takes_adapters
 from rltrain.serve.wire import BadRequest, forward_backward_request, sample_response
 
+# the seq_id of a model's release, queued after every call a client can send (seq_ids lie below it)
+AFTER_EVERY_CALL = 1 << 62
+
 # the client flags rltrain answers (the SDK's defaults for every other): plain httpx, fwd/bwd
 # chunks sent in parallel and uncompressed
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
@@ -119,7 +122,7 @@ class Server:
     def release(self, model: ServedModel) -> None:
         """The model's learners shut down after the calls already queued (its saved states stay)."""
         self.models.pop(model.model_id, None)
-        model.submit(1 << 62, None, None)
+        model.submit(AFTER_EVERY_CALL, None, None)
 
     def engines_for(self, base: str, config: Config):
         """The engines, running for ``base`` with the LoRA layout of ``config`` (started if not)."""
@@ -162,7 +165,7 @@ def sequence_number(value: Any, key: str) -> int | None:
     orders the model's calls and names the model); anything else is refused before it is queued."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < AFTER_EVERY_CALL:
         raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
     return value
 

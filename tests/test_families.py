@@ -357,6 +357,30 @@ def test_the_packed_convolution_keeps_no_more_for_its_backward_than_the_padded_o
     assert max(saved) <= x.numel() + 8, saved  # (the conv's padded input: 3 columns more)
 
 
+def test_each_model_reads_the_row_its_own_forward_announced_when_two_run_in_one_process():
+    # the row a forward runs is its model's, not the process's: model A's packed row (two documents)
+    # announced, model B of the same hybrid family runs padded rows in between, and A's forward
+    # still follows its own row (each document's recurrent state its own: A's packed forward alone,
+    # bit for bit). With one row for the process, B's padded forward announced "rows of their own"
+    # over A's, and A's Gated DeltaNet scan ran across its documents (the control below)
+    from rltrain.forward import packed_forward, padded_forward, recurrent
+
+    first, second = families.build("qwen3.5", attention.register()), families.build("qwen3.5", attention.register(), 1)
+    ids = torch.randint(3, families.VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(6), torch.arange(5)])[None]  # documents of 6 and 5 tokens
+
+    def run_first():  # A's forward of the row, as packed_forward runs it after announcing it
+        return first(input_ids=ids, position_ids=positions, attention_mask=None, use_cache=False).logits
+
+    with torch.no_grad():
+        alone = packed_forward(first, ids, positions).logits
+        recurrent.expect(first, positions)
+        padded_forward(second, ids[:, :7], torch.ones(1, 7, dtype=torch.long))
+        torch.testing.assert_close(run_first(), alone, rtol=0, atol=0)
+        recurrent.expect(first, None)  # the control: the same row read as one sequence differs
+        assert (run_first()[0, 6:] - alone[0, 6:]).abs().max() > 1e-3
+
+
 def test_a_first_step_engine_learner_gap_past_rounding_in_fp32_stops_the_run_naming_the_layout():
     # the safety net for families nobody lists: the engine and the learners hold the same weights at
     # the first step, and in fp32 an exact layout reads under 1e-5 (tiny models) to 1.4e-4 (a 30-layer

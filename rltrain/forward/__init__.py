@@ -7,7 +7,8 @@ math) and the learners (:mod:`rltrain.learner`, engines and objectives).
 - :mod:`~rltrain.forward.layouts`: the padded and packed forwards; :mod:`~rltrain.forward.tree`:
   prefix trees (each shared prompt once) and their forward;
 - :mod:`~rltrain.forward.structure`: a row's documents and branches, read from its position ids,
-  and the row the running forward announced (:class:`~rltrain.forward.structure.RowContext`);
+  and the row each model's running forward announced (:class:`~rltrain.forward.structure.RowContext`,
+  one a model);
 - :mod:`~rltrain.forward.attention`: the attention function registered with transformers (piece by
   piece, windows, sinks, soft-caps); :mod:`~rltrain.forward.recurrent`: recurrent layers' state kept
   per sequence; :mod:`~rltrain.forward.vision`: images in a forward;

@@ -147,12 +147,13 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    row = structure.row_of(module)
     if position_ids is None:  # a layer that passes none (Ministral 3's, Granite 4.0's): the row's own
-        position_ids = row_positions(query.shape[0], query.shape[2], query.device)
+        position_ids = row_positions(row, query.shape[0], query.shape[2], query.device)
     if position_ids.dim() == 3:  # multi-axis rotary positions (Qwen2-VL): the text axis tells the pieces
         position_ids = position_ids[0]
     if query.shape[0] == 1:  # a packed or tree row (its pieces are planned once for every layer)
-        out = document_attention(query, key, value, position_ids, scaling, dropout, asks)
+        out = document_attention(query, key, value, position_ids, scaling, dropout, asks, row)
     else:
         out = torch.cat([
             document_attention(query[b : b + 1], key[b : b + 1], value[b : b + 1], position_ids[b : b + 1],
@@ -162,11 +163,11 @@ def packed_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def row_positions(batch: int, length: int, device) -> torch.Tensor:
+def row_positions(row: structure.Row | None, batch: int, length: int, device) -> torch.Tensor:
     """The position ids of the row a layer's forward runs, for a layer that passes none: the packed
-    or tree row the forward announced (:func:`rltrain.forward.structure.current`), or where there is none,
-    rows of their own without padding (a padded batch whose mask transformers dropped as causal)."""
-    row = structure.current()
+    or tree ``row`` its model's forward announced (:func:`rltrain.forward.structure.row_of`), or where
+    there is none, rows of their own without padding (a padded batch whose mask transformers dropped
+    as causal)."""
     if row is not None:
         if (batch, length) != (1, len(row)):
             raise RuntimeError(f"the {PACKED!r} attention got {batch} rows of {length} tokens in a forward of "
@@ -218,16 +219,18 @@ def document_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     asks: LayerAsks | None = None,
+    row: structure.Row | None = None,
 ) -> torch.Tensor:
     """Attention inside each document and prefix tree of one row: ``[1, H, L, D]`` (see the
-    module docstring). Grouped-query key/value heads are broadcast."""
+    module docstring). Grouped-query key/value heads are broadcast. ``row``: the row the model's
+    forward announced, where the pieces planned for its first layer are kept for the others."""
     if position_ids_1L.shape[0] != 1:
         raise ValueError(f"packed attention takes one row, got {position_ids_1L.shape[0]}")
     asks = asks or LayerAsks(scaling)
     window = asks.sliding_window
     gqa = query.shape[1] != key.shape[1]
     parts = []
-    for s, e, index in _pieces(position_ids_1L):
+    for s, e, index in _pieces(position_ids_1L, row):
         q = query[:, :, s:e]
         k, v = (
             (key[:, :, s:e], value[:, :, s:e])
@@ -250,12 +253,13 @@ def document_attention(
     return torch.cat(parts, dim=2)
 
 
-def _pieces(position_ids_1L: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]]:
+def _pieces(
+    position_ids_1L: torch.Tensor, row: structure.Row | None
+) -> list[tuple[int, int, torch.Tensor | None]]:
     """Each piece of the row: ``(start, end, key indices)``; a document's (or a tree's root's)
     indices are None (causal over itself), a branch's are its ancestors' and its own. Planned once
-    for every layer: kept with the row the forward announced (:func:`rltrain.forward.structure.current`),
-    by the position ids it was planned from."""
-    row = structure.current()
+    for every layer: kept with the ``row`` the forward announced, by the position ids it was planned
+    from."""
     key = ("pieces", tuple(position_ids_1L.shape))
     planned = None if row is None else row.cache.get(key)
     if planned is not None and (planned[0] is position_ids_1L or torch.equal(planned[0], position_ids_1L)):

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from rltrain.forward import structure
 from rltrain.forward.layouts import packed_forward
 from rltrain.forward.model import causal_lm, model_config
-from rltrain.forward.structure import CURRENT
 
 
 def head_forward(
@@ -128,10 +128,11 @@ def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modul
     return parts
 
 
-def probing() -> bool:
-    """Whether the forward running now is :func:`output_head`'s probe (hooks that record a
-    forward's internals, a mixture's router taps, pass it over)."""
-    return CURRENT.probing
+def probing(model: torch.nn.Module) -> bool:
+    """Whether the forward of ``model`` running now is :func:`output_head`'s probe (hooks that
+    record a forward's internals, a mixture's router taps, pass it over)."""
+    found = structure.context(causal_lm(model))
+    return found is not None and found.probing
 
 
 @torch.no_grad()
@@ -141,11 +142,12 @@ def _probe(model: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Modu
     ids = torch.arange(PROBE_TOKENS, device=device)[None] % vocab
     taken: list[torch.Tensor] = []
     hook = decoder.register_forward_hook(lambda _module, _args, out: taken.append(out[0]))
-    CURRENT.probing = True
+    context = structure.attach(model)
+    context.probing = True
     try:
         logits = packed_forward(model, ids, torch.arange(PROBE_TOKENS, device=device)[None]).logits
     finally:
-        CURRENT.probing = False
+        context.probing = False
         hook.remove()
     mine = head(taken[-1]).float()
     # the same products in the same precision: a transform the head misses shows above rounding (a

@@ -31,6 +31,8 @@ piece, with the piece's initial state.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -71,10 +73,52 @@ def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None
     recurrent layers follow that row's sequences (their functions replaced once, here)."""
     lm = causal_lm(model)
     if not getattr(lm, "_rltrain_recurrent", False):
-        for module in recurrent_modules(lm):
+        modules = recurrent_modules(lm)
+        for module in modules:
             _wrap(module)
+        _follow(lm, {module.__name__ for module in modules})
         lm._rltrain_recurrent = True
     structure.expect(lm, position_ids_1L)
+
+
+# the row the recurrent layer running now follows, set from its own model's context by that layer's
+# hooks for the length of its forward (:func:`_follow`): the replaced functions take no module, and
+# two models in one process (or one thread each) never read each other's rows
+_LAYER_ROW: contextvars.ContextVar[Row | None] = contextvars.ContextVar("rltrain_layer_row", default=None)
+
+
+def _follow(lm: torch.nn.Module, modeling: set[str]) -> None:
+    """Each layer of ``lm`` whose class calls a replaced function (one of ``modeling``'s) runs it
+    with its model's row: a pre-hook sets the row its model's forward announced, a hook that runs
+    even when the forward raises puts back what was there, around the layer's forward and its
+    recomputation in the backward alike."""
+    context = structure.attach(lm)
+    for layer in lm.modules():
+        if type(layer).__module__ in modeling and _calls_followed(type(layer)):
+            held: list[contextvars.Token] = []
+            layer.register_forward_pre_hook(functools.partial(_enter, context, held))
+            layer.register_forward_hook(functools.partial(_leave, held), always_call=True)
+
+
+def _enter(context: structure.RowContext, held: list, *_) -> None:
+    held.append(_LAYER_ROW.set(context.row))
+
+
+def _leave(held: list, *_) -> None:
+    _LAYER_ROW.reset(held.pop())
+
+
+@functools.cache
+def _calls_followed(layer_class: type) -> bool:
+    """Whether the class (or a base of it) names a function :func:`_wrap` replaces."""
+    for klass in layer_class.__mro__:
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if any(name in source for name in FOLLOWED):
+            return True
+    return False
 
 
 # what a function must take to be followed: the convolution's arguments, a scan's state keywords
@@ -102,7 +146,7 @@ def wrappable(module, name: str) -> bool:
 
 def _wrap(module) -> None:
     """Replace the module's convolution, scans and fused paths, once, by ones that follow the
-    current row (:func:`rltrain.forward.structure.current`) where it is set and its length is the
+    row of the layer that calls them (:func:`_follow`) where it is set and its length is the
     input's; each checked to take what its replacement passes (:func:`wrappable`), the originals kept
     (:func:`unwrap`). The one place rltrain changes a transformers module."""
     if getattr(module, "_rltrain_wrapped", False):
@@ -129,14 +173,14 @@ def unwrap(module) -> None:
 
 def _unless_row(original: Callable) -> Callable:
     def fused(*args, **kwargs):
-        return None if structure.current() is not None else original(*args, **kwargs)
+        return None if _LAYER_ROW.get() is not None else original(*args, **kwargs)
 
     return fused
 
 
 def _convolution(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        row = structure.current()
+        row = _LAYER_ROW.get()
         if row is None or tuple(hidden_states.shape[::2]) != (1, len(row)):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         return convolve(row, hidden_states, weight, bias, activation)
@@ -146,7 +190,7 @@ def _convolution(original: Callable) -> Callable:
 
 def _scan(original: Callable, initial_key: str, final_key: str, pair: bool) -> Callable:
     def scan(*args, **kwargs):
-        row = structure.current()
+        row = _LAYER_ROW.get()
         first = next(a for a in args if torch.is_tensor(a))
         if row is None or tuple(first.shape[:2]) != (1, len(row)) or kwargs.get(initial_key) is not None:
             return original(*args, **kwargs)

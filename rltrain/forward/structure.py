@@ -6,8 +6,9 @@
   ``p`` (the tree is laid out depth first, so that is the shared prefix it continues).
 
 :mod:`rltrain.forward.attention` attends along this structure; :mod:`rltrain.forward.recurrent`
-carries recurrent layers' state along it. The row a forward runs is announced once (:func:`expect`)
-and read by the layers that need it (:func:`current`): the attention (its pieces planned once for
+carries recurrent layers' state along it. The row a model's forward runs is announced once
+(:func:`expect`) to that model's own context (:class:`RowContext`), and read through the module
+that runs (:func:`row_of`) by the layers that need it: the attention (its pieces planned once for
 every layer), the recurrent layers.
 """
 
@@ -99,12 +100,13 @@ class Row:
 
 
 class RowContext:
-    """What the layers of the forward running now read beside their arguments, one object for the
-    process (transformers calls a layer's attention, convolution and scan with its own arguments):
-    the row that forward runs (:attr:`row`, None: each row its own sequence), announced before it
-    starts (:func:`expect`) and kept until the model's next forward starts, so the backward's
-    recomputation of a checkpointed layer reads it too; and whether it is the head's probe
-    (:func:`rltrain.forward.head.probing`)."""
+    """What the layers of one model's forward read beside their arguments (transformers calls a
+    layer's attention, convolution and scan with its own arguments): the row that forward runs
+    (:attr:`row`, None: each row its own sequence), announced before it starts (:func:`expect`) and
+    kept until the model's next forward starts, so the backward's recomputation of a checkpointed
+    layer reads it too; and whether it is the head's probe (:func:`rltrain.forward.head.probing`).
+    One for each model, held by the model and each of its modules (:func:`context`): two models in
+    one process (a policy and its reference, a server's models) never read each other's rows."""
 
     def __init__(self):
         self.row: Row | None = None
@@ -116,21 +118,36 @@ class RowContext:
         self.row, self.announced = self.announced, None
 
 
-CURRENT = RowContext()
+def attach(model: torch.nn.Module) -> RowContext:
+    """The row context of ``model`` (a causal LM, also inside a DeepSpeed engine or a peft model):
+    made at the first call and given to the model and every module it holds then, read back by
+    :func:`context`."""
+    lm = causal_lm(model)
+    found = lm.__dict__.get("_rltrain_context")
+    if found is None:
+        found = RowContext()
+        for module in lm.modules():  # (a plain attribute: not a submodule, not in the state dict)
+            module.__dict__["_rltrain_context"] = found
+        lm.register_forward_pre_hook(found.take)
+    return found
+
+
+def context(module: torch.nn.Module) -> RowContext | None:
+    """The row context of the model ``module`` belongs to (:func:`attach`), or None: a module of no
+    model rltrain announced a row to."""
+    return module.__dict__.get("_rltrain_context")
 
 
 def expect(model: torch.nn.Module, position_ids_1L: torch.Tensor | None) -> None:
-    """The next forward of ``model`` (a causal LM, also inside a DeepSpeed engine or a peft model)
-    runs the row these position ids describe (``[1, L]``; None: rows of their own, a padded batch):
-    :attr:`RowContext.row` from that forward's start until the model's next forward starts; a
-    forward rltrain did not announce (generation, say) runs rows of their own."""
-    lm = causal_lm(model)
-    if not getattr(lm, "_rltrain_rows", False):
-        lm.register_forward_pre_hook(CURRENT.take)
-        lm._rltrain_rows = True
-    CURRENT.announced = None if position_ids_1L is None else Row(position_ids_1L)
+    """The next forward of ``model`` runs the row these position ids describe (``[1, L]``; None: rows
+    of their own, a padded batch): :attr:`RowContext.row` of the model's context from that forward's
+    start until its next forward starts; a forward rltrain did not announce (generation, say) runs
+    rows of their own."""
+    attach(model).announced = None if position_ids_1L is None else Row(position_ids_1L)
 
 
-def current() -> Row | None:
-    """The row the model's running forward (or its backward's recomputation) runs, or None."""
-    return CURRENT.row
+def row_of(module: torch.nn.Module) -> Row | None:
+    """The row the running forward (or its backward's recomputation) of ``module``'s model runs, or
+    None."""
+    found = context(module)
+    return None if found is None else found.row

@@ -337,6 +337,7 @@ class RouterTap:
     with no routers (:attr:`problem` says why)."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         found = read_routers(model)
         self.problem = _problem(found, "metrics") if found else None
         reads = [read for _, read in found]
@@ -358,7 +359,7 @@ class RouterTap:
             router.register_forward_hook(functools.partial(self._hook, read))
 
     def _hook(self, read: RouterRead, module, args, output):
-        if probing():  # (the head path's probe: no forward of a batch)
+        if probing(self.model):  # (the head path's probe: no forward of a batch)
             return None
         layer = self._layer.setdefault(id(module), len(self._layer))
         logits, own = read.kind.read(output, self.top_k)

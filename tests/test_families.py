@@ -365,7 +365,10 @@ def test_each_model_reads_the_row_its_own_forward_announced_when_two_run_in_one_
     # over A's, and A's Gated DeltaNet scan ran across its documents (the control below)
     from rltrain.forward import packed_forward, padded_forward, recurrent
 
-    first, second = families.build("qwen3.5", attention.register()), families.build("qwen3.5", attention.register(), 1)
+    first, second = (
+        families.build("qwen3.5", attention.register()),
+        families.build("qwen3.5", attention.register(), 1),
+    )
     ids = torch.randint(3, families.VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(6), torch.arange(5)])[None]  # documents of 6 and 5 tokens
 

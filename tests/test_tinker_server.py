@@ -78,8 +78,9 @@ def server(ray_cluster, tiny_model_path, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("TINKER_API_KEY", KEY)
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
     env = {**ray_cluster, "TINKER_TELEMETRY": "0"}
-    # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine
-    with serving(out, tiny_model_path, env, "learner.micro_batch_size=2") as url:
+    # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine; a call waits 5 s for a
+    # lower seq_id that has not arrived (the SDK leaves no gap: a refused call's place is passed over)
+    with serving(out, tiny_model_path, env, "learner.micro_batch_size=2", "serve.order_timeout_s=5") as url:
         yield {"url": url, "out": out, "base": tiny_model_path, "env": env}
 
 
@@ -183,9 +184,10 @@ def logprobs_of(tc, tokens: list[int]) -> list[float]:
 def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(server):
     base, seq = server["base"], types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
     with tinker.ServiceClient(base_url=server["url"]) as sc:
+        # the base model sampled with no model live (the engines start for it)
+        base_sampler = sc.create_sampling_client(base_model=base).result()
         # train_unembed (the SDK's default): the engines take merged weights (vLLM has no head adapters)
         tc = sc.create_lora_training_client(base_model=base, rank=4, seed=1).result()
-        base_sampler = sc.create_sampling_client(base_model=base).result()
         before = tc.save_weights_and_get_sampling_client().result()
         lp_before = before.compute_logprobs(seq).result()
         assert lp_before[0] is None and lp_before[1:] == pytest.approx(
@@ -236,6 +238,20 @@ def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(serve
         k = next(i for i, c in enumerate(text) if c.isascii() and c.isprintable() and c)
         stopped = after.sample(prompt, 1, types.SamplingParams(max_tokens=20, seed=5, stop=text[k])).result()
         assert stopped.sequences[0].tokens == long[: k + 1] and stopped.sequences[0].stop_reason == "stop"
+        # named sampler weights saved again under the same name: every sampler of the path samples
+        # from the new ones (the engines held that name, and reloaded only on a new one)
+        named = tc.save_weights_for_sampler("same").result().path
+        by_name = sc.create_sampling_client(model_path=named).result()
+        assert by_name.compute_logprobs(seq).result()[1:] == pytest.approx(lp_after[1:], abs=1e-4)
+        tc.forward_backward(datums(DATA), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        tc.save_weights_for_sampler("same").result()
+        lp_now = logprobs_of(tc, seq.to_ints())
+        assert max(abs(a - b) for a, b in zip(lp_now, lp_after[1:])) > 1e-2
+        assert by_name.compute_logprobs(seq).result()[1:] == pytest.approx(lp_now, abs=1e-4)
+        again = sc.create_sampling_client(model_path=named).result()
+        assert again.compute_logprobs(seq).result()[1:] == pytest.approx(lp_now, abs=1e-4)
+        assert after.compute_logprobs(seq).result()[1:] == pytest.approx(lp_after[1:], abs=1e-5)  # (its own)
 
 
 def test_refusals_name_what_is_refused_and_touch_nothing(server):
@@ -271,9 +287,16 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         refused(
             lambda: sampler.sample(types.ModelInput.from_ints([5]), 1, too_long).result(), "max_tokens 2000"
         )
+        state, weights = tc.save_state("own").result().path, tc.save_weights_for_sampler("own").result().path
         with tinker.ServiceClient(base_url=server["url"], api_key="tml-someone-else") as other:
             refused(lambda: other.create_lora_training_client(base_model=base, rank=2).result(),
                     "one model is trained at a time")  # fmt: skip
+            # what another key saved: not loaded, sampled or listed (the owner's own calls: below)
+            refused(lambda: other.create_sampling_client(model_path=weights).result(), "another API key")
+            refused(lambda: other.create_training_client_from_state(state).result(), "another API key")
+            refused(
+                lambda: other.create_rest_client().list_checkpoints(tc.model_id).result(), "another API key"
+            )
             intruder = tinker.TrainingClient(
                 other.holder, model_seq_id=0, model_id=tc.model_id, info=tc.get_info()
             )
@@ -317,6 +340,25 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         for a, b in zip(again, first):
             assert a["logprobs"].tolist() == b["logprobs"].tolist()
         assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == 0.0
+        listed = sc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
+        assert {c.tinker_path for c in listed} >= {state, weights}
+        # strict order, raw: a call sent twice (a retry after a lost answer) is answered under the
+        # first one's request id and runs once; a call behind a gap waits for it (5 s here, after
+        # which it fails in one sentence, not run), and the missing call arriving later is refused
+        sent = tc._request_id_counter  # (the seq_id of the SDK's last call)
+        step = {"model_id": tc.model_id, "adam_params": {"learning_rate": 1e-3}}
+        twice = [post("optim_step", {**step, "seq_id": sent + 1}).json()["request_id"] for _ in range(2)]
+        assert twice[0] == twice[1]
+        behind = post("optim_step", {**step, "seq_id": sent + 3}).json()["request_id"]
+        answer = post("retrieve_future", {"request_id": behind})
+        while answer.status_code == 408:
+            answer = post("retrieve_future", {"request_id": behind})
+        assert answer.json()["error"] == (
+            f"seq_id {sent + 3} of model {tc.model_id} waited 5 s for seq_id {sent + 2}, which never arrived "
+            "(serve.order_timeout_s); it was not run"
+        )
+        late = post("optim_step", {**step, "seq_id": sent + 2})
+        assert late.status_code == 400 and "arrived after later calls had run" in late.json()["error"]
 
 
 def test_an_rl_loop_a_custom_loss_and_the_exports(server):

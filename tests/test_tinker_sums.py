@@ -107,12 +107,18 @@ def test_sample_calls_are_checked_before_any_engine_sees_them():
 
 
 def test_checkpoint_paths_resolve_only_to_what_was_saved(tmp_path):
-    from rltrain.serve.checkpoints import Checkpoints
+    from rltrain.serve.checkpoints import Checkpoints, key_owner
 
-    store = Checkpoints(tmp_path)
-    folder, path = store.new("s:train:0", "weights", "step-1", {"base_model": "b"})
+    store, mine, theirs = Checkpoints(tmp_path), key_owner("tml-mine"), key_owner("tml-theirs")
+    record = {"base_model": "b", "owner": mine}
+    folder, path = store.new("s:train:0", "weights", "step-1", record)
     assert path == "tinker://s:train:0/weights/step-1" and folder.is_dir()
-    assert store.resolve(path, "weights") == (folder, {"base_model": "b"})
+    assert store.resolve(path, "weights", mine) == (folder, record)
+    assert "tml-mine" not in (folder / "model.json").read_text()  # (a hash of the key, never the key)
+    with pytest.raises(BadRequest, match="belongs to another API key"):
+        store.resolve(path, "weights", theirs)
+    with pytest.raises(BadRequest, match="belong to another API key"):
+        store.listed("s:train:0", theirs)
     for bad, words in [
         ("tinker://s:train:0/weights/other", "nothing was saved"),
         ("tinker://../weights/step-1", "nothing was saved"),
@@ -120,14 +126,16 @@ def test_checkpoint_paths_resolve_only_to_what_was_saved(tmp_path):
         ("tinker://s:train:0/weights/../x", "no tinker://"),
     ]:
         with pytest.raises(BadRequest, match=words):
-            store.resolve(bad, "weights")
+            store.resolve(bad, "weights", mine)
     with pytest.raises(BadRequest, match="this call takes"):
-        store.resolve(path, "sampler_weights")
+        store.resolve(path, "sampler_weights", mine)
     with pytest.raises(BadRequest, match="overwrite"):
         store.new("s:train:0", "weights", "step-1", {}, overwrite=False)
     with pytest.raises(BadRequest, match="checkpoint name"):
         store.new("s:train:0", "weights", "../up", {})
-    assert [c["tinker_path"] for c in store.listed("s:train:0")] == [path]
+    assert [c["tinker_path"] for c in store.listed("s:train:0", mine)] == [path]
+    with pytest.raises(BadRequest, match="no model"):
+        store.listed("..", mine)
 
 
 def test_a_model_record_refuses_what_is_not_served():

@@ -20,8 +20,16 @@ class ServeConfig(Section):
     """How long a `retrieve_future` poll is held before it answers "try again" (the SDK polls
     again at once)."""
     session_timeout_s: float = Field(120.0, gt=0)
-    """A session whose heartbeats (the SDK sends one every 10 s) stopped this long ago gives up its
-    model to the next `create_model` (its saved states stay)."""
+    """A session whose heartbeats (the SDK sends one every 10 s) stopped this long ago ends: its
+    model is released (its saved states stay) and its sampling sessions are closed, within a
+    second or two of the timeout."""
+    order_timeout_s: float = Field(60.0, gt=0)
+    """How long a model's call waits for a call with a lower `seq_id` that has not arrived (the
+    SDK uploads a call's chunks in parallel, its first chunk last); past it the waiting calls fail
+    in one sentence and the model goes on with later ones. Calls never run out of order."""
+    result_ttl_s: float = Field(600.0, gt=0)
+    """How long a result nobody retrieved is kept (a retrieved one is freed a minute after, for a
+    poll the SDK repeats)."""
     kept_snapshots: int = Field(16, ge=1)
     """Unnamed sampler weights (`save_weights_and_get_sampling_client`) kept in memory for the
     sampling clients made on them; an older client's request is refused (named sampler weights

@@ -12,9 +12,12 @@ model is refused. The server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from rltrain.config import Config
-from rltrain.serve.checkpoints import Checkpoints
+from rltrain.serve.checkpoints import Checkpoints, key_owner
 from rltrain.serve.futures import Futures, Result, outcome
 from rltrain.serve.models import (
     ServedModel,
@@ -32,6 +35,7 @@ from rltrain.serve.models import (
     model_record,
     model_shape,
     new_session_id,
+    passed,
     served_config,
     weights_loader,
 )
@@ -58,14 +62,50 @@ class Server:
         self.shapes = {
             name: model_shape(path, config.model.trust_remote_code) for name, path in base_models.items()
         }
-        self.futures = Futures()
+        self.futures = Futures(config.serve.result_ttl_s)
         self.checkpoints = Checkpoints(output_dir)
         self.engines = Engines(config.serve.kept_snapshots)
         self.sessions: dict[str, Session] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()  # (their heartbeats answered "finished")
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.lock = threading.Lock()
         self.sampling = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sample")
+        self._stop = threading.Event()
+        threading.Thread(target=self._sweep, daemon=True, name="sweep").start()
+
+    def _sweep(self) -> None:
+        """Every second: a session whose heartbeats stopped ``serve.session_timeout_s`` ago ends
+        (its model released, its sampling sessions closed), finished sessions are forgotten, and
+        results whose time is up are freed."""
+        while not self._stop.wait(1.0):
+            self.prune()
+
+    def close(self) -> None:
+        """The sweep stops (the process serving ends with it otherwise)."""
+        self._stop.set()
+
+    def prune(self) -> None:
+        timeout = self.config.serve.session_timeout_s
+        with self.lock:
+            for session in list(self.sessions.values()):
+                if time.monotonic() - session.heartbeat > timeout:
+                    session.finished = True
+                if session.finished:
+                    self.end(session)
+        self.futures.sweep()
+
+    def end(self, session: Session) -> None:
+        """(Holding the lock.) The session's models released, its sampling sessions closed, the
+        session forgotten."""
+        for model in [m for m in self.models.values() if m.session is session]:
+            self.release(model)
+        for sampler_id in [k for k, v in self.samplers.items() if v.session_id == session.session_id]:
+            del self.samplers[sampler_id]
+        self.sessions.pop(session.session_id, None)
+        self.ended[session.session_id] = None
+        while len(self.ended) > 10_000:
+            self.ended.popitem(last=False)
 
     def session(self, session_id: str, api_key: str) -> Session:
         session = self.sessions.get(session_id)
@@ -103,14 +143,13 @@ class Server:
             raise BadRequest(
                 f"base_model {base!r} is not served (serve.base_models: {', '.join(self.base_models)})"
             )
+        self.prune()  # (a client that stopped heartbeating frees the learners)
         with self.lock:
-            for live in list(self.models.values()):
-                if time.monotonic() - live.session.heartbeat > self.config.serve.session_timeout_s:
-                    self.release(live)  # its client stopped heartbeating: the learners are free
             live = next(iter(self.models.values()), None)
             if live is not None:
                 raise BadRequest(f"one model is trained at a time and {live.model_id!r} is live; another base "
                                  "model or a second model needs a server of its own")  # fmt: skip
+            record = {**record, "owner": key_owner(session.api_key)}  # (saved with its checkpoints)
             config = served_config(self.config, self.base_models[base], record)
             model_id = f"{session.session_id}:train:{model_seq_id or 0}"
             model = ServedModel(model_id, session, base, self.base_models[base], config, record, self)
@@ -170,12 +209,29 @@ def sequence_number(value: Any, key: str) -> int | None:
     return value
 
 
-def queued(server: Server, model: ServedModel, seq_id, call) -> dict[str, Any]:
-    """``call`` on the model's thread in ``seq_id`` order: its request id."""
+def queued(
+    server: Server, model: ServedModel, seq_id, checked: Callable[[], Callable[[], Result]]
+) -> dict[str, Any]:
+    """The call ``checked()`` returns, on the model's thread in ``seq_id`` order: its request id.
+    A request ``checked`` refuses (:class:`BadRequest`) leaves its ``seq_id`` passed over, so the
+    model's later calls do not wait for it."""
     seq_id = sequence_number(seq_id, "seq_id")
+    if seq_id == 0:
+        raise BadRequest("seq_id 0: a model's calls count from 1 (0 is its creation)")
+    try:
+        call = checked()
+    except BadRequest:
+        if seq_id is not None:
+            with contextlib.suppress(BadRequest):
+                model.submit(seq_id, None, passed)
+        raise
     request_id = server.futures.new()
-    model.submit(seq_id, request_id, call)
-    return accepted(request_id, model.model_id)
+    answered = model.submit(seq_id, request_id, call)
+    if answered != request_id:  # the same seq_id again: the first one's answer
+        server.futures.forget(request_id)
+        if answered is None:
+            raise BadRequest(f"seq_id {seq_id} of model {model.model_id} was refused before")
+    return accepted(answered, model.model_id)
 
 
 def failed(error: Exception) -> JSONResponse:
@@ -234,7 +290,7 @@ def _service_routes(app: FastAPI, server: Server) -> None:
     async def heartbeat(request: Request):
         body = await request.json()
         session = server.sessions.get(str(body.get("session_id")))
-        if session is not None and session.finished:
+        if str(body.get("session_id")) in server.ended or (session is not None and session.finished):
             return JSONResponse({"error": "the session has finished", "category": "user"}, status_code=410)
         server.session(str(body.get("session_id")), api_key(request)).heartbeat = time.monotonic()
         return {"type": "session_heartbeat"}
@@ -242,10 +298,9 @@ def _service_routes(app: FastAPI, server: Server) -> None:
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
         session = server.session(session_id, api_key(request))
-        session.finished = True
         with server.lock:
-            for model in [m for m in server.models.values() if m.session is session]:
-                server.release(model)
+            session.finished = True
+            server.end(session)
         return {}
 
     @app.post("/api/v1/retrieve_future")
@@ -253,7 +308,8 @@ def _service_routes(app: FastAPI, server: Server) -> None:
         body = await request.json()
         request_id = str(body.get("request_id"))
         if not server.futures.known(request_id):
-            raise BadRequest(f"unknown request {request_id!r}")
+            raise BadRequest(f"unknown request {request_id!r} (never made here, or its result was freed: a "
+                             f"minute after it was retrieved, or serve.result_ttl_s after it was ready)")  # fmt: skip
         result: Result | None = await server.futures.wait(request_id, server.config.serve.poll_s)
         if result is None:
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"},
@@ -292,14 +348,18 @@ def _training_routes(app: FastAPI, server: Server) -> None:
     async def fwd_bwd(request: Request):
         call = forward_backward_request(await request.body())
         model = server.model(call.model_id, api_key(request))
-        return queued(server, model, call.seq_id, lambda: model.forward_backward(call))
+        return queued(server, model, call.seq_id, lambda: lambda: model.forward_backward(call))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
         body = await request.json()
         model = server.model(str(body.get("model_id")), api_key(request))
-        adam = adam_params(body)
-        return queued(server, model, body.get("seq_id"), lambda: model.optim_step(adam))
+
+        def checked():
+            adam = adam_params(body)
+            return lambda: model.optim_step(adam)
+
+        return queued(server, model, body.get("seq_id"), checked)
 
 
 def _weights_routes(app: FastAPI, server: Server) -> None:
@@ -310,22 +370,27 @@ def _weights_routes(app: FastAPI, server: Server) -> None:
         body = await request.json()
         model = server.model(str(body.get("model_id")), api_key(request))
         name, overwrite = str(body.get("path") or ""), bool(body.get("overwrite"))
-        return queued(server, model, body.get("seq_id"), lambda: model.save_state(name, overwrite))
+        return queued(server, model, body.get("seq_id"), lambda: lambda: model.save_state(name, overwrite))
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         body = await request.json()
         path, optimizer = str(body.get("path") or ""), bool(body.get("optimizer"))
-        if body.get("weights_access_token"):
-            raise BadRequest(
-                "load_weights: weights_access_token is not served (every checkpoint here is local)"
-            )
+
+        def checked():
+            if body.get("weights_access_token"):
+                raise BadRequest(
+                    "load_weights: weights_access_token is not served (every checkpoint here is local)"
+                )
+            return lambda: model.load_state(path, optimizer)
+
         if body.get("model_id"):  # onto a live model
             model = server.model(str(body["model_id"]), api_key(request))
-            return queued(server, model, body.get("seq_id"), lambda: model.load_state(path, optimizer))
+            return queued(server, model, body.get("seq_id"), checked)
+        checked()
         # a new model made from the checkpoint (create_training_client_from_state)
         session = server.session(str(body.get("session_id")), api_key(request))
-        _, record = server.checkpoints.resolve(path, "weights")
+        _, record = server.checkpoints.resolve(path, "weights", key_owner(session.api_key))
         base = body.get("base_model") or record["base_model"]
         if base != record["base_model"]:
             raise BadRequest(f"{path} holds adapters of {record['base_model']}, not of {base}")
@@ -338,17 +403,20 @@ def _weights_routes(app: FastAPI, server: Server) -> None:
     async def save_weights_for_sampler(request: Request):
         body = await request.json()
         model = server.model(str(body.get("model_id")), api_key(request))
-        if body.get("kind", "snapshot") != "snapshot":
-            raise BadRequest(
-                f"save_weights_for_sampler: kind {body.get('kind')!r} is not served (snapshot is)"
-            )
-        name = body.get("path")
-        return queued(server, model, body.get("seq_id"), lambda: model.save_for_sampler(name))
+
+        def checked():
+            if body.get("kind", "snapshot") != "snapshot":
+                raise BadRequest(
+                    f"save_weights_for_sampler: kind {body.get('kind')!r} is not served (snapshot is)"
+                )
+            name = body.get("path")
+            return lambda: model.save_for_sampler(name)
+
+        return queued(server, model, body.get("seq_id"), checked)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str, request: Request):
-        api_key(request)
-        return {"checkpoints": server.checkpoints.listed(model_id)}
+        return {"checkpoints": server.checkpoints.listed(model_id, key_owner(api_key(request)))}
 
 
 def _sampling_routes(app: FastAPI, server: Server) -> None:
@@ -360,7 +428,9 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         session = server.session(str(body.get("session_id")), api_key(request))
         path, base = body.get("model_path"), body.get("base_model")
         if path:
-            folder, record = server.checkpoints.resolve(str(path), "sampler_weights")
+            folder, record = server.checkpoints.resolve(
+                str(path), "sampler_weights", key_owner(session.api_key)
+            )
             base = record["base_model"]
             weights = str(path)
         elif base in server.base_models:
@@ -372,14 +442,17 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         live = next((m for m in server.models.values() if m.base_model == base), None)
 
         def start():  # (a thread: the engines may start first)
-            config = (live.config if live is not None and record in (None, live.record)
-                      else served_config(server.config, server.base_models[base], record))  # fmt: skip
+            if live is not None and record in (None, live.record):
+                config = live.config
+            else:  # (no live model of the base: the base model's weights, as a model training everything syncs them)
+                made = record or model_record({"base_model": base, "lora_config": {"rank": 1}})
+                config = served_config(server.config, server.base_models[base], made)
             engines = server.engines_for(base, config)
             if path:
                 engines.add(weights, loader=weights_loader(folder, takes_adapters(config)))
 
         await asyncio.get_running_loop().run_in_executor(None, start)
-        sampler = server.new_sampler(Sampler("", session.api_key, base, weights, path))
+        sampler = server.new_sampler(Sampler("", session.api_key, base, weights, path, session.session_id))
         return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
 
     @app.get("/api/v1/samplers/{sampler_id}")

@@ -2,7 +2,9 @@
 ``retrieve_future`` for the result. A result is a JSON object, protobuf bytes (the results of
 ``forward_backward`` and ``asample``) or a failure ``{"error", "category"}`` (``user``: the caller's
 mistake, refused for that request alone; ``server``: ours). A poll is held until the result is
-there or ``poll_s`` passes, then answered "try again" (HTTP 408, which the SDK polls again on)."""
+there or ``poll_s`` passes, then answered "try again" (HTTP 408, which the SDK polls again on).
+The table is bounded: a retrieved result is freed a minute later (:data:`RETRIEVED_KEPT_S`: a poll
+the SDK repeats, its answer lost, is answered again), one nobody retrieves after ``ttl_s``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rltrain.serve.wire import BadRequest
+
+# how long a retrieved result stays for a repeated poll
+RETRIEVED_KEPT_S = 60.0
 
 
 @dataclass
@@ -41,12 +46,15 @@ def outcome(call: Callable[[], Result]) -> Result:
 
 
 class Futures:
-    """Request ids and their results, written by worker threads and read by the server's loop."""
+    """Request ids and their results, written by worker threads and read by the server's loop;
+    ``ttl_s``: how long a result nobody retrieves is kept."""
 
-    def __init__(self):
+    def __init__(self, ttl_s: float = 600.0):
+        self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._done: dict[str, Result] = {}
         self._pending: set[str] = set()
+        self._expiry: dict[str, float] = {}  # request id -> when its result is freed
         self._ids = itertools.count(1)
 
     def new(self) -> str:
@@ -57,19 +65,46 @@ class Futures:
 
     def resolve(self, request_id: str, result: Result) -> None:
         with self._lock:
+            if request_id not in self._pending:  # (forgotten: nobody will ask)
+                return
             self._pending.discard(request_id)
             self._done[request_id] = result
+            self._expiry[request_id] = time.monotonic() + self.ttl_s
+
+    def forget(self, request_id: str) -> None:
+        """A request id nobody was given: no result is kept for it."""
+        with self._lock:
+            self._pending.discard(request_id)
+            self._done.pop(request_id, None)
+            self._expiry.pop(request_id, None)
 
     def known(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._pending or request_id in self._done
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending) + len(self._done)
+
+    def sweep(self) -> None:
+        """Free the results whose time is up (retrieved a minute ago, or never within ``ttl_s``)."""
+        now = time.monotonic()
+        with self._lock:
+            for request_id in [r for r, t in self._expiry.items() if t <= now]:
+                del self._expiry[request_id]
+                self._done.pop(request_id, None)
+
     async def wait(self, request_id: str, seconds: float) -> Result | None:
-        """The result, once there within ``seconds``; None: still pending (try again)."""
+        """The result, once there within ``seconds`` (then freed a minute later); None: still
+        pending (try again)."""
         deadline = time.monotonic() + seconds
         while True:
             with self._lock:
                 result = self._done.get(request_id)
+                if result is not None:
+                    self._expiry[request_id] = min(
+                        self._expiry[request_id], time.monotonic() + RETRIEVED_KEPT_S
+                    )
             if result is not None or time.monotonic() >= deadline:
                 return result
             await asyncio.sleep(0.01)

@@ -21,9 +21,15 @@ from rltrain.loss import sums
 from rltrain.serve.futures import Result, outcome
 from rltrain.serve.wire import BadRequest, FwdBwd
 
-# how long a call waits for the calls with lower seq_ids before it runs anyway (the SDK sends a
-# forward_backward's chunks in parallel, its first chunk last)
-SEQ_GRACE_S = 2.0
+# a call's place in its model's queue when it gives no seq_id (raw HTTP): before every ordered one
+UNORDERED = -1
+# how many of a model's recent seq_ids are remembered with their request ids (a call the SDK sends
+# again, its answer lost, gets the first one's request id rather than running twice)
+REMEMBERED = 1024
+
+
+def passed() -> None:
+    """The call a refused request leaves in its seq_id's place: nothing runs, later calls go on."""
 
 
 @dataclass
@@ -45,41 +51,86 @@ class ServedModel:
         self.vocab, self.context = server.shapes[base_model]
         self.group = None
         self.snapshots = itertools.count(1)
-        self._queue: list[tuple[int, int, str | None, Callable[[], Result] | None]] = []
+        self._queue: list[tuple[int, int, str | None, Callable | None]] = []
         self._order = itertools.count()
-        self._done_seq = -1
+        self._done_seq = (
+            0  # the start (queued first, unordered) stands for seq_id 0: the SDK's first call is 1
+        )
+        self._seen: dict[int, str | None] = {}  # seq_id -> its request id, the last REMEMBERED
+        self._gap_since: float | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._work, daemon=True, name=f"model {model_id}")
         self._thread.start()
 
-    def submit(self, seq_id: int | None, request_id: str | None, call: Callable[[], Result] | None) -> None:
-        """Run ``call`` after every call with a lower ``seq_id`` (None: at once, in arrival order;
-        ``call`` None: the thread ends there, the learners shut down)."""
+    def submit(self, seq_id: int | None, request_id: str | None, call: Callable | None) -> str | None:
+        """Run ``call`` after every call with a lower ``seq_id`` has run (None: at once, before the
+        ordered calls; ``call`` None: the thread ends there, the learners shut down; :func:`passed`:
+        a refused request's place, nothing runs). The request id the call is answered under: the
+        first one's, where this ``seq_id`` was received before (the SDK's retry of a call whose
+        answer was lost); a ``seq_id`` that was passed over already raises :class:`BadRequest`."""
         with self._cond:
-            heapq.heappush(
-                self._queue, (seq_id if seq_id is not None else 0, next(self._order), request_id, call)
-            )
+            if seq_id is not None and seq_id in self._seen:
+                return self._seen[seq_id]
+            if seq_id is not None and seq_id <= self._done_seq and call is not None:
+                raise BadRequest(f"seq_id {seq_id} of model {self.model_id} arrived after later calls had run "
+                                 f"(serve.order_timeout_s)")  # fmt: skip
+            if seq_id is not None:
+                self._seen[seq_id] = request_id
+                while len(self._seen) > REMEMBERED:
+                    del self._seen[next(iter(self._seen))]
+            key = UNORDERED if seq_id is None else seq_id
+            heapq.heappush(self._queue, (key, next(self._order), request_id, call))
             self._cond.notify()
+        return request_id
+
+    def _next(self) -> tuple[int, str | None, Callable | None]:
+        """(Holding the lock.) The next call to run: the lowest queued, once every seq_id below it
+        has run (the release, after every call, once nothing is queued before it); a gap that stays
+        open ``serve.order_timeout_s`` fails the calls waiting behind it."""
+        timeout = self.config.serve.order_timeout_s
+        while True:
+            if self._queue:
+                key = self._queue[0][0]
+                if key == UNORDERED or key <= self._done_seq + 1 or self._queue[0][3] is None:
+                    self._gap_since = None
+                    key, _, request_id, call = heapq.heappop(self._queue)
+                    return key, request_id, call
+                self._gap_since = self._gap_since or time.monotonic()
+                if time.monotonic() - self._gap_since >= timeout:
+                    self._fail_waiting(timeout)
+                    continue
+            self._cond.wait(None if not self._queue else 0.5)
+
+    def _fail_waiting(self, timeout: float) -> None:
+        """(Holding the lock.) The calls waiting behind a gap fail, in one sentence each; the model
+        goes on after the highest of them."""
+        missing, kept = self._done_seq + 1, []
+        for key, order, request_id, call in self._queue:
+            if call is None:
+                kept.append((key, order, request_id, call))
+                continue
+            self._done_seq = max(self._done_seq, key)
+            if request_id is not None:
+                self.server.futures.resolve(request_id, Result(
+                    error=f"seq_id {key} of model {self.model_id} waited {timeout:g} s for seq_id {missing}, "
+                          f"which never arrived (serve.order_timeout_s); it was not run", category="user"))  # fmt: skip
+        heapq.heapify(kept)
+        self._queue, self._gap_since = kept, None
 
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                seq_id = self._queue[0][0]
-                waited = time.monotonic()
-                # a gap below this call's seq_id: wait (briefly) for the calls that fill it
-                while seq_id > self._done_seq + 1 and time.monotonic() - waited < SEQ_GRACE_S:
-                    self._cond.wait(0.05)
-                    seq_id = self._queue[0][0]
-                seq_id, _, request_id, call = heapq.heappop(self._queue)
+                seq_id, request_id, call = self._next()
             if call is None:
                 if self.group is not None:
                     self.group.shutdown()
                 return
-            result = outcome(call)
-            self._done_seq = max(self._done_seq, seq_id)
-            self.server.futures.resolve(request_id, result)
+            result = None if call is passed else outcome(call)
+            with self._cond:
+                self._done_seq = max(self._done_seq, seq_id)
+                self._cond.notify_all()
+            if request_id is not None:
+                self.server.futures.resolve(request_id, result)
 
     # ------------------------------------------------------------------ calls
 
@@ -115,7 +166,7 @@ class ServedModel:
         return Result(json={"type": "save_weights", "path": path})
 
     def load_state(self, path: str, optimizer: bool) -> Result:
-        folder, record = self.server.checkpoints.resolve(path, "weights")
+        folder, record = self.server.checkpoints.resolve(path, "weights", self.record["owner"])
         if (record["base_model"], record["lora_config"]) != (self.base_model, self.record["lora_config"]):
             raise BadRequest(f"{path} holds adapters of {record['base_model']} with {record['lora_config']}; "
                              f"this model trains {self.base_model} with {self.record['lora_config']}")  # fmt: skip
@@ -134,7 +185,9 @@ class ServedModel:
         if name is None:
             key = f"{self.model_id}#{next(self.snapshots)}"
             engines.add(key, ref, load=True)
-            sampler = self.server.new_sampler(Sampler("", self.session.api_key, self.base_model, key))
+            sampler = self.server.new_sampler(
+                Sampler("", self.session.api_key, self.base_model, key, None, self.session.session_id)
+            )
             return Result(
                 json={"type": "save_weights_for_sampler", "sampling_session_id": sampler.sampler_id}
             )

@@ -39,13 +39,15 @@ NOT_HELD = ("this sampling client's weights are no longer held (serve.kept_snaps
 @dataclass
 class Sampler:
     """A sampling session: whose it is, its base model, the weights it samples from (a key of
-    :class:`Engines`) and the ``tinker://`` path it was made from, if any."""
+    :class:`Engines`), the ``tinker://`` path it was made from, if any, and the session it lives in
+    (closed with it)."""
 
     sampler_id: str
     api_key: str
     base_model: str
     weights: str
     model_path: str | None = None
+    session_id: str = ""
 
 
 @dataclass
@@ -163,6 +165,8 @@ class Engines:
         engines take them now, as a training step's sync would."""
         with self._cond:
             if ref is not None:
+                if self.held == key:  # new weights under a held name: the engines take them again
+                    self.held = None
                 self.states[key] = ref
                 while len(self.states) > self.keep:  # (named ones reload from disk)
                     self.states.popitem(last=False)

@@ -1,0 +1,142 @@
+"""The Tinker server's bookkeeping without learners (rltrain.serve): a model's calls strictly in
+their seq_id order (a gap waits, then fails the calls behind it; a refused call's place is passed
+over; a call sent twice runs once), the futures table freed, and a session that stops heartbeating
+ended on time with its model and sampling sessions."""
+
+import time
+import types
+
+import pytest
+
+from rltrain.config import load_config
+from rltrain.serve import futures as futures_module
+from rltrain.serve.app import AFTER_EVERY_CALL, Server
+from rltrain.serve.futures import Futures, Result
+from rltrain.serve.models import ServedModel, Session, passed
+from rltrain.serve.sampling import Sampler
+from rltrain.serve.wire import BadRequest
+
+
+def model_with(timeout: float = 30.0) -> tuple[ServedModel, Futures, list]:
+    """A served model whose calls record their seq_id in ``ran`` (no learners)."""
+    config = load_config("configs/cpu_tinker.yaml", [f"serve.order_timeout_s={timeout}"])
+    server = types.SimpleNamespace(futures=Futures(), shapes={"base": (128, 1024)})
+    model = ServedModel("m", Session("s", "key"), "base", "path", config, {}, server)
+    return model, server.futures, []
+
+
+def call(ran: list, seq_id: int):
+    def run() -> Result:
+        ran.append(seq_id)
+        return Result(json={"seq_id": seq_id})
+
+    return run
+
+
+def result(futures: Futures, request_id: str, seconds: float = 10.0) -> Result | None:
+    import asyncio
+
+    return asyncio.run(futures.wait(request_id, seconds))
+
+
+def test_calls_run_in_seq_id_order_a_gap_waits_and_then_fails_the_calls_behind_it():
+    model, futures, ran = model_with(timeout=0.5)
+    ids = {s: futures.new() for s in (3, 2, 1)}
+    model.submit(3, ids[3], call(ran, 3))
+    model.submit(2, ids[2], call(ran, 2))
+    time.sleep(0.2)
+    assert ran == []  # 2 and 3 wait for 1, however long it takes within the timeout
+    model.submit(1, ids[1], call(ran, 1))
+    assert result(futures, ids[3]).json == {"seq_id": 3} and ran == [1, 2, 3]
+    # a refused request's place (it never reached the queue) is passed over, not waited for
+    model.submit(4, None, passed)
+    five = futures.new()
+    model.submit(5, five, call(ran, 5))
+    assert result(futures, five, 0.4).json == {"seq_id": 5}  # (within the 0.5 s a gap would wait)
+    # the same seq_id again (the SDK's retry after a lost answer): the first request id, run once
+    six = futures.new()
+    assert model.submit(6, six, call(ran, 6)) == six
+    assert model.submit(6, futures.new(), call(ran, 6)) == six
+    result(futures, six)
+    # a gap that stays open: the call behind it fails in one sentence after the timeout, not run
+    eight = futures.new()
+    start = time.monotonic()
+    model.submit(8, eight, call(ran, 8))
+    failed = result(futures, eight)
+    assert time.monotonic() - start >= 0.5 and ran == [1, 2, 3, 5, 6]
+    assert failed.error == (
+        "seq_id 8 of model m waited 0.5 s for seq_id 7, which never arrived (serve.order_timeout_s); it was not run"
+    )
+    assert failed.category == "user"
+    with pytest.raises(BadRequest, match="seq_id 7 of model m arrived after later calls had run"):
+        model.submit(7, futures.new(), call(ran, 7))
+    nine = futures.new()
+    model.submit(9, nine, call(ran, 9))  # the model goes on after the gap
+    assert result(futures, nine).json == {"seq_id": 9} and ran[-1] == 9
+    # the release runs after every queued call, and the model's thread ends there
+    model.submit(AFTER_EVERY_CALL, None, None)
+    model._thread.join(5)
+    assert not model._thread.is_alive()
+
+
+def test_the_futures_table_frees_what_was_retrieved_and_what_nobody_retrieves(monkeypatch):
+    monkeypatch.setattr(futures_module, "RETRIEVED_KEPT_S", 0.05)
+    table = Futures(ttl_s=0.2)
+    kept = []
+    for _ in range(1000):  # a loop of calls, each retrieved: the table stays small
+        request_id = table.new()
+        table.resolve(request_id, Result(json={"big": "x" * 1000}))
+        assert result(table, request_id).json is not None
+        kept.append(len(table))
+        if len(kept) % 100 == 0:
+            time.sleep(0.06)
+            table.sweep()
+    assert max(kept) <= 101 and len(table) <= 1
+    # a repeated poll within the minute is answered again; after it, the id is unknown
+    request_id = table.new()
+    table.resolve(request_id, Result(json={}))
+    assert result(table, request_id) is not None and result(table, request_id) is not None
+    time.sleep(0.06)
+    table.sweep()
+    assert not table.known(request_id)
+    # a result nobody retrieves is freed after ttl_s; a pending request is never freed
+    unread, pending = table.new(), table.new()
+    table.resolve(unread, Result(json={}))
+    table.sweep()
+    assert table.known(unread)
+    time.sleep(0.25)
+    table.sweep()
+    assert not table.known(unread) and table.known(pending)
+    # a request id nobody was given keeps nothing, even when its call resolves later
+    forgotten = table.new()
+    table.forget(forgotten)
+    table.resolve(forgotten, Result(json={}))
+    assert not table.known(forgotten)
+
+
+def test_a_session_that_stops_heartbeating_ends_on_time_with_its_model_and_samplers(
+    tiny_model_path, tmp_path
+):
+    config = load_config(
+        "configs/cpu_tinker.yaml", ["serve.session_timeout_s=0.5", f"serve.base_models=[{tiny_model_path}]"]
+    )
+    server = Server(config, {"base": tiny_model_path}, tmp_path)
+    request = server.futures.new()  # (a result nobody retrieves: kept until serve.result_ttl_s)
+    quiet, alive = Session("quiet", "key"), Session("alive", "key")
+    server.sessions |= {"quiet": quiet, "alive": alive}
+    released = []
+    model = types.SimpleNamespace(model_id="quiet:train:0", session=quiet,
+                                  submit=lambda seq_id, request_id, call: released.append((seq_id, call)))  # fmt: skip
+    server.models[model.model_id] = model
+    server.samplers |= {"a": Sampler("a", "key", "base", "base", None, "quiet"),
+                        "b": Sampler("b", "key", "base", "base", None, "alive")}  # fmt: skip
+    start = time.monotonic()
+    while "quiet" in server.sessions and time.monotonic() - start < 5:
+        alive.heartbeat = time.monotonic()
+        time.sleep(0.05)
+    # ended by the server's own sweep within ~1 s of the timeout, no create_model needed
+    assert "quiet" not in server.sessions and time.monotonic() - start < 2.5
+    assert released == [(AFTER_EVERY_CALL, None)] and not server.models
+    assert list(server.samplers) == ["b"] and "alive" in server.sessions and "quiet" in server.ended
+    assert server.futures.known(request)
+    server.close()

@@ -10,10 +10,10 @@ import pytest
 
 from rltrain.config import load_config
 from rltrain.serve import futures as futures_module
-from rltrain.serve.app import AFTER_EVERY_CALL, Server
 from rltrain.serve.futures import Futures, Result
 from rltrain.serve.models import ServedModel, Session, passed
 from rltrain.serve.sampling import Sampler
+from rltrain.serve.server import AFTER_EVERY_CALL, Server
 from rltrain.serve.wire import BadRequest
 
 

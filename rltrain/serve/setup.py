@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from rltrain.serve.app import Server, make_app
+    from rltrain.serve.app import make_app
+    from rltrain.serve.server import Server
 
     port = config.serve.port or free_port(config.serve.host)
     app = make_app(Server(config, folders, out))

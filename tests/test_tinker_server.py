@@ -238,6 +238,20 @@ def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(serve
         k = next(i for i, c in enumerate(text) if c.isascii() and c.isprintable() and c)
         stopped = after.sample(prompt, 1, types.SamplingParams(max_tokens=20, seed=5, stop=text[k])).result()
         assert stopped.sequences[0].tokens == long[: k + 1] and stopped.sequences[0].stop_reason == "stop"
+        # concurrent requests (each its own prompt, count, seed and settings) go to vLLM as one
+        # batch: each gets what it gets alone
+        asks = [(types.ModelInput.from_ints([5 + i] * (1 + i % 3)), 1 + i % 3,
+                 types.SamplingParams(max_tokens=3 + i % 4, seed=100 + i, temperature=0.7 + 0.1 * (i % 3)))
+                for i in range(8)]  # fmt: skip
+        together = [after.sample(*ask) for ask in asks]
+        scored = after.compute_logprobs(seq)
+        for ask, future in zip(asks, together):
+            alone = after.sample(*ask).result().sequences
+            got = future.result().sequences
+            assert [s.tokens for s in got] == [s.tokens for s in alone] and len(got) == ask[1]
+            for a, b in zip(got, alone):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert scored.result()[1:] == pytest.approx(lp_after[1:], abs=1e-4)
         # named sampler weights saved again under the same name: every sampler of the path samples
         # from the new ones (the engines held that name, and reloaded only on a new one)
         named = tc.save_weights_for_sampler("same").result().path
@@ -287,6 +301,10 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         refused(
             lambda: sampler.sample(types.ModelInput.from_ints([5]), 1, too_long).result(), "max_tokens 2000"
         )
+        # the engines run at rollout.max_model_len (512), under the model's own 1024: a prompt that fits
+        # the model but not the engines is refused by that number (it reached vLLM and came back raw)
+        refused(lambda: sampler.sample(types.ModelInput.from_ints([5] * 600), 1, types.SamplingParams()).result(),
+                "a prompt of 600 tokens leaves no room in the engines' context of 512")  # fmt: skip
         state, weights = tc.save_state("own").result().path, tc.save_weights_for_sampler("own").result().path
         with tinker.ServiceClient(base_url=server["url"], api_key="tml-someone-else") as other:
             refused(lambda: other.create_lora_training_client(base_model=base, rank=2).result(),

@@ -104,6 +104,26 @@ def test_sample_calls_are_checked_before_any_engine_sees_them():
             call(params, **extra)
     with pytest.raises(BadRequest, match="vocabulary"):
         call(tokens=(1, 100))
+    with pytest.raises(
+        BadRequest, match="a prompt of 10 tokens leaves no room in the engines' context of 10"
+    ):
+        call(tokens=range(10))
+
+
+def test_a_base_models_engines_run_at_the_smaller_of_the_configured_and_its_own_context():
+    # vLLM refuses a max_model_len past the model's position embeddings: a model of 1024 positions on
+    # a server configured for 4096 gets engines of 1024 (and sampling is checked against the same
+    # number); one configured for 512 keeps 512 (a prompt past it is refused, not sent)
+    from rltrain.config import load_config
+    from rltrain.serve.models import engine_context, model_record, served_config
+
+    record = model_record({"base_model": "b", "lora_config": {"rank": 2}})
+    for configured, own, expected in [(4096, 1024, 1024), (512, 1024, 512), (512, 40, 40)]:
+        config = load_config("configs/cpu_tinker.yaml", [f"rollout.max_model_len={configured}"])
+        assert engine_context(config, own) == expected
+        served = served_config(config, "folder", record, own)
+        assert served.rollout.max_model_len == expected
+        assert served.max_prompt_tokens + served.rollout.max_new_tokens <= expected
 
 
 def test_checkpoint_paths_resolve_only_to_what_was_saved(tmp_path):

@@ -332,28 +332,37 @@ class VLLMBackend:
             engine.reset_encoder_cache()
             self.stale_encodings = False
 
-    def sample(self, prompt: list[int], num_samples: int, sampling: dict, prompt_logprobs: bool):
-        """``num_samples`` completions of one prompt with the request's own sampling (``sampling``:
-        ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` strings,
-        ``stop_token_ids``, ``ignore_eos``): each one's tokens, their log-probs and why it stopped;
+    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> list[tuple[list, list | None]]:
+        """Requests of their own, generated together (one batch for vLLM): each ``(prompt,
+        num_samples, sampling, prompt_logprobs)`` with its own sampling (``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` strings, ``stop_token_ids``,
+        ``ignore_eos``). For each: its completions' tokens, their log-probs and why each stopped,
         and the prompt's log-probs where asked (None for its first token)."""
         from vllm import SamplingParams
 
         self._reset_stale_encodings()
-        stop = sampling.get("stop") or None
-        params = SamplingParams(
-            n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
-            include_stop_str_in_output=True, detokenize=bool(stop), stop=stop,
-            **{k: v for k, v in sampling.items() if k != "stop"},
-        )  # fmt: skip
-        (out,) = self.llm.generate(
-            [engine_prompt(prompt)], params, use_tqdm=False, lora_request=self.lora_request
+        params = []
+        for _, num_samples, sampling, prompt_logprobs in requests:
+            stop = sampling.get("stop") or None
+            params.append(SamplingParams(
+                n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
+                include_stop_str_in_output=True, detokenize=bool(stop), stop=stop,
+                **{k: v for k, v in sampling.items() if k != "stop"},
+            ))  # fmt: skip
+        outs = self.llm.generate(
+            [engine_prompt(r[0]) for r in requests], params, use_tqdm=False, lora_request=self.lora_request
         )
-        sequences = [(list(c.token_ids), _sampled_logprobs(c), _finish(c)) for c in out.outputs]
-        if not prompt_logprobs:
-            return sequences, None
-        entries = out.prompt_logprobs
-        return sequences, [None] + [entries[t][prompt[t]].logprob for t in range(1, len(prompt))]
+        results = []
+        for (prompt, _, _, prompt_logprobs), out in zip(requests, outs):
+            sequences = [(list(c.token_ids), _sampled_logprobs(c), _finish(c)) for c in out.outputs]
+            entries = out.prompt_logprobs if prompt_logprobs else None
+            scored = (
+                None
+                if entries is None
+                else [None] + [entries[t][prompt[t]].logprob for t in range(1, len(prompt))]
+            )
+            results.append((sequences, scored))
+        return results
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         self._reset_stale_encodings()

@@ -209,12 +209,12 @@ class GeneratorActor:
             self._take_weights()
             return self.backend.prompt_logprobs(sequences)
 
-    def sample(self, prompt: list[int], num_samples: int, sampling: dict, prompt_logprobs: bool):
-        """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` with the weights the
-        engine took last."""
+    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> list:
+        """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` (requests generated
+        together) with the weights the engine took last."""
         with self._engine:
             self._take_weights()
-            return self.backend.sample(prompt, num_samples, sampling, prompt_logprobs)
+            return self.backend.sample(requests)
 
     def weights_not_loaded(self) -> list[str]:
         """The engine's parameters that no name of the last weights it took loads (all of them
@@ -352,12 +352,10 @@ class GeneratorPool:
         answers = gather([a.prompt_logprobs.remote(sequences) for a in actors], names, self.timeout_s)
         return answers if every else answers[0]
 
-    def sample(
-        self, prompt: list[int], num_samples: int, sampling: dict, prompt_logprobs: bool
-    ) -> ray.ObjectRef:
-        """One request's samples (:meth:`GeneratorActor.sample`) on the next engine in turn."""
+    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> ray.ObjectRef:
+        """Requests generated together (:meth:`GeneratorActor.sample`) on the next engine in turn."""
         self._turn = (self._turn + 1) % self.size
-        return self.actors[self._turn].sample.remote(prompt, num_samples, sampling, prompt_logprobs)
+        return self.actors[self._turn].sample.remote(requests)
 
     def weights_not_loaded(self) -> list[str]:
         """The parameters of any engine that the last weights it took do not load, each named once."""

@@ -27,6 +27,7 @@ from rltrain.serve.models import (
     ServedModel,
     Session,
     adam_params,
+    engine_context,
     model_record,
     new_session_id,
     passed,
@@ -292,7 +293,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
                 config = live.config
             else:  # (no live model of the base: the base model's weights, as a model training everything syncs them)
                 made = record or model_record({"base_model": base, "lora_config": {"rank": 1}})
-                config = served_config(server.config, server.base_models[base], made)
+                config = served_config(server.config, server.base_models[base], made, server.shapes[base][1])
             engines = server.engines_for(base, config)
             if path:
                 engines.add(weights, loader=weights_loader(folder, takes_adapters(config)))
@@ -322,7 +323,8 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
                              f"was for {sampler.base_model}")  # fmt: skip
         if not server.engines.known(sampler.weights):
             raise BadRequest(NOT_HELD)
-        call = sample_call(body, *server.shapes[sampler.base_model])
+        vocab, context = server.shapes[sampler.base_model]
+        call = sample_call(body, vocab, engine_context(server.config, context))
         request_id = server.futures.new()
         server.sampling.submit(server.sample, request_id, sampler, call)
         return {

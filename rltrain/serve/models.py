@@ -253,10 +253,11 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 
 
-def served_config(config: Config, model_path: str, record: dict) -> Config:
+def served_config(config: Config, model_path: str, record: dict, context: int) -> Config:
     """The learners' (and engines') config for a model of ``record``
-    (:func:`~rltrain.serve.models.model_record`) on the model at ``model_path``: the server's
-    sections, LoRA of the rank and on the modules asked for, its seed."""
+    (:func:`~rltrain.serve.models.model_record`) on the model at ``model_path``, whose own context
+    is ``context``: the server's sections, LoRA of the rank and on the modules asked for, its seed,
+    and engines at the smaller of ``rollout.max_model_len`` and that context (:func:`engine_context`)."""
     lora = record["lora_config"]
     targets = [*(ATTENTION if lora["train_attn"] else []), *(MLP if lora["train_mlp"] else []),
                *(UNEMBED if lora["train_unembed"] else [])]  # fmt: skip
@@ -265,9 +266,21 @@ def served_config(config: Config, model_path: str, record: dict) -> Config:
     raw["model"]["lora"] |= {"rank": lora["rank"], "target_modules": targets}
     if lora.get("seed") is not None:
         raw["run"]["seed"] = int(lora["seed"])
+    raw["rollout"]["max_model_len"] = length = engine_context(config, context)
+    if (
+        raw["rollout"]["max_new_tokens"] + raw["data"]["max_prompt_tokens"] > length
+    ):  # (a trainer's rollouts: unused)
+        raw["rollout"]["max_new_tokens"] = length // 2
+        raw["data"]["max_prompt_tokens"] = length - length // 2
     raw["loss"]["kl_beta"] = 0.0
     raw["learner"] |= {"prefix_sharing": False, "optimizer": "adamw"}
     return Config.model_validate(raw)
+
+
+def engine_context(config: Config, context: int) -> int:
+    """The context the engines of a base model run at, and that sampling is checked against: the
+    smaller of ``rollout.max_model_len`` and the model's own ``context``."""
+    return min(config.rollout.max_model_len, context)
 
 
 def model_shape(model_path: str, trust_remote_code: bool) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 bound to one set of weights (the base model, the adapters of one ``save_weights_for_sampler``, or
 named sampler weights on disk), and the engines, which hold one set at a time and load another
 before a request that needs it. A sample never comes from weights other than its session's: a
-snapshot taken before the last ``optim_step`` still samples from that snapshot.
+snapshot taken before the last ``optim_step`` still samples from that snapshot. Concurrent requests
+on the same weights reach the engines together, as one batch (vLLM batches them).
 
 A request's sampling is its own (``num_samples``, ``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, stop strings or stop token ids), with each sampled token's log-prob (of the
@@ -16,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rltrain.serve.wire import BadRequest
@@ -31,6 +33,9 @@ NOT_SERVED = {
     "prompt_alt_tokens_k": "alternative prompt tokens",
     "record_stability_info": "stability records (stable_reinforce)",
 }
+
+# how long the first of several concurrent sample requests waits for the others to join its batch
+BATCH_WINDOW_S = 0.01
 
 NOT_HELD = ("this sampling client's weights are no longer held (serve.kept_snapshots); save named sampler "
             "weights to sample from them later")  # fmt: skip
@@ -58,6 +63,10 @@ class SampleCall:
     prompt_logprobs: bool
     last_n: int | None = None  # prompt log-probs of the last n tokens alone (the others None)
 
+    def request(self) -> tuple[list[int], int, dict, bool]:
+        """As the engines take it (:meth:`rltrain.rollout.engines.GeneratorPool.sample`)."""
+        return self.prompt, self.num_samples, self.sampling, self.prompt_logprobs
+
     def scored(self, prompt: list | None) -> list | None:
         """The prompt's log-probs as asked: all of them, or the last ``last_n``."""
         if prompt is None or self.last_n is None:
@@ -67,7 +76,9 @@ class SampleCall:
 
 def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
     """A ``asample`` request's prompt and sampling, checked: tokens in the vocabulary, the prompt
-    and its completion within the context, each setting in range; anything else :class:`BadRequest`."""
+    and its completion within the engines' ``context``
+    (:func:`~rltrain.serve.models.engine_context`), each setting in range; anything else
+    :class:`BadRequest`."""
     for key, what in NOT_SERVED.items():
         if body.get(key):
             raise BadRequest(f"asample: {what} ({key}) are not served")
@@ -85,10 +96,13 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
         raise BadRequest(f"asample: num_samples {n} (1 to 1024)")
     params = body.get("sampling_params") or {}
     room = context - len(tokens)
+    if room < 1:
+        raise BadRequest(f"asample: a prompt of {len(tokens)} tokens leaves no room in the engines' context of "
+                         f"{context} (rollout.max_model_len, at most the model's own)")  # fmt: skip
     max_tokens = params.get("max_tokens")
     max_tokens = room if max_tokens is None else int(max_tokens)
     if max_tokens < 1 or max_tokens > room:
-        raise BadRequest(f"asample: max_tokens {max_tokens} with a prompt of {len(tokens)} tokens: the "
+        raise BadRequest(f"asample: max_tokens {max_tokens} with a prompt of {len(tokens)} tokens: the engines' "
                          f"context of {context} leaves room for 1 to {room}")  # fmt: skip
     temperature = float(params.get("temperature", 1.0))
     top_p, top_k = float(params.get("top_p", 1.0)), int(params.get("top_k", -1))
@@ -123,6 +137,16 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
     )
 
 
+@dataclass
+class _Waiting:
+    """A sample request waiting for its batch: its result or error once ``done``."""
+
+    call: SampleCall
+    done: threading.Event = field(default_factory=threading.Event)
+    out: tuple | None = None
+    error: Exception | None = None
+
+
 class Engines:
     """The generator pool (started at the first need, for the model being trained) and the weights
     it holds: every set a sampling session may need, by key (adapters in the Ray object store, the
@@ -140,6 +164,7 @@ class Engines:
         self.version = 0
         self._active = 0
         self._cond = threading.Condition()
+        self._forming: dict[str, list[_Waiting]] = {}  # key -> the batch its first request leads
 
     def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
         """The pool for ``pool_key`` (the model path and its LoRA layout): kept if it is the one
@@ -177,11 +202,43 @@ class Engines:
                 pass
 
     def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
+        """(On a request's thread.) The samples of ``call`` from ``key``'s weights: generated in one
+        batch with every request on the same weights that arrived within :data:`BATCH_WINDOW_S` of
+        the first (or while the engines ran the batch before), as vLLM batches a server's requests;
+        a batch that fails runs each of its requests alone, so only a failing one fails."""
+        me = _Waiting(call)
+        with self._cond:
+            batch = self._forming.get(key)
+            leads = batch is None
+            if leads:
+                batch = self._forming[key] = []
+            batch.append(me)
+        if leads:
+            time.sleep(BATCH_WINDOW_S)
+            with self._cond:
+                batch = self._forming.pop(key)
+            self._generate(key, batch)
+        me.done.wait()
+        if me.error is not None:
+            raise me.error
+        return me.out
+
+    def _generate(self, key: str, batch: list[_Waiting]) -> None:
         import ray
 
-        with self._turn(key):
-            ref = self.pool.sample(call.prompt, call.num_samples, call.sampling, call.prompt_logprobs)
-            return ray.get(ref)
+        try:
+            with self._turn(key):  # (the weights held until the batch is done)
+                outs = ray.get(self.pool.sample([w.call.request() for w in batch]))
+            for waiting, out in zip(batch, outs):
+                waiting.out = out
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:
+                for waiting in batch:
+                    self._generate(key, [waiting])
+        for waiting in batch:
+            waiting.done.set()
 
     def known(self, key: str) -> bool:
         return key == "base" or key in self.states or key in self.loaders

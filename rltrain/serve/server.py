@@ -132,7 +132,7 @@ class Server:
                 raise BadRequest(f"one model is trained at a time and {live.model_id!r} is live; another base "
                                  "model or a second model needs a server of its own")  # fmt: skip
             record = {**record, "owner": key_owner(session.api_key)}  # (saved with its checkpoints)
-            config = served_config(self.config, self.base_models[base], record)
+            config = served_config(self.config, self.base_models[base], record, self.shapes[base][1])
             model_id = f"{session.session_id}:train:{model_seq_id or 0}"
             model = ServedModel(model_id, session, base, self.base_models[base], config, record, self)
             self.models[model_id] = model

@@ -110,7 +110,7 @@ def test_sample_calls_are_checked_before_any_engine_sees_them():
         call(tokens=range(10))
 
 
-def test_a_base_models_engines_run_at_the_smaller_of_the_configured_and_its_own_context():
+def test_a_base_models_engines_run_at_the_smaller_of_the_configured_and_its_own_context(tiny_model_path):
     # vLLM refuses a max_model_len past the model's position embeddings: a model of 1024 positions on
     # a server configured for 4096 gets engines of 1024 (and sampling is checked against the same
     # number); one configured for 512 keeps 512 (a prompt past it is refused, not sent)
@@ -121,7 +121,7 @@ def test_a_base_models_engines_run_at_the_smaller_of_the_configured_and_its_own_
     for configured, own, expected in [(4096, 1024, 1024), (512, 1024, 512), (512, 40, 40)]:
         config = load_config("configs/cpu_tinker.yaml", [f"rollout.max_model_len={configured}"])
         assert engine_context(config, own) == expected
-        served = served_config(config, "folder", record, own)
+        served = served_config(config, tiny_model_path, record, own)
         assert served.rollout.max_model_len == expected
         assert served.max_prompt_tokens + served.rollout.max_new_tokens <= expected
 
@@ -175,3 +175,49 @@ def test_a_model_record_refuses_what_is_not_served():
     ]:
         with pytest.raises(BadRequest, match=words):
             model_record(body)
+
+
+def test_lora_targets_are_each_familys_own_linear_layers_and_alpha_is_tinkers(tmp_path, tiny_model_path):
+    # train_attn / train_mlp / train_unembed read on the model at hand (built on the meta device):
+    # fused projections by their own names, a name both kinds use by its parent (GPT-2's c_proj),
+    # a hybrid's token mixer as attention, routers never; experts held as one tensor are refused
+    import families
+    from transformers import GPT2Config
+
+    from rltrain.config import load_config
+    from rltrain.models.adapters import lora_targets
+    from rltrain.serve.models import TINKER_ALPHA, lora_modules, model_record, served_config, takes_adapters
+
+    def targets(model, *asked):
+        return lora_targets(model, *asked)
+
+    with torch.device("meta"):
+        cases = {
+            name: families.build(name) for name in ("qwen2", "phi3", "bloom", "granite4-hybrid", "qwen2_moe")
+        }
+        gpt2 = __import__("transformers").GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2))
+    assert targets(cases["qwen2"], True, True, False) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]  # fmt: skip
+    assert targets(cases["phi3"], True, False, False) == ["o_proj", "qkv_proj"]
+    assert targets(cases["phi3"], False, True, False) == ["gate_up_proj", "down_proj"]
+    assert targets(cases["bloom"], True, False, True) == ["query_key_value", "dense", "lm_head"]
+    assert targets(gpt2, True, False, False) == ["c_attn", "attn.c_proj"]
+    assert targets(gpt2, False, True, False) == ["c_fc", "mlp.c_proj"]
+    assert targets(gpt2, True, True, False) == ["c_attn", "c_proj", "c_fc"]
+    assert {"in_proj", "out_proj"} <= set(targets(cases["granite4-hybrid"], True, False, False))
+    moe = targets(cases["qwen2_moe"], False, True, False)
+    assert "gate" not in moe and "shared_expert_gate" not in moe
+    # served: the family's own names, Tinker's alpha; fused experts refused in one line
+    config = load_config("configs/cpu_tinker.yaml")
+    served = served_config(
+        config, tiny_model_path, model_record({"base_model": "b", "lora_config": {"rank": 4}}), 1024
+    )
+    assert served.model.lora.alpha == TINKER_ALPHA == 32.0 and not takes_adapters(served)
+    assert served.model.lora.target_modules[-1] == "lm_head"
+    families.build("gpt-oss").config.save_pretrained(tmp_path / "gpt-oss")
+    with pytest.raises(BadRequest, match="experts are held as one tensor each"):
+        lora_modules(
+            str(tmp_path / "gpt-oss"), False, {"train_attn": True, "train_mlp": True, "train_unembed": False}
+        )
+    assert lora_modules(str(tmp_path / "gpt-oss"), False, {"train_attn": True, "train_mlp": False,
+                                                          "train_unembed": False}) == ["q_proj", "k_proj", "v_proj", "o_proj"]  # fmt: skip

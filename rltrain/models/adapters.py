@@ -87,3 +87,58 @@ def merged(state: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:
             value = value + scale * (b.float() @ a.float()).to(value.dtype)
         out[base] = value
     return out
+
+
+# where a linear layer sits, read from its module path: attention or MLP (experts and shared
+# experts included); a router's own projection (``gate``, ``router``) is neither
+ATTENTION_PARTS = ("attn", "attention", "mixer", "mamba")
+MLP_PARTS = ("mlp", "ffn", "feed_forward", "moe", "experts", "expert")
+ROUTERS = ("gate", "router", "router_logits")
+
+
+def lora_targets(model: torch.nn.Module, attention: bool, mlp: bool, unembed: bool) -> list[str]:
+    """The ``target_modules`` that put adapters on every linear layer of ``model``'s attention
+    (``attention``), of its MLP (``mlp``) and on its output head (``unembed``), by the names this
+    family gives them (fused projections included: ``qkv_proj``, ``c_attn``, ``query_key_value``):
+    each layer's own name where it names layers of one kind only, else its parent's name with it
+    (``attn.c_proj`` and ``mlp.c_proj``). A model on the meta device is enough."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kinds: dict[str, set[str]] = {}  # a linear layer's path -> its kind
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear | Conv1D):
+            continue
+        parts = path.split(".")
+        if module is head:
+            kinds[path] = {"unembed"}
+        elif parts[-1] in ROUTERS or parts[-1].endswith(("_gate", "_router")):  # (a shared expert's gate too)
+            continue
+        elif any(p in ATTENTION_PARTS or p.endswith(("attn", "attention")) for p in parts[:-1]):
+            kinds[path] = {"attention"}
+        elif any(p in MLP_PARTS or p.endswith(MLP_PARTS) for p in parts[:-1]):
+            kinds[path] = {"mlp"}
+    wanted = {k for k, on in (("attention", attention), ("mlp", mlp), ("unembed", unembed)) if on}
+    by_leaf: dict[str, set[str]] = {}
+    for path, kind in kinds.items():
+        by_leaf.setdefault(path.rpartition(".")[2], set()).update(kind)
+    targets: list[str] = []
+    for path, kind in kinds.items():
+        if not kind & wanted:
+            continue
+        leaf = path.rpartition(".")[2]
+        name = leaf if by_leaf[leaf] <= wanted else ".".join(path.split(".")[-2:])
+        if name not in targets:
+            targets.append(name)
+    return targets
+
+
+def fused_experts(model: torch.nn.Module) -> list[str]:
+    """The MLP parameters of ``model`` that hold every expert at once (``[E, ...]`` tensors, not
+    linear layers): LoRA on linear layers does not reach them."""
+    out = []
+    for path, parameter in model.named_parameters():
+        parts = path.split(".")[:-1]
+        if parameter.dim() >= 3 and any(p in MLP_PARTS or p.endswith(MLP_PARTS) for p in parts):
+            out.append(path)
+    return out

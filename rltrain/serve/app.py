@@ -32,9 +32,10 @@ from rltrain.serve.models import (
     new_session_id,
     passed,
     served_config,
+    takes_adapters,
     weights_loader,
 )
-from rltrain.serve.sampling import NOT_HELD, Sampler, sample_call, takes_adapters
+from rltrain.serve.sampling import NOT_HELD, Sampler, sample_call
 from rltrain.serve.server import Server, sequence_number
 from rltrain.serve.wire import BadRequest, forward_backward_request
 
@@ -292,7 +293,9 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
             if live is not None and record in (None, live.record):
                 config = live.config
             else:  # (no live model of the base: the base model's weights, as a model training everything syncs them)
-                made = record or model_record({"base_model": base, "lora_config": {"rank": 1}})
+                made = record or model_record(
+                    {"base_model": base, "lora_config": {"rank": 1, "train_mlp": False}}
+                )
                 config = served_config(server.config, server.base_models[base], made, server.shapes[base][1])
             engines = server.engines_for(base, config)
             if path:

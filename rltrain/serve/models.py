@@ -4,6 +4,7 @@ anything of the model is touched: a request the caller got wrong fails alone, as
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rltrain.config import Config
 from rltrain.loss import sums
@@ -177,7 +179,7 @@ class ServedModel:
         """The adapters as they are now, for sampling: the engines take them at once (a training
         step's sync); unnamed, a new sampling session on them, named also a folder of the adapter
         and (``serve.merged_exports``) the merged model."""
-        from rltrain.serve.sampling import Sampler, takes_adapters
+        from rltrain.serve.sampling import Sampler
 
         adapters_only = takes_adapters(self.config)
         ref = self.group.gathered_state_ref(adapters_only=adapters_only, synced=True)
@@ -247,10 +249,54 @@ class ServedModel:
         return settings, Datums.of(tokens, targets, inputs)
 
 
-# Tinker's LoRA targets, by what the request trains, in the module names of the families served
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
-UNEMBED = ["lm_head"]
+# LoRA's alpha at every rank, as Tinker's cookbook assumes (hyperparam_utils: lora_alpha=32) and
+# Thinking Machines' "LoRA Without Regret" trains with: the scale 32 / rank
+TINKER_ALPHA = 32.0
+
+
+@functools.cache
+def _structure(model_path: str, trust_remote_code: bool) -> torch.nn.Module:
+    """The model at ``model_path`` on the meta device (its modules' names and shapes, no weights)."""
+    from transformers import AutoConfig
+
+    from rltrain.models.families import causal_lm_class
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return causal_lm_class(config).from_config(config, trust_remote_code=trust_remote_code)
+
+
+def lora_modules(model_path: str, trust_remote_code: bool, lora: dict) -> list[str]:
+    """The modules a ``lora_config`` trains on the model at ``model_path``: every linear layer of its
+    attention (``train_attn``), of its MLP (``train_mlp``) and its output head (``train_unembed``), by
+    this family's own names (:func:`rltrain.models.adapters.lora_targets`); what LoRA cannot reach
+    (experts held as one tensor) raises :class:`BadRequest`."""
+    from rltrain.models.adapters import fused_experts, lora_targets
+
+    model = _structure(model_path, trust_remote_code)
+    if lora["train_mlp"] and (fused := fused_experts(model)):
+        raise BadRequest(f"lora_config train_mlp: this model's experts are held as one tensor each ({fused[0]}), "
+                         "not linear layers, and LoRA on them is not served; train_mlp=False trains the rest")  # fmt: skip
+    targets = lora_targets(model, lora["train_attn"], lora["train_mlp"], lora["train_unembed"])
+    if not targets:
+        raise BadRequest(f"lora_config: the model has no linear layer of what it asks to train ({lora})")
+    return targets
+
+
+def takes_adapters(config) -> bool:
+    """Whether the engines take a model's LoRA adapters (vLLM serves them over the base) or its
+    merged weights: vLLM has no adapters on the output head, so a model that trains it
+    (``train_unembed``, the SDK's default) syncs merged weights, as a full fine-tune does."""
+    model = config.model
+    return head_module(model.name_or_path, model.trust_remote_code) not in model.lora.target_modules
+
+
+def head_module(model_path: str, trust_remote_code: bool) -> str:
+    """The name LoRA targets give the model's output head (``lm_head``, ``embed_out``, ...)."""
+    from rltrain.models.adapters import lora_targets
+
+    (head,) = lora_targets(_structure(model_path, trust_remote_code), False, False, True) or ("lm_head",)
+    return head
 
 
 def served_config(config: Config, model_path: str, record: dict, context: int) -> Config:
@@ -259,11 +305,10 @@ def served_config(config: Config, model_path: str, record: dict, context: int) -
     is ``context``: the server's sections, LoRA of the rank and on the modules asked for, its seed,
     and engines at the smaller of ``rollout.max_model_len`` and that context (:func:`engine_context`)."""
     lora = record["lora_config"]
-    targets = [*(ATTENTION if lora["train_attn"] else []), *(MLP if lora["train_mlp"] else []),
-               *(UNEMBED if lora["train_unembed"] else [])]  # fmt: skip
+    targets = lora_modules(model_path, config.model.trust_remote_code, lora)
     raw = config.model_dump()
     raw["model"]["name_or_path"] = model_path
-    raw["model"]["lora"] |= {"rank": lora["rank"], "target_modules": targets}
+    raw["model"]["lora"] |= {"rank": lora["rank"], "alpha": TINKER_ALPHA, "target_modules": targets}
     if lora.get("seed") is not None:
         raw["run"]["seed"] = int(lora["seed"])
     raw["rollout"]["max_model_len"] = length = engine_context(config, context)

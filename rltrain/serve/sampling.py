@@ -285,13 +285,6 @@ class Engines:
             self.pool = None
 
 
-def takes_adapters(config) -> bool:
-    """Whether the engines take a model's LoRA adapters (vLLM serves them over the base) or its
-    merged weights: vLLM has no adapters on the output head, so a model that trains it
-    (``train_unembed``, the SDK's default) syncs merged weights, as a full fine-tune does."""
-    return "lm_head" not in config.model.lora.target_modules
-
-
 def base_loader(model_path: str) -> Callable[[], object]:
     """What puts the base model's own weights in the object store (engines that took merged
     weights go back to the base with them)."""

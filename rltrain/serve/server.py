@@ -15,8 +15,8 @@ from typing import Any
 from rltrain.config import Config
 from rltrain.serve.checkpoints import Checkpoints, key_owner
 from rltrain.serve.futures import Futures, Result, outcome
-from rltrain.serve.models import ServedModel, Session, model_shape, served_config
-from rltrain.serve.sampling import Engines, Sampler, base_loader, takes_adapters
+from rltrain.serve.models import ServedModel, Session, model_shape, served_config, takes_adapters
+from rltrain.serve.sampling import Engines, Sampler, base_loader
 from rltrain.serve.wire import BadRequest, sample_response
 
 # the seq_id of a model's release, queued after every call a client can send (seq_ids lie below it)

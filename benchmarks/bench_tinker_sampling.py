@@ -16,43 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from common import model_folder, table
+from common import model_folder, serve_tinker, table
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "tml-bench"
-
-
-def serve(root: Path, out: Path, base: str) -> tuple[subprocess.Popen, str]:
-    """`rltrain serve` of ``root``'s checkout: the process and its URL once it listens."""
-    cmd = [sys.executable, "-m", "rltrain.train", "serve", "--config", "configs/cpu_tinker.yaml", "serve.port=0",
-           f"serve.base_models=[{base}]", f"run.output_dir={out}"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "TINKER_TELEMETRY": "0"}
-    proc = subprocess.Popen(
-        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            if "the Tinker API at http://" in line:
-                found.append(re.search(r"at (http://\S+) ", line).group(1))
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300):
-        proc.kill()
-        raise SystemExit("rltrain serve did not start")
-    return proc, found[0]
 
 
 def sampling_rounds(url: str, base: str, rounds: int, max_tokens: int) -> list[tuple[float, float]]:
@@ -106,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
     base = model_folder(None, 64, 2)
-    proc, url = serve(args.root.resolve(), tmp / "out", base)
+    proc, url = serve_tinker(args.root.resolve(), tmp / "out", base)
     try:
         rounds = sampling_rounds(url, base, args.rounds, args.max_tokens)
         step = math_rl_step_s(url, base, tmp / "math_rl", args.steps)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,3 +82,27 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(
         [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])]
     )
+
+
+def serve_tinker(root: Path, out: Path, base: str, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """`rltrain serve` of ``root``'s checkout: the process and its URL once it listens."""
+    cmd = [sys.executable, "-m", "rltrain.train", "serve", "--config", "configs/cpu_tinker.yaml", "serve.port=0",
+           f"serve.base_models=[{base}]", f"run.output_dir={out}", *overrides]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "TINKER_TELEMETRY": "0"}
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if "the Tinker API at http://" in line:
+                found.append(re.search(r"at (http://\S+) ", line).group(1))
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(300):
+        proc.kill()
+        raise SystemExit("rltrain serve did not start")
+    return proc, found[0]

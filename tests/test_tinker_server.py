@@ -379,6 +379,51 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         assert late.status_code == 400 and "arrived after later calls had run" in late.json()["error"]
 
 
+def kill(class_name: str) -> int:
+    """SIGKILL the process of the server's live actor of ``class_name`` (the server joined the
+    session's Ray instance, which this process holds)."""
+    import signal
+
+    from ray._private.state import actors
+
+    (pid, *_) = [
+        a["Pid"] for a in actors().values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"
+    ]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def failed_as_the_servers(call, *words: str) -> str:
+    with pytest.raises(tinker.RequestFailedError) as caught:
+        call()
+    assert str(caught.value.category).lower().endswith("server"), str(caught.value)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+    return str(caught.value)
+
+
+def test_a_killed_learner_or_engine_fails_its_call_alone_and_the_model_goes_on(server):
+    base, good, seq = server["base"], datums(DATA[:2]), types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=2, seed=3, train_unembed=False).result()
+        tc.forward_backward(good, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        saved = tc.save_state("before-kill").result().path
+        kept = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
+        tc.forward_backward(good, "cross_entropy").result()
+        tc.optim_step(ADAM).result()  # (a step after the save: lost with the learner)
+        kill("ServedLearner")
+        failed_as_the_servers(lambda: tc.forward(good, "cross_entropy").result(), "died", saved, "is lost")
+        # the model goes on from its last save: the weights it held then, bit for bit
+        again = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
+        assert again == kept
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        before = sampler.compute_logprobs(seq).result()
+        kill("GeneratorActor")
+        failed_as_the_servers(lambda: sampler.compute_logprobs(seq).result(), "engines died", "restarted")
+        assert sampler.compute_logprobs(seq).result()[1:] == pytest.approx(before[1:], abs=1e-5)
+
+
 def test_an_rl_loop_a_custom_loss_and_the_exports(server):
     out, base = server["out"], server["base"]
     prompt = [5, 6, 7]

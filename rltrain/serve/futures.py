@@ -34,6 +34,10 @@ class Result:
         return None if self.error is None else {"error": self.error, "category": self.category}
 
 
+class Fault(RuntimeError):
+    """The server's own failure, told in its own sentence (what died, what was restored)."""
+
+
 def outcome(call: Callable[[], Result]) -> Result:
     """``call()``'s result, or its failure: a :class:`BadRequest` as the caller's (``user``), any
     other exception as the server's (which goes on serving)."""
@@ -41,6 +45,8 @@ def outcome(call: Callable[[], Result]) -> Result:
         return call()
     except BadRequest as e:
         return Result(error=str(e), category="user")
+    except Fault as e:
+        return Result(error=str(e), category="server")
     except Exception as e:
         return Result(error=f"{type(e).__name__}: {e}", category="server")
 

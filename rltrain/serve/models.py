@@ -4,6 +4,7 @@ anything of the model is touched: a request the caller got wrong fails alone, as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import itertools
@@ -20,7 +21,7 @@ import torch
 
 from rltrain.config import Config
 from rltrain.loss import sums
-from rltrain.serve.futures import Result, outcome
+from rltrain.serve.futures import Fault, Result, outcome
 from rltrain.serve.wire import BadRequest, FwdBwd
 
 # a call's place in its model's queue when it gives no seq_id (raw HTTP): before every ordered one
@@ -52,6 +53,7 @@ class ServedModel:
         self.model_path, self.config, self.record, self.server = model_path, config, record, server
         self.vocab, self.context = server.shapes[base_model]
         self.group = None
+        self.saved: tuple[Path, str, bool] | None = None  # the state a restart restores
         self.snapshots = itertools.count(1)
         self._queue: list[tuple[int, int, str | None, Callable | None]] = []
         self._order = itertools.count()
@@ -127,7 +129,7 @@ class ServedModel:
                 if self.group is not None:
                     self.group.shutdown()
                 return
-            result = None if call is passed else outcome(call)
+            result = None if call is passed else outcome(functools.partial(self._survived, call))
             with self._cond:
                 self._done_seq = max(self._done_seq, seq_id)
                 self._cond.notify_all()
@@ -135,6 +137,29 @@ class ServedModel:
                 self.server.futures.resolve(request_id, result)
 
     # ------------------------------------------------------------------ calls
+
+    def _survived(self, call: Callable[[], Result]) -> Result:
+        """``call()``; where a learner dies or hangs in it, the model's learners are started again
+        from its last saved state (what ran after it is lost) and the call fails as the server's,
+        in one sentence naming what died and what the model was restored to."""
+        from rltrain.remote import ActorFailure
+
+        try:
+            return call()
+        except ActorFailure as failure:
+            if self.group is None or failure.actor not in self.group.names:
+                raise  # (an engine's: the engines restart themselves)
+            with contextlib.suppress(Exception):
+                self.group.shutdown()
+            self.group = None
+            self.start()
+            if self.saved is None:
+                raise Fault(f"{failure} during this call; the model's learners were restarted from its base weights "
+                            "(nothing was saved with save_state): its training so far is lost") from None  # fmt: skip
+            folder, path, optimizer = self.saved
+            self.group.load_state(folder, optimizer)
+            raise Fault(f"{failure} during this call; the model's learners were restarted from {path}, its last "
+                        "saved state: what ran after it is lost") from None  # fmt: skip
 
     def start(self, load: tuple[str, bool] | None = None) -> Result:
         """The learners, and (``load``: a ``tinker://`` path and whether with the optimizer) the
@@ -165,6 +190,7 @@ class ServedModel:
     def save_state(self, name: str, overwrite: bool) -> Result:
         folder, path = self.server.checkpoints.new(self.model_id, "weights", name, self.record, overwrite)
         self.group.save_state(folder)
+        self.saved = folder, path, True  # (what a restart restores)
         return Result(json={"type": "save_weights", "path": path})
 
     def load_state(self, path: str, optimizer: bool) -> Result:
@@ -173,6 +199,7 @@ class ServedModel:
             raise BadRequest(f"{path} holds adapters of {record['base_model']} with {record['lora_config']}; "
                              f"this model trains {self.base_model} with {self.record['lora_config']}")  # fmt: skip
         self.group.load_state(folder, optimizer)
+        self.saved = folder, path, optimizer
         return Result(json={"type": "load_weights", "path": path, "model_id": self.model_id})
 
     def save_for_sampler(self, name: str | None, overwrite: bool = True) -> Result:

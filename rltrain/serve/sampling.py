@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rltrain.serve.futures import Fault
 from rltrain.serve.wire import BadRequest
 
 # what a sample request may ask beyond the served sampling; each must be off (its own sentence)
@@ -164,6 +165,7 @@ class Engines:
         self.version = 0
         self._active = 0
         self._cond = threading.Condition()
+        self._start: Callable[[], object] | None = None  # what starts the pool again after a death
         self._forming: dict[str, list[_Waiting]] = {}  # key -> the batch its first request leads
 
     def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
@@ -180,7 +182,7 @@ class Engines:
             self.pool, self.pool_key, self.held = None, None, None
             self.states.clear()
             self.loaders.clear()
-            self.pool, self.pool_key = start(), pool_key
+            self.pool, self.pool_key, self._start = start(), pool_key, start
             self.held = "base"  # a fresh engine holds the base model (no adapter yet)
             if base is not None:
                 self.loaders["base"] = base
@@ -198,8 +200,14 @@ class Engines:
             if loader is not None:
                 self.loaders[key] = loader
         if load:
-            with self._turn(key):
-                pass
+            pool = self.pool
+            try:
+                with self._turn(key):
+                    pass
+            except Exception as error:
+                if not _died(error):
+                    raise
+                raise self._revived(pool, error, "taking new weights") from None
 
     def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
         """(On a request's thread.) The samples of ``call`` from ``key``'s weights: generated in one
@@ -226,19 +234,36 @@ class Engines:
     def _generate(self, key: str, batch: list[_Waiting]) -> None:
         import ray
 
+        pool = self.pool
         try:
             with self._turn(key):  # (the weights held until the batch is done)
                 outs = ray.get(self.pool.sample([w.call.request() for w in batch]))
             for waiting, out in zip(batch, outs):
                 waiting.out = out
         except Exception as e:
-            if len(batch) == 1:
+            if _died(e):
+                fault = self._revived(pool, e, "sampling")
+                for waiting in batch:
+                    waiting.error = fault
+            elif len(batch) == 1:
                 batch[0].error = e
             else:
                 for waiting in batch:
                     self._generate(key, [waiting])
         for waiting in batch:
             waiting.done.set()
+
+    def _revived(self, pool, error: Exception, doing: str) -> Fault:
+        """The engines of ``pool`` died (or stopped answering): a new pool in its place, started
+        once by whoever saw it first, holding the base model until a request loads its weights;
+        the sentence the requests that saw it fail with."""
+        with self._cond:
+            if self.pool is pool and pool is not None:
+                with contextlib.suppress(Exception):
+                    pool.shutdown()
+                self.pool, self.held = self._start(), "base"
+                self.version += 1
+        return Fault(f"the engines died while {doing} ({error}); they were restarted: send the request again")
 
     def known(self, key: str) -> bool:
         return key == "base" or key in self.states or key in self.loaders
@@ -299,3 +324,12 @@ def base_loader(model_path: str) -> Callable[[], object]:
         return ray.put(state)
 
     return load
+
+
+def _died(error: Exception) -> bool:
+    """Whether ``error`` says an engine died or stopped answering (not that a request was wrong)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    from rltrain.remote import ActorFailure
+
+    return isinstance(error, RayActorError | ActorUnavailableError | ActorFailure)

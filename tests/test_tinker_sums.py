@@ -54,7 +54,9 @@ def test_cispo_takes_no_gradient_through_its_clipped_ratio():
 
 
 def test_settings_refuse_what_is_not_served_and_guess_no_default():
-    with pytest.raises(ValueError, match="stable_reinforce"):
+    with pytest.raises(
+        ValueError, match="stable_reinforce'.* but not its objective, so it is not served.*served: "
+    ):
         sums.settings("stable_reinforce", {})
     with pytest.raises(ValueError, match="clip_ratio"):
         sums.settings("ppo", {"clip_ratio": 0.2})

@@ -43,11 +43,22 @@ CONFIG = {
 }
 
 
+# losses Tinker names whose objective it does not publish (its docs give their inputs, not their
+# formula): refused with why, never approximated
+UNPUBLISHED = {
+    "stable_reinforce": "Tinker documents what StableReinforce takes (sequence_ids of samples recorded with "
+    "record_stability_info) but not its objective, so it is not served (importance_sampling is the "
+    "REINFORCE with importance weights that is)",
+}
+
+
 def settings(loss_fn: str, config: dict | None, per_token: set[str] = frozenset()) -> dict[str, float]:
     """``loss_fn``'s settings from ``loss_fn_config``: each key it takes, given or its default
     (``per_token``: keys the datums give token by token instead, not required here); an unknown
     loss, an unknown key, a missing required one or a value that is no number raises a ValueError
     naming it (the server answers it as the caller's error)."""
+    if loss_fn in UNPUBLISHED:
+        raise ValueError(f"loss_fn {loss_fn!r}: {UNPUBLISHED[loss_fn]}; served: {', '.join(CONFIG)}")
     if loss_fn not in CONFIG:
         raise ValueError(
             f"loss_fn {loss_fn!r} is not served (served: {', '.join(CONFIG)}; custom losses run on the client "

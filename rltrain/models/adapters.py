@@ -96,6 +96,12 @@ MLP_PARTS = ("mlp", "ffn", "feed_forward", "moe", "experts", "expert")
 ROUTERS = ("gate", "router", "router_logits")
 
 
+def _inside(parts: list[str], names: tuple[str, ...], endings: tuple[str, ...]) -> bool:
+    """Whether a module path's parts (its leaf left out) pass through a module named one of
+    ``names`` or ending in one of ``endings``."""
+    return any(p in names or p.endswith(endings) for p in parts)
+
+
 def lora_targets(model: torch.nn.Module, attention: bool, mlp: bool, unembed: bool) -> list[str]:
     """The ``target_modules`` that put adapters on every linear layer of ``model``'s attention
     (``attention``), of its MLP (``mlp``) and on its output head (``unembed``), by the names this
@@ -114,9 +120,9 @@ def lora_targets(model: torch.nn.Module, attention: bool, mlp: bool, unembed: bo
             kinds[path] = {"unembed"}
         elif parts[-1] in ROUTERS or parts[-1].endswith(("_gate", "_router")):  # (a shared expert's gate too)
             continue
-        elif any(p in ATTENTION_PARTS or p.endswith(("attn", "attention")) for p in parts[:-1]):
+        elif _inside(parts[:-1], ATTENTION_PARTS, ("attn", "attention")):
             kinds[path] = {"attention"}
-        elif any(p in MLP_PARTS or p.endswith(MLP_PARTS) for p in parts[:-1]):
+        elif _inside(parts[:-1], MLP_PARTS, MLP_PARTS):
             kinds[path] = {"mlp"}
     wanted = {k for k, on in (("attention", attention), ("mlp", mlp), ("unembed", unembed)) if on}
     by_leaf: dict[str, set[str]] = {}
@@ -138,7 +144,6 @@ def fused_experts(model: torch.nn.Module) -> list[str]:
     linear layers): LoRA on linear layers does not reach them."""
     out = []
     for path, parameter in model.named_parameters():
-        parts = path.split(".")[:-1]
-        if parameter.dim() >= 3 and any(p in MLP_PARTS or p.endswith(MLP_PARTS) for p in parts):
+        if parameter.dim() >= 3 and _inside(path.split(".")[:-1], MLP_PARTS, MLP_PARTS):
             out.append(path)
     return out

@@ -23,10 +23,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from common import table
+from common import scratch, table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/cpu_demo.yaml"
@@ -107,7 +106,7 @@ def main() -> None:
     parser.add_argument("--out", default="algorithms_demo.png", help="the plot")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-algorithms-"))
+    tmp = scratch("bench-algorithms-")
     results: dict[str, dict[int, dict]] = {name: {} for name in args.variants}
     for seed in args.seeds:
         warm = None  # the seed's first variant warms up; the others start from its warm start

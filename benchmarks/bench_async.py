@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 
-from common import model_folder, run_trainer, table
+from common import model_folder, run_trainer, scratch, table
 
 SETTINGS = {
     "synchronous": [],
@@ -78,10 +77,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = parser.parse_args()
     model = model_folder(args.model, hidden_size=256, num_layers=4)
-    scratch = Path(tempfile.mkdtemp(prefix="rltrain-bench-async-"))
+    folder = scratch("rltrain-bench-async-")
     results = {}
     for i, name in enumerate(args.settings):
-        results[name] = figures(run(model, SETTINGS[name], args, scratch / f"run{i}"))
+        results[name] = figures(run(model, SETTINGS[name], args, folder / f"run{i}"))
         print(f"{name}: {results[name]}", flush=True)
     base = results[args.settings[0]]["tokens/s"]
     rows = [

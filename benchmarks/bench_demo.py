@@ -22,11 +22,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import mean_of, table
+from common import mean_of, scratch, table
 from critic_variance import QUESTION
 
 from rltrain.run.tracking import held_out_score
@@ -88,7 +87,7 @@ def main() -> None:
     if misplaced := [c for c in args.config if "=" in c]:  # --config takes every word after it
         parser.error(f"{' '.join(misplaced)}: an override after --config; put overrides before it")
     variants = [v.split(":", 1) for v in args.variant] or [["", ""]]
-    tmp = Path(tempfile.mkdtemp(prefix="bench-demo-"))
+    tmp = scratch("bench-demo-")
     rows = []
     for config in args.config:
         for variant, extra in variants:

@@ -29,12 +29,11 @@ import json
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import table
+from common import scratch, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +136,7 @@ def main() -> None:
         "--rm-kl-beta", type=float, default=0.1, help="loss.kl_beta of the second reward-model run"
     )
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-distill-"))
+    tmp = scratch("bench-distill-")
     common = [f"run.steps={args.steps}", f"run.eval_every={args.eval_every}"]
     demos = {}
     for seed in dict.fromkeys([args.teacher_seed, *args.seeds]):  # the teacher's demo first

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import model_folder, run_trainer, table
+from common import model_folder, run_trainer, scratch, table
 
 from rltrain.data import arithmetic_rows
 from rltrain.rewards.functions import digits_reward
@@ -123,7 +122,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of alternating runs (at least 3)")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    tmp = scratch("bench-e2e-")
     rows = []
     for size in args.sizes:
         shape, _, length = size.partition(":")

@@ -18,12 +18,11 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import table
+from common import scratch, table
 
 from rltrain.loss.logprobs import head_logprobs_and_entropy, token_logprobs_and_entropy
 
@@ -140,7 +139,7 @@ def main() -> None:
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="bench-logprobs-"))
+    tmp = scratch("bench-logprobs-")
     for vocab, mode in [(v, m) for v in args.vocab for m in ("train", "no_grad")]:
         res = {impl: measure(impl, vocab, args.tokens, args.hidden, args.dtype, device, mode, tmp / f"{impl}.pt")
                for impl in IMPLEMENTATIONS}  # fmt: skip

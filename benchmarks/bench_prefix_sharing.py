@@ -24,12 +24,10 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from common import REPO, model_folder, table
+from common import REPO, model_folder, scratch, table
 
 from rltrain.batch import TrainBatch
 from rltrain.forward import attention, sequence_logprobs
@@ -137,7 +135,7 @@ def demo(steps: int) -> list[dict]:
     steps after the first."""
     rows = []
     for sharing in ("false", "true", "auto"):
-        out = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+        out = scratch("bench-prefix-")
         done = subprocess.run(
             [sys.executable, "-m", "rltrain.train", "--config", "configs/cpu_demo.yaml", f"run.steps={steps}",
              "run.eval_every=0", "run.checkpoint_every=0", f"run.output_dir={out}",
@@ -203,14 +201,12 @@ def main() -> None:
     if args.hybrid:  # the recurrent layers' state carried from each prompt into its branches
         from rltrain.models.tiny import build_tiny_model
 
-        hybrid = build_tiny_model(
-            Path(tempfile.mkdtemp(prefix="bench-qwen3.5-")) / "model", family="qwen3_5_text"
-        )
+        hybrid = build_tiny_model(scratch("bench-qwen3.5-") / "model", family="qwen3_5_text")
         rows += grid("tiny-qwen3.5", str(hybrid), cases(64, 240, [4, 8, 16]), args.repeats)
     if args.smollm2:
         from rltrain.models.pretrained import hf_folder_from_gguf, smollm2_gguf
 
-        folder = hf_folder_from_gguf(smollm2_gguf(), Path(tempfile.mkdtemp(prefix="bench-smollm2-")))
+        folder = hf_folder_from_gguf(smollm2_gguf(), scratch("bench-smollm2-"))
         smol = [("2:1", 2, 8, 80, 40)] + [c for c in cases(16, 120, [8]) if c[0] != "group 1"]
         rows += grid("SmolLM2-135M", str(folder), smol, max(1, args.repeats - 2))
     keys = ["model", "case", "group", "sequences", "prompt", "completion", "shared_fraction", "unshared_s",

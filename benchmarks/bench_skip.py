@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
-from common import model_folder, run_trainer, start_ray, table
+from common import model_folder, run_trainer, scratch, start_ray, table
 
 SHARES = [0.0, 0.25, 0.5, 0.75]
 
@@ -95,7 +94,7 @@ def whole_steps(model: str, steps: int) -> list[list[object]]:
     for mode, more in [("synchronous", []), ("staleness 1", ["rollout.max_staleness=1"])]:
         figures = {}
         for skip in (True, False):
-            out = Path(tempfile.mkdtemp(prefix="rltrain-skip-"))
+            out = scratch("rltrain-skip-")
             got = run_trainer(out, [f"model.name_or_path={model}", f"run.steps={steps}", "rollout.max_new_tokens=64",
                                     f"learner.skip_zero_gradient={str(skip).lower()}", *reward, *more])  # fmt: skip
             later = got[1:] or got

@@ -12,12 +12,11 @@ Needs `tinker` (scripts/setup_env.sh installs it).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
-from common import model_folder, serve_tinker, table
+from common import model_folder, scratch, serve_tinker, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +40,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose server runs")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tinker-memory-"))
+    tmp = scratch("bench-tinker-memory-")
     base = model_folder(None, 64, 2)
     proc, url = serve_tinker(args.root.resolve(), tmp / "out", base)
     data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(5 + i, 37 + i))),

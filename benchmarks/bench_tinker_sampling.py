@@ -19,11 +19,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import model_folder, serve_tinker, table
+from common import model_folder, scratch, serve_tinker, table
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "tml-bench"
@@ -78,7 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="math_rl steps (the first left out)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose server runs")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tinker-"))
+    tmp = scratch("bench-tinker-")
     base = model_folder(None, 64, 2)
     proc, url = serve_tinker(args.root.resolve(), tmp / "out", base)
     try:

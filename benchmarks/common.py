@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,14 @@ PLAIN_GRPO = [
     "run.checkpoint_every=0",
     "learner.num_mini_batches=1",
 ]
+
+
+def scratch(prefix: str) -> Path:
+    """A new folder under the system's temporary one, removed when the script exits: the runs of a
+    benchmark write checkpoints of GBs that nobody reads after its figures are printed."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def mean_of(values: list[float]) -> float:
@@ -59,7 +69,7 @@ def start_ray(num_cpus: int = 4) -> None:
             include_dashboard=False,
             log_to_driver=False,
             object_store_memory=300 * 2**20,
-            _temp_dir=tempfile.mkdtemp(prefix="rb", dir="/tmp"),
+            _temp_dir=str(scratch("rb")),
         )
     else:
         ray.init(log_to_driver=False)
@@ -71,7 +81,7 @@ def model_folder(model: str | None, hidden_size: int = 64, num_layers: int = 2) 
         return model
     from rltrain.models.tiny import build_tiny_model
 
-    out = Path(tempfile.mkdtemp(prefix="rltrain-bench-")) / f"tiny-{hidden_size}x{num_layers}"
+    out = scratch("rltrain-bench-") / f"tiny-{hidden_size}x{num_layers}"
     return str(build_tiny_model(out, hidden_size=hidden_size, num_layers=num_layers))
 
 

@@ -384,9 +384,11 @@ class AdapterFolders:
 
     def __init__(self, lora, slots: int):
         import tempfile
+        import weakref
 
         self.lora, self.slots = lora, slots
         self.root = Path(tempfile.mkdtemp(prefix="rltrain-adapters-"))
+        weakref.finalize(self, shutil.rmtree, self.root, True)  # (at the engine's end, or its process's)
         self.loaded: list[Any] = []  # LoRARequests, oldest first
         self.count = 0
 

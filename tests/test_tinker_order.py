@@ -140,3 +140,21 @@ def test_a_session_that_stops_heartbeating_ends_on_time_with_its_model_and_sampl
     assert list(server.samplers) == ["b"] and "alive" in server.sessions and "quiet" in server.ended
     assert server.futures.known(request)
     server.close()
+
+
+def test_a_model_is_refused_when_its_learners_do_not_fit_beside_the_live_ones_and_the_engines():
+    from rltrain.serve.server import engine_resources, learner_resources, room_problem
+
+    config = load_config("configs/cpu_tinker.yaml", [])
+    one = learner_resources(config)  # 2 learners x 0.5 CPU
+    assert one == {"CPU": 1.0, "GPU": 0.0} and engine_resources(config) == {"CPU": 0.5, "GPU": 0.0}
+    # on 4 CPUs: the engines' 0.5 + three models' 3 = 3.5 leave 0.5, one model's learners need 1
+    held = [engine_resources(config)] + [one] * 3
+    problem = room_problem(one, held, {"CPU": 4.0})
+    assert "take 1 CPUs" in problem and "3.5 of the cluster's 4 are held" in problem
+    assert room_problem(one, held[:3], {"CPU": 4.0}) is None  # (two live models: 2.5 + 1 fit)
+    gpus = learner_resources(load_config("configs/cpu_tinker.yaml", ["learner.gpus_per_learner=1"]))
+    assert (
+        "take 2 GPUs" in room_problem(gpus, [], {"CPU": 4.0})
+        and room_problem(gpus, [], {"CPU": 4.0, "GPU": 2.0}) is None
+    )

@@ -79,8 +79,16 @@ def server(ray_cluster, tiny_model_path, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
     env = {**ray_cluster, "TINKER_TELEMETRY": "0"}
     # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine; a call waits 5 s for a
-    # lower seq_id that has not arrived (the SDK leaves no gap: a refused call's place is passed over)
-    with serving(out, tiny_model_path, env, "learner.micro_batch_size=2", "serve.order_timeout_s=5") as url:
+    # lower seq_id that has not arrived (the SDK leaves no gap: a refused call's place is passed over);
+    # two models at once
+    with serving(
+        out,
+        tiny_model_path,
+        env,
+        "learner.micro_batch_size=2",
+        "serve.order_timeout_s=5",
+        "serve.max_models=2",
+    ) as url:
         yield {"url": url, "out": out, "base": tiny_model_path, "env": env}
 
 
@@ -161,18 +169,59 @@ def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero
     assert any(float((after[n] - before[n]).abs().max()) > 1e-4 for n in grads)  # (something moved)
     for name, w in state_weights(out, three).items():
         assert torch.allclose(w, after[name], atol=1e-6), name
+    alone = side_by_side(server["url"], init, out)
 
     # one learner (packed micro-batches), and two under ZeRO-3 taking one datum at a time, each a
     # server of its own on the same folder resuming the saved state with its optimizer
     for layout in (["learner.num_learners=1", "learner.packing=true"],
                    ["learner.zero_stage=3", "learner.micro_batch_size=1"]):  # fmt: skip
-        with serving(out, base, server["env"], *layout) as url, tinker.ServiceClient(base_url=url) as sc:
-            tc = sc.create_training_client_from_state_with_optimizer(init).result()
-            tc.forward_backward(datums(DATA), "cross_entropy").result()
-            assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
-            other = state_weights(out, tc.save_state("layout").result().path)
+        with serving(out, base, server["env"], *layout) as url:
+            with tinker.ServiceClient(base_url=url) as sc:
+                tc = sc.create_training_client_from_state_with_optimizer(init).result()
+                tc.forward_backward(datums(DATA), "cross_entropy").result()
+                assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
+                other = state_weights(out, tc.save_state("layout").result().path)
+            if "learner.zero_stage=3" in layout:
+                for got, want in zip(side_by_side(url, init, out), alone):
+                    for name, w in got.items():  # (and each model's weights alone, as under ZeRO-2)
+                        assert torch.allclose(w, want[name], atol=1e-6), (layout, name)
         for name, w in other.items():
             assert torch.allclose(w, after[name], atol=1e-6), (layout, name)
+
+
+def side_by_side(url: str, init: str, out: Path) -> list[dict[str, torch.Tensor]]:
+    """Two models from ``init`` trained side by side on one server, by two clients whose calls
+    interleave (every call sent before any result is read), one on DATA[:3] in two calls and one on
+    DATA[3:]: the weights each ends with, which are those each gets alone, trained first here."""
+    halves = [[DATA[:2], DATA[2:3]], [DATA[3:]]]
+    alone = []
+    with tinker.ServiceClient(base_url=url) as sc:
+        tc = sc.create_training_client_from_state_with_optimizer(init).result()
+        for i, calls in enumerate(halves):
+            tc.load_state_with_optimizer(init).result()
+            for part in calls:
+                tc.forward_backward(datums(part), "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+            alone.append(state_weights(out, tc.save_state(f"alone-{i}").result().path))
+    with tinker.ServiceClient(base_url=url) as one, tinker.ServiceClient(base_url=url) as two:
+        clients = [sc.create_training_client_from_state_with_optimizer(init).result() for sc in (one, two)]
+        assert (
+            live_actors("ServedLearner") >= 4
+        )  # (two learners each, both live: neither waits for the other)
+        sent = [clients[0].forward_backward(datums(halves[0][0]), "cross_entropy"),
+                clients[1].forward_backward(datums(halves[1][0]), "cross_entropy"),
+                clients[0].forward_backward(datums(halves[0][1]), "cross_entropy"),
+                clients[1].optim_step(ADAM), clients[0].optim_step(ADAM)]  # fmt: skip
+        for future in sent:
+            future.result()
+        together = [
+            state_weights(out, tc.save_state(f"together-{i}").result().path) for i, tc in enumerate(clients)
+        ]
+    for got, want in zip(together, alone):
+        for name, w in want.items():
+            assert torch.allclose(got[name], w, atol=1e-6), name
+    assert any(float((alone[0][n] - alone[1][n]).abs().max()) > 1e-4 for n in alone[0])  # (they differ)
+    return together
 
 
 def logprobs_of(tc, tokens: list[int]) -> list[float]:
@@ -307,8 +356,10 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
                 "a prompt of 600 tokens leaves no room in the engines' context of 512")  # fmt: skip
         state, weights = tc.save_state("own").result().path, tc.save_weights_for_sampler("own").result().path
         with tinker.ServiceClient(base_url=server["url"], api_key="tml-someone-else") as other:
-            refused(lambda: other.create_lora_training_client(base_model=base, rank=2).result(),
-                    "one model is trained at a time")  # fmt: skip
+            # another user's model beside this one, and past serve.max_models (2 here) a third is refused
+            other.create_lora_training_client(base_model=base, rank=2).result()
+            refused(lambda: sc.create_lora_training_client(base_model=base, rank=2).result(),
+                    "2 models are live", "serve.max_models=2")  # fmt: skip
             # what another key saved: not loaded, sampled or listed (the owner's own calls: below)
             refused(lambda: other.create_sampling_client(model_path=weights).result(), "another API key")
             refused(lambda: other.create_training_client_from_state(state).result(), "another API key")
@@ -377,6 +428,13 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         )
         late = post("optim_step", {**step, "seq_id": sent + 2})
         assert late.status_code == 400 and "arrived after later calls had run" in late.json()["error"]
+
+
+def live_actors(class_name: str) -> int:
+    """How many actors of ``class_name`` are alive in the session's Ray instance (the server's)."""
+    from ray._private.state import actors
+
+    return sum(a["ActorClassName"] == class_name and a["State"] == "ALIVE" for a in actors().values())
 
 
 def kill(class_name: str) -> int:

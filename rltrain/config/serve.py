@@ -14,8 +14,13 @@ class ServeConfig(Section):
     """Port it listens on; 0 picks a free one (the line the server prints at start names it)."""
     base_models: list[str] = Field(default_factory=lambda: ["builtin:tiny"], min_length=1)
     """The base models a client may ask for (the `base_model` the SDK sends): `builtin:*` names or
-    local folders. One is trained at a time (the learners are the server's); a request for another
-    is refused in one line."""
+    local folders."""
+    max_models: int = Field(4, ge=1)
+    """Models trained at once, each on learners of its own (`learner.num_learners` of them, their
+    own adapters, AdamW moments and order of calls), by any clients and on any served base model.
+    A `create_model` past it, or whose learners the cluster's free CPUs (or GPUs) cannot hold
+    beside the live models' and the engines', is refused in one line saying so; a session that
+    ends (or stops heartbeating) releases its models."""
     poll_s: float = Field(20.0, gt=0)
     """How long a `retrieve_future` poll is held before it answers "try again" (the SDK polls
     again at once)."""

@@ -1,4 +1,4 @@
-"""What the server holds: sessions, and the one model it trains at a time (its learners, the calls
+"""What the server holds: sessions, and each model it trains (its learners, the calls
 on it in the order their ``seq_id`` says, each on the model's own worker thread), checked before
 anything of the model is touched: a request the caller got wrong fails alone, as a ``user`` error."""
 

@@ -149,7 +149,7 @@ class _Waiting:
 
 
 class Engines:
-    """The generator pool (started at the first need, for the model being trained) and the weights
+    """The generator pool (started at the first need, for the base model and LoRA layout asked) and the weights
     it holds: every set a sampling session may need, by key (adapters in the Ray object store, the
     last ``keep`` snapshots; named ones reload from disk), loaded before a request that needs them
     once the requests on other weights have finished."""

@@ -23,6 +23,30 @@ from rltrain.serve.wire import BadRequest, sample_response
 AFTER_EVERY_CALL = 1 << 62
 
 
+def learner_resources(config: Config) -> dict[str, float]:
+    """The CPUs and GPUs a model's learners take."""
+    lc = config.learner
+    return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
+
+
+def engine_resources(config: Config) -> dict[str, float]:
+    """The CPUs and GPUs the engines take (held for sampling whether started yet or not)."""
+    rc = config.rollout
+    return {"CPU": rc.num_engines * rc.cpus_per_engine, "GPU": rc.num_engines * rc.gpus_per_engine}
+
+
+def room_problem(need: dict[str, float], held: list[dict[str, float]], total: dict[str, float]) -> str | None:
+    """Why learners taking ``need`` (CPUs, GPUs) do not fit a cluster of ``total`` of which the
+    actors of ``held`` take their share; None when they fit."""
+    for unit, wanted in need.items():
+        taken = sum(h.get(unit, 0.0) for h in held)
+        if wanted and taken + wanted > total.get(unit, 0.0) + 1e-9:
+            return (f"a model's learners take {wanted:g} {unit}s (learner.num_learners x learner."
+                    f"{unit.lower()}s_per_learner) and {taken:g} of the cluster's {total.get(unit, 0.0):g} "
+                    "are held")  # fmt: skip
+    return None
+
+
 def sequence_number(value: Any, key: str) -> int | None:
     """A call's ``seq_id`` or a model's ``model_seq_id``: absent, or a non-negative integer (it
     orders the model's calls and names the model); anything else is refused before it is queued."""
@@ -34,7 +58,7 @@ def sequence_number(value: Any, key: str) -> int | None:
 
 
 class Server:
-    """The server's state: sessions, the model being trained, sampling sessions, the engines and
+    """The server's state: sessions, the models being trained, sampling sessions, the engines and
     the futures; the base models it offers (``serve.base_models`` -> local folder) and each one's
     vocabulary and context."""
 
@@ -125,20 +149,38 @@ class Server:
             raise BadRequest(
                 f"base_model {base!r} is not served (serve.base_models: {', '.join(self.base_models)})"
             )
-        self.prune()  # (a client that stopped heartbeating frees the learners)
+        self.prune()  # (a client that stopped heartbeating frees its learners)
         with self.lock:
-            live = next(iter(self.models.values()), None)
-            if live is not None:
-                raise BadRequest(f"one model is trained at a time and {live.model_id!r} is live; another base "
-                                 "model or a second model needs a server of its own")  # fmt: skip
             record = {**record, "owner": key_owner(session.api_key)}  # (saved with its checkpoints)
             config = served_config(self.config, self.base_models[base], record, self.shapes[base][1])
             model_id = f"{session.session_id}:train:{model_seq_id or 0}"
+            if model_id in self.models:
+                raise BadRequest(
+                    f"model_seq_id {model_seq_id or 0} of this session names the live model {model_id!r}"
+                )
+            self._check_room(config)
             model = ServedModel(model_id, session, base, self.base_models[base], config, record, self)
             self.models[model_id] = model
         request_id = self.futures.new()
         model.submit(None, request_id, lambda: model.start(load))
         return model, request_id
+
+    def _check_room(self, config: Config) -> None:
+        """(Holding the lock.) A new model fits: fewer than ``serve.max_models`` live, and its
+        learners fit the cluster beside the live models' and the engines'
+        (:func:`room_problem`); otherwise :class:`BadRequest` saying what would make room."""
+        import ray
+
+        live = list(self.models.values())
+        limit = self.config.serve.max_models
+        if len(live) >= limit:
+            raise BadRequest(f"{len(live)} models are live, the most this server trains at once (serve.max_models="
+                             f"{limit}): a session that ends releases its models")  # fmt: skip
+        held = [learner_resources(m.config) for m in live] + [engine_resources(self.config)]
+        problem = room_problem(learner_resources(config), held, ray.cluster_resources())
+        if problem:
+            raise BadRequest(f"{problem} ({len(live)} live models and the engines): a session that ends "
+                             "releases its models")  # fmt: skip
 
     def release(self, model: ServedModel) -> None:
         """The model's learners shut down after the calls already queued (its saved states stay)."""

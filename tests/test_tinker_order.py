@@ -158,3 +158,16 @@ def test_a_model_is_refused_when_its_learners_do_not_fit_beside_the_live_ones_an
         "take 2 GPUs" in room_problem(gpus, [], {"CPU": 4.0})
         and room_problem(gpus, [], {"CPU": 4.0, "GPU": 2.0}) is None
     )
+
+
+def test_a_refused_request_far_ahead_never_holds_back_the_calls_below_it():
+    # a request refused before it was queued (bad fields sent raw with seq_id 100) leaves its place
+    # passed over; once the gap before it times out that place is forgotten, and the client's own
+    # calls 1, 2, ... still run (it used to move the model past 100 and refuse them as late)
+    model, futures, ran = model_with(timeout=0.3)
+    model.submit(100, None, passed)
+    time.sleep(0.6)
+    ids = [futures.new() for _ in range(2)]
+    for seq_id, request_id in zip((1, 2), ids):
+        model.submit(seq_id, request_id, call(ran, seq_id))
+    assert result(futures, ids[1]).json == {"seq_id": 2} and ran == [1, 2]

@@ -3,6 +3,7 @@ is the command line's own process, joined to the session's Ray instance, on one 
 second server resumes what the first saved. The model is the built-in tiny one, served by its
 folder's path (the SDK finds a tokenizer there: three or more slashes)."""
 
+import base64
 import contextlib
 import json
 import math
@@ -18,6 +19,7 @@ import torch
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
+from tinker_hostile import hostile_requests  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +82,7 @@ def server(ray_cluster, tiny_model_path, tmp_path_factory, monkeypatch_module):
     env = {**ray_cluster, "TINKER_TELEMETRY": "0"}
     # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine; a call waits 5 s for a
     # lower seq_id that has not arrived (the SDK leaves no gap: a refused call's place is passed over);
-    # two models at once
+    # two models at once; request bodies up to 1 MiB
     with serving(
         out,
         tiny_model_path,
@@ -404,6 +406,17 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
             answer = post(route, body)
             assert answer.status_code == 400 and key in answer.json()["error"], (route, answer.text)
         assert not list(server["out"].parent.rglob("ESCAPED"))
+        # a flood of malformed and hostile requests (tests/tinker_hostile.py), each field of each
+        # route in turn: every one refused with a 4xx and one sentence (before: ~60 answered a bare
+        # 500 or a dropped connection), nothing written outside <output_dir>/tinker
+        outside = files_outside_tinker(server["out"])
+        own = json.loads(base64.b64decode(sampler.get_sampler_handle()))["sampling_session_id"]
+        with httpx.Client(base_url=server["url"], headers={"X-API-Key": KEY}, timeout=60) as client:
+            for name, method, route, sent in hostile_requests(session, tc.model_id, own, state, base):
+                answer = client.request(method, route, **sent)
+                assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text[:300])
+                assert "\n" not in answer.json()["error"], (name, answer.text)
+        assert files_outside_tinker(server["out"]) == outside
         # the model served on, untouched: the same log-probs, and no gradient waiting for a step
         again = tc.forward(good, "cross_entropy").result().loss_fn_outputs
         for a, b in zip(again, first):
@@ -428,6 +441,13 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         )
         late = post("optim_step", {**step, "seq_id": sent + 2})
         assert late.status_code == 400 and "arrived after later calls had run" in late.json()["error"]
+
+
+def files_outside_tinker(out: Path) -> set[str]:
+    """Every file under the server's output folder but its ``tinker`` folder, and every entry beside
+    that output folder (a path that escaped would land there)."""
+    inside = {str(p.relative_to(out)) for p in out.rglob("*") if not p.relative_to(out).parts[0] == "tinker"}
+    return inside | {f"../{p.name}" for p in out.parent.iterdir()}
 
 
 def live_actors(class_name: str) -> int:

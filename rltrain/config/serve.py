@@ -21,6 +21,9 @@ class ServeConfig(Section):
     A `create_model` past it, or whose learners the cluster's free CPUs (or GPUs) cannot hold
     beside the live models' and the engines', is refused in one line saying so; a session that
     ends (or stops heartbeating) releases its models."""
+    max_request_mib: float = Field(256.0, gt=0)
+    """The largest request body taken (the SDK sends a `forward_backward` of many datums in chunks);
+    a larger one is refused (HTTP 413) before the rest of it is read."""
     poll_s: float = Field(20.0, gt=0)
     """How long a `retrieve_future` poll is held before it answers "try again" (the SDK polls
     again at once)."""

@@ -24,6 +24,12 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RECORD = "model.json"
 
 
+def checkpoint_name(name: str) -> None:
+    """A checkpoint's name is a plain file name; anything else raises :class:`BadRequest`."""
+    if not NAME.fullmatch(name or ""):
+        raise BadRequest(f"checkpoint name {name!r}: letters, digits, '.', '_' and '-' (128 at most)")
+
+
 def key_owner(api_key: str) -> str:
     """What a record keeps of the API key that saved it (never the key itself)."""
     return hashlib.sha256(api_key.encode()).hexdigest()[:16]
@@ -39,8 +45,7 @@ class Checkpoints:
         """An empty folder for ``name`` of ``kind`` and its ``tinker://`` path, the model's record
         written in it; a name that is no plain file name, or one taken without ``overwrite``, raises
         :class:`BadRequest`."""
-        if not NAME.fullmatch(name or ""):
-            raise BadRequest(f"checkpoint name {name!r}: letters, digits, '.', '_' and '-' (128 at most)")
+        checkpoint_name(name)
         folder = self.root / model_id / kind / name
         if folder.exists():
             if not overwrite:

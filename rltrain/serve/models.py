@@ -8,7 +8,6 @@ import contextlib
 import functools
 import heapq
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -22,7 +21,7 @@ import torch
 from rltrain.config import Config
 from rltrain.loss import sums
 from rltrain.serve.futures import Fault, Result, outcome
-from rltrain.serve.wire import BadRequest, FwdBwd
+from rltrain.serve.wire import BadRequest, Body, FwdBwd
 
 # a call's place in its model's queue when it gives no seq_id (raw HTTP): before every ordered one
 UNORDERED = -1
@@ -112,6 +111,8 @@ class ServedModel:
         for key, order, request_id, call in self._queue:
             if call is None:
                 kept.append((key, order, request_id, call))
+                continue
+            if call is passed:  # a refused request's place behind the gap: forgotten, not a call that waited
                 continue
             self._done_seq = max(self._done_seq, key)
             if request_id is not None:
@@ -368,35 +369,37 @@ def model_record(body: dict) -> dict:
     """What a ``create_model`` request asks for, as the model's record (saved with each of its
     checkpoints): its base model, LoRA settings and optimizer; what is not served raises
     :class:`BadRequest`."""
-    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    body = body if isinstance(body, Body) else Body(body, "create_model")
+    optimizer = body.object("optimizer_config").text("type", "adamw")
     if optimizer != "adamw":
         raise BadRequest(f"optimizer_config {optimizer!r} is not served (AdamW is)")
-    lora = body.get("lora_config") or {}
+    lora = body.object("lora_config")
     unknown = sorted(set(lora) - {"rank", "seed", "train_mlp", "train_attn", "train_unembed"})
     if unknown:
         raise BadRequest(
             f"lora_config {unknown} is not served (rank, seed, train_mlp, train_attn, train_unembed are)"
         )
-    rank = int(lora.get("rank") or 0)
+    rank = lora.whole("rank", 0, high=1 << 16)
     if rank <= 0:
         raise BadRequest(
             "create_model needs lora_config with a rank of 1 or more (full fine-tuning is not served)"
         )
-    trains = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
+    trains = {k: lora.flag(k, True) for k in ("train_attn", "train_mlp", "train_unembed")}
     if not any(trains.values()):
         raise BadRequest("lora_config trains nothing (train_attn, train_mlp and train_unembed are all false)")
-    seed = lora.get("seed")
-    return {"base_model": body.get("base_model"), "optimizer": "adamw",
-            "lora_config": {"rank": rank, "seed": None if seed is None else int(seed), **trains}}  # fmt: skip
+    seed = lora.whole("seed", None, low=0, high=(1 << 32) - 1)
+    return {"base_model": body.text("base_model"), "optimizer": "adamw",
+            "lora_config": {"rank": rank, "seed": seed, **trains}}  # fmt: skip
 
 
 def adam_params(body: dict) -> dict[str, float]:
     """``optim_step``'s AdamW hyperparameters (the SDK's ``AdamParams``, its defaults where not
     sent); another optimizer family or a value out of range raises :class:`BadRequest`."""
-    params = body.get("adam_params")
-    if params is None:
-        kind = (body.get("optimizer_params") or {}).get("type", "?")
+    body = body if isinstance(body, Body) else Body(body, "optim_step")
+    if body.get("adam_params") is None:
+        kind = body.object("optimizer_params").get("type", "?")
         raise BadRequest(f"optim_step: the {kind} optimizer is not served (AdamW is)")
+    params = body.object("adam_params")
     out = {
         "learning_rate": 1e-4,
         "beta1": 0.9,
@@ -408,9 +411,9 @@ def adam_params(body: dict) -> dict[str, float]:
     unknown = sorted(set(params) - set(out))
     if unknown:
         raise BadRequest(f"optim_step: adam_params {unknown} are not AdamW's")
-    out |= {k: float(v) for k, v in params.items()}
-    if not all(math.isfinite(v) for v in out.values()) or out["learning_rate"] < 0 or out["eps"] <= 0:
-        raise BadRequest(f"optim_step: adam_params {out} (finite, learning_rate >= 0, eps > 0)")
+    out = {k: params.number(k, v) for k, v in out.items()}
+    if out["learning_rate"] < 0 or out["eps"] <= 0:
+        raise BadRequest(f"optim_step: adam_params {out} (learning_rate >= 0, eps > 0)")
     if not (0 <= out["beta1"] < 1 and 0 <= out["beta2"] < 1):
         raise BadRequest(f"optim_step: beta1 and beta2 must be in [0, 1), got {out['beta1']}, {out['beta2']}")
     return out

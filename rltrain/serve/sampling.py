@@ -15,7 +15,6 @@ compute (top-k alternatives, a prompt's target log-probs) is refused.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rltrain.serve.futures import Fault
-from rltrain.serve.wire import BadRequest
+from rltrain.serve.wire import BadRequest, Body, shown
 
 # what a sample request may ask beyond the served sampling; each must be off (its own sentence)
 NOT_SERVED = {
@@ -80,48 +79,57 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
     and its completion within the engines' ``context``
     (:func:`~rltrain.serve.models.engine_context`), each setting in range; anything else
     :class:`BadRequest`."""
+    body = body if isinstance(body, Body) else Body(body, "asample")
     for key, what in NOT_SERVED.items():
         if body.get(key):
             raise BadRequest(f"asample: {what} ({key}) are not served")
     tokens: list[int] = []
-    for i, chunk in enumerate((body.get("prompt") or {}).get("chunks") or []):
+    for i, chunk in enumerate(body.object("prompt").array("chunks")):
+        chunk = Body(chunk if isinstance(chunk, dict) else {"type": chunk}, f"asample: prompt.chunks[{i}]")
         if chunk.get("type", "encoded_text") != "encoded_text":
-            raise BadRequest(f"prompt.chunks[{i}]: only token chunks are served (got {chunk.get('type')})")
-        tokens += [int(t) for t in chunk.get("tokens") or []]
+            raise BadRequest(
+                f"prompt.chunks[{i}]: only token chunks are served (got {shown(chunk.get('type'))})"
+            )
+        ids = chunk.array("tokens")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest(f"asample: prompt.chunks[{i}].tokens must be integers")
+        tokens += ids
     if not tokens:
         raise BadRequest("asample: the prompt holds no tokens")
     if min(tokens) < 0 or max(tokens) >= vocab:
         raise BadRequest(f"asample: prompt token ids outside the vocabulary of {vocab}")
-    n = int(body.get("num_samples", 1))
+    n = body.whole("num_samples", 1)
     if not 1 <= n <= 1024:
         raise BadRequest(f"asample: num_samples {n} (1 to 1024)")
-    params = body.get("sampling_params") or {}
+    params = body.object("sampling_params")
     room = context - len(tokens)
     if room < 1:
         raise BadRequest(f"asample: a prompt of {len(tokens)} tokens leaves no room in the engines' context of "
                          f"{context} (rollout.max_model_len, at most the model's own)")  # fmt: skip
-    max_tokens = params.get("max_tokens")
-    max_tokens = room if max_tokens is None else int(max_tokens)
+    max_tokens = params.whole("max_tokens", room)
     if max_tokens < 1 or max_tokens > room:
         raise BadRequest(f"asample: max_tokens {max_tokens} with a prompt of {len(tokens)} tokens: the engines' "
                          f"context of {context} leaves room for 1 to {room}")  # fmt: skip
-    temperature = float(params.get("temperature", 1.0))
-    top_p, top_k = float(params.get("top_p", 1.0)), int(params.get("top_k", -1))
-    if not (math.isfinite(temperature) and temperature >= 0):
+    temperature = params.number("temperature", 1.0)
+    top_p, top_k = params.number("top_p", 1.0), params.whole("top_k", -1)
+    if temperature < 0:
         raise BadRequest(f"asample: temperature {temperature} (0 or more)")
     if not 0 < top_p <= 1:
         raise BadRequest(f"asample: top_p {top_p} (above 0, 1 at most)")
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"asample: top_k {top_k} (-1 for none, or 1 or more)")
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    if params.get("seed") is not None:
-        sampling["seed"] = int(params["seed"])
+    seed = params.whole("seed", None, low=0, high=(1 << 63) - 1)
+    if seed is not None:
+        sampling["seed"] = seed
     stop = params.get("stop")
     if isinstance(stop, str):
         stop = [stop]
+    if stop is not None and not isinstance(stop, list):
+        raise BadRequest("asample: stop is a string, a list of strings, or a list of token ids")
     if stop is not None and len(stop) == 0:
         sampling["ignore_eos"] = True  # [] disables every stop, the end of sequence included
-    elif stop is not None and all(isinstance(s, int) for s in stop):
+    elif stop is not None and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
         if min(stop) < 0 or max(stop) >= vocab:
             raise BadRequest(f"asample: stop token ids outside the vocabulary of {vocab}")
         sampling["stop_token_ids"] = list(stop)
@@ -129,13 +137,11 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
         if not all(isinstance(s, str) and s for s in stop):
             raise BadRequest("asample: stop is a string, a list of strings, or a list of token ids")
         sampling["stop"] = list(stop)
-    last_n = body.get("prompt_logprobs_last_n")
-    if last_n is not None and not (body.get("prompt_logprobs") and 1 <= int(last_n) < len(tokens)):
+    last_n = body.whole("prompt_logprobs_last_n")
+    if last_n is not None and not (body.flag("prompt_logprobs") and 1 <= last_n < len(tokens)):
         raise BadRequest(f"asample: prompt_logprobs_last_n {last_n} with prompt log-probs of {len(tokens)} tokens "
                          f"(1 to {len(tokens) - 1})")  # fmt: skip
-    return SampleCall(
-        tokens, n, sampling, bool(body.get("prompt_logprobs")), None if last_n is None else int(last_n)
-    )
+    return SampleCall(tokens, n, sampling, body.flag("prompt_logprobs"), last_n)
 
 
 @dataclass

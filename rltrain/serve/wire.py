@@ -6,7 +6,10 @@ client writes and reads."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +19,75 @@ DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
 
 class BadRequest(ValueError):
     """A request the caller got wrong (category ``user``), in one sentence."""
+
+    status = 400
+
+
+class TooLarge(BadRequest):
+    """A request body past ``serve.max_request_mib``."""
+
+    status = 413
+
+
+class Body(dict):
+    """A request's JSON object, read field by field: each accessor gives the field's value as the
+    type it asks for (its default when the field is absent or null) and refuses any other value in
+    one sentence, before anything of it is used."""
+
+    def __init__(self, data: dict, where: str):
+        super().__init__(data)
+        self.where = where
+
+    def _value(self, key: str, default: Any, kinds: tuple[type, ...], what: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            raise BadRequest(f"{self.where}: {key} must be {what}, got {shown(value)}")
+        return value
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        return self._value(key, default, (str,), "a string")
+
+    def whole(
+        self, key: str, default: int | None = None, low: int = -(1 << 63), high: int = 1 << 63
+    ) -> int | None:
+        value = self._value(key, default, (int,), "an integer")
+        if value is not None and not low <= value <= high:
+            raise BadRequest(f"{self.where}: {key} {value} is outside {low} to {high}")
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float | None:
+        value = self._value(key, default, (int, float), "a number")
+        if value is not None and not math.isfinite(value):
+            raise BadRequest(f"{self.where}: {key} must be finite, got {value}")
+        return None if value is None else float(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        return self._value(key, default, (bool,), "true or false")
+
+    def object(self, key: str) -> Body:
+        """A nested object (empty when absent)."""
+        return Body(self._value(key, {}, (dict,), "an object"), f"{self.where}: {key}")
+
+    def array(self, key: str) -> list:
+        return self._value(key, [], (list,), "a list")
+
+
+def shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_body(raw: bytes, where: str) -> Body:
+    """A request's body as a :class:`Body`; a body that is no JSON object raises :class:`BadRequest`."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # (not JSON, not UTF-8, or nested past the parser)
+        raise BadRequest(f"{where}: the body is no JSON object") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"{where}: the body is no JSON object (got {type(data).__name__})")
+    return Body(data, where)
 
 
 @dataclass

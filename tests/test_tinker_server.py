@@ -18,6 +18,7 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
+import tinker_cookbook  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker_hostile import hostile_requests  # noqa: E402
 
@@ -75,23 +76,36 @@ def serving(out: Path, base: str, env: dict, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, tiny_model_path, tmp_path_factory, monkeypatch_module):
+def long_context_model(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model with a context of 4096 (its rotary positions need no more weights)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(tiny_model_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path, long_context_model, tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("tinker_runs")
     monkeypatch_module.setenv("TINKER_API_KEY", KEY)
     monkeypatch_module.setenv("TINKER_TELEMETRY", "0")
     env = {**ray_cluster, "TINKER_TELEMETRY": "0"}
     # 2 learners (ZeRO-2) taking micro-batches of 2 datums, 1 vLLM engine; a call waits 5 s for a
     # lower seq_id that has not arrived (the SDK leaves no gap: a refused call's place is passed over);
-    # two models at once; request bodies up to 1 MiB
+    # three models at once; request bodies up to 8 MiB (the SDK sends chunks of at most 5 MB)
     with serving(
         out,
-        tiny_model_path,
+        f"{tiny_model_path},{long_context_model}",
         env,
         "learner.micro_batch_size=2",
         "serve.order_timeout_s=5",
-        "serve.max_models=2",
+        "serve.max_models=3",
+        "serve.max_request_mib=8",
     ) as url:
-        yield {"url": url, "out": out, "base": tiny_model_path, "env": env}
+        yield {"url": url, "out": out, "base": tiny_model_path, "long": long_context_model, "env": env}
 
 
 @pytest.fixture(scope="module")
@@ -352,16 +366,17 @@ def test_refusals_name_what_is_refused_and_touch_nothing(server):
         refused(
             lambda: sampler.sample(types.ModelInput.from_ints([5]), 1, too_long).result(), "max_tokens 2000"
         )
-        # the engines run at rollout.max_model_len (512), under the model's own 1024: a prompt that fits
-        # the model but not the engines is refused by that number (it reached vLLM and came back raw)
-        refused(lambda: sampler.sample(types.ModelInput.from_ints([5] * 600), 1, types.SamplingParams()).result(),
-                "a prompt of 600 tokens leaves no room in the engines' context of 512")  # fmt: skip
+        # the engines run at the smaller of rollout.max_model_len (4096) and the model's own 1024: a
+        # prompt past it is refused by that number (one of 600 past 512 reached vLLM and came back raw)
+        refused(lambda: sampler.sample(types.ModelInput.from_ints([5] * 1030), 1, types.SamplingParams()).result(),
+                "a prompt of 1030 tokens leaves no room in the engines' context of 1024")  # fmt: skip
         state, weights = tc.save_state("own").result().path, tc.save_weights_for_sampler("own").result().path
         with tinker.ServiceClient(base_url=server["url"], api_key="tml-someone-else") as other:
-            # another user's model beside this one, and past serve.max_models (2 here) a third is refused
-            other.create_lora_training_client(base_model=base, rank=2).result()
+            # another user's two models beside this one, and past serve.max_models (3 here) a fourth is refused
+            for _ in range(2):
+                other.create_lora_training_client(base_model=base, rank=2).result()
             refused(lambda: sc.create_lora_training_client(base_model=base, rank=2).result(),
-                    "2 models are live", "serve.max_models=2")  # fmt: skip
+                    "3 models are live", "serve.max_models=3")  # fmt: skip
             # what another key saved: not loaded, sampled or listed (the owner's own calls: below)
             refused(lambda: other.create_sampling_client(model_path=weights).result(), "another API key")
             refused(lambda: other.create_training_client_from_state(state).result(), "another API key")
@@ -584,28 +599,62 @@ def test_an_rl_loop_a_custom_loss_and_the_exports(server):
     assert served[1:] == pytest.approx(mine.tolist(), abs=1e-4)
 
 
-def test_the_example_loop_and_the_cookbook_math_rl_recipe_train_on_the_server(server, tmp_path):
-    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "WANDB_MODE": "disabled"}
-    # the README's own loop (examples/tinker_loop.py): supervised and RL steps, a state, sampler weights
-    cmd = [sys.executable, "examples/tinker_loop.py", f"--base-url={server['url']}", f"--base-model={server['base']}",
-           "--steps=1"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "rl step 0: mean reward" in done.stdout and "sampler weights: tinker://" in done.stdout
+def test_the_example_loop_and_the_cookbooks_recipes_train_back_to_back_on_one_server(server, tmp_path):
+    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "WANDB_MODE": "disabled",
+           "TINKER_BASE_URL": server["url"]}  # fmt: skip
+    tiny, long = server["base"], server["long"]
 
-    # unmodified: the arithmetic environment (no dataset), the model by its folder, an explicit renderer
-    log = tmp_path / "math_rl"
-    cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
-           f"model_name={server['base']}", "renderer_name=role_colon", f"base_url={server['url']}",
-           "loss_fn=importance_sampling", "lora_rank=4", "group_size=2", "groups_per_batch=2", "max_tokens=4",
-           "max_steps=2", "eval_every=0", "save_every=0", f"log_path={log}", "behavior_if_log_dir_exists=delete"]  # fmt: skip
-    finals = set(server["out"].glob("tinker/*/weights/final/state.pt"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if "progress/batch" in s] == [0, 1], steps
-    # its final checkpoint, saved through save_state and save_weights_for_sampler, is on the server
-    (state,) = set(server["out"].glob("tinker/*/weights/final/state.pt")) - finals
-    assert (
-        state.parents[2] / "sampler_weights" / "final" / "adapter" / "adapter_model.safetensors"
-    ).is_file()
+    def run(*cmd: str, cwd: Path = ROOT) -> str:
+        done = subprocess.run(
+            [sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, (cmd[:2], done.stdout[-3000:] + done.stderr[-3000:])
+        return done.stdout
+
+    def trained(log: Path, steps: int = 2) -> dict:
+        """The recipe's final checkpoints (each saved on the server), its steps all logged."""
+        rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+        assert {r["step"] for r in rows} >= set(range(steps)), (log.name, rows)
+        final = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
+        for path in (final["state_path"], final["sampler_path"]):
+            assert (server["out"] / "tinker" / path.removeprefix("tinker://") / "model.json").is_file(), path
+        return final
+
+    # the README's own loop (examples/tinker_loop.py): supervised and RL steps, a state, sampler weights
+    out = run("examples/tinker_loop.py", f"--base-url={server['url']}", f"--base-model={tiny}", "--steps=1")
+    assert "rl step 0: mean reward" in out and "sampler weights: tinker://" in out
+    # each recipe unmodified, from its own command line: the model by its folder, an explicit
+    # renderer, the fewest steps, no evaluation; the recipes whose default loss is stable_reinforce
+    # (math_rl, rubric) with importance_sampling. None closes its session: each model stays live
+    # until its heartbeats have stopped 30 s, beside the next recipe's (serve.max_models=3 here)
+    small = ["renderer_name=role_colon", "max_steps=2", "eval_every=0", "behavior_if_log_dir_exists=delete"]
+    run("-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={tiny}", *small,
+        "loss_fn=importance_sampling", "lora_rank=4", "group_size=2", "groups_per_batch=2", "max_tokens=4",
+        "save_every=0", f"base_url={server['url']}", f"log_path={tmp_path / 'math_rl'}")  # fmt: skip
+    trained(tmp_path / "math_rl")
+    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    run("-m", "tinker_cookbook.recipes.chat_sl.train", f"model_name={tiny}", f"dataset={conversations}", *small,
+        "batch_size=4", "lora_rank=4", "max_length=256", "save_every=0", f"log_path={tmp_path / 'chat_sl'}")  # fmt: skip
+    trained(tmp_path / "chat_sl")
+    run("-m", "tinker_cookbook.recipes.preference.shorter.train", f"model_name={tiny}", *small, "batch_size=2",
+        "group_size=2", "max_tokens=8", f"log_path={tmp_path / 'shorter'}")  # fmt: skip
+    trained(tmp_path / "shorter")
+    run("examples/tinker_dpo.py", f"--base-url={server['url']}", f"--base-model={tiny}",
+        f"--log-path={tmp_path / 'dpo'}")  # fmt: skip
+    trained(tmp_path / "dpo")
+    # the games and the graded answers need a longer context than the tiny model's 1024 (a game's
+    # prompt grows with its turns, the grader may write 2048 tokens): the same model with 4096
+    run("-m", "tinker_cookbook.recipes.multiplayer_rl.guess_number.train", f"model_name={long}", *small,
+        "batch_size=2", "group_size=2", f"log_path={tmp_path / 'guess_number'}")  # fmt: skip
+    trained(tmp_path / "guess_number")
+    (tmp_path / "tinker_cookbook" / "example_data").mkdir(parents=True)
+    run(
+        "-m", "tinker_cookbook.recipes.rubric.generate_data", cwd=tmp_path
+    )  # (into ./tinker_cookbook/example_data)
+    run("-m", "tinker_cookbook.recipes.rubric.train", f"model_name={long}", f"grader_llm_name={long}",
+        "grader_renderer_name=role_colon", "loss_fn=importance_sampling", "lora_rank=4", "groups_per_batch=2",
+        "train_group_size=2", "save_every=0", f"log_path={tmp_path / 'rubric'}", *small, cwd=tmp_path)  # fmt: skip
+    teacher = trained(tmp_path / "rubric")["sampler_path"]
+    run("examples/tinker_distill.py", f"--base-url={server['url']}", f"--base-model={long}", f"--teacher={teacher}",
+        f"--log-path={tmp_path / 'distill'}")  # fmt: skip
+    trained(tmp_path / "distill")

@@ -33,9 +33,9 @@ def hostile_requests(
             add(f"{route}: {name}", route, raw=raw)
     add("forward_backward: no ForwardBackwardRequest", "forward_backward", raw=b"\x08\x96\x01" * 100)
     add(
-        "forward_backward: a body past serve.max_request_mib (1 here)",
+        "forward_backward: a body past serve.max_request_mib (8 here)",
         "forward_backward",
-        raw=b"\x00" * (2 << 20),
+        raw=b"\x00" * (9 << 20),
     )
     lora = {"rank": 2}
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}

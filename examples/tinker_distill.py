@@ -37,7 +37,9 @@ class LocalPrompts(RLDatasetBuilder):
 
         tokenizer = get_tokenizer(self.model_name_for_tokenizer)
         renderer = renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
-        return PromptOnlyDataset(list(self.prompts), self.groups_per_batch, self.group_size, renderer, tokenizer), None
+        return PromptOnlyDataset(
+            list(self.prompts), self.groups_per_batch, self.group_size, renderer, tokenizer
+        ), None
 
 
 def main() -> None:

@@ -21,7 +21,10 @@ def made_up(path: Path) -> Path:
     """Comparisons whose label prefers the shorter of two answers to each question."""
     with path.open("w") as f:
         for q in QUESTIONS:
-            short, long = [{"role": "assistant", "content": "Yes."}], [{"role": "assistant", "content": "Well, " * 8}]
+            short, long = (
+                [{"role": "assistant", "content": "Yes."}],
+                [{"role": "assistant", "content": "Well, " * 8}],
+            )
             comparison = {"prompt_conversation": [{"role": "user", "content": q}], "completion_A": long,
                           "completion_B": short}  # fmt: skip
             f.write(json.dumps({"comparison": comparison, "label": "B"}) + "\n")

@@ -171,3 +171,21 @@ def test_a_refused_request_far_ahead_never_holds_back_the_calls_below_it():
     for seq_id, request_id in zip((1, 2), ids):
         model.submit(seq_id, request_id, call(ran, seq_id))
     assert result(futures, ids[1]).json == {"seq_id": 2} and ran == [1, 2]
+
+
+def test_snapshots_are_let_go_oldest_first_past_their_bytes_budget(ray_local):
+    import torch
+
+    from rltrain.serve.sampling import Engines, object_bytes
+
+    snapshot = {"lora_A": torch.zeros(256, 1024)}  # 1 MiB of fp32
+    size = object_bytes(ray_local.put(snapshot))
+    assert 2**20 <= size < 2**20 + 4096  # (the tensor's bytes and a little framing)
+    engines = Engines(keep=16, budget_bytes=2.5 * size)  # two fit, three do not
+    for i in range(4):
+        engines.add(f"m#{i}", ray_local.put(snapshot))
+    assert [engines.known(f"m#{i}") for i in range(4)] == [False, False, True, True]
+    assert sorted(engines.sizes) == ["m#2", "m#3"]  # (the let-go ones forgotten)
+    # one larger than the whole budget still stays, alone: a client's newest weights are always held
+    engines.add("big", ray_local.put({"lora_A": torch.zeros(1024, 1024)}))
+    assert [k for k in ("m#2", "m#3", "big") if engines.known(k)] == ["big"]

@@ -40,8 +40,11 @@ class ServeConfig(Section):
     poll the SDK repeats)."""
     kept_snapshots: int = Field(16, ge=1)
     """Unnamed sampler weights (`save_weights_and_get_sampling_client`) kept in memory for the
-    sampling clients made on them; an older client's request is refused (named sampler weights
-    reload from disk)."""
+    sampling clients made on them; an older client's request is refused in one sentence (named
+    sampler weights reload from disk)."""
+    snapshot_mib: float = Field(2048.0, gt=0)
+    """The bytes those snapshots may take in Ray's object store, all models together: past it the
+    oldest are let go (the newest always stays), as past `kept_snapshots`."""
     merged_exports: bool = True
     """Named sampler weights also as the merged model (a folder transformers loads), beside the
     peft adapter."""

@@ -37,8 +37,8 @@ NOT_SERVED = {
 # how long the first of several concurrent sample requests waits for the others to join its batch
 BATCH_WINDOW_S = 0.01
 
-NOT_HELD = ("this sampling client's weights are no longer held (serve.kept_snapshots); save named sampler "
-            "weights to sample from them later")  # fmt: skip
+NOT_HELD = ("this sampling client's weights are no longer held (newer snapshots took their place: "
+            "serve.kept_snapshots, serve.snapshot_mib); save named sampler weights to sample from them later")  # fmt: skip
 
 
 @dataclass
@@ -160,8 +160,9 @@ class Engines:
     last ``keep`` snapshots; named ones reload from disk), loaded before a request that needs them
     once the requests on other weights have finished."""
 
-    def __init__(self, keep: int):
-        self.keep = keep
+    def __init__(self, keep: int, budget_bytes: float = float("inf")):
+        self.keep, self.budget = keep, budget_bytes
+        self.sizes: dict[str, int] = {}  # key -> bytes of its weights in the object store
         self.pool = None
         self.pool_key: tuple | None = None
         self.states: OrderedDict[str, object] = OrderedDict()  # key -> object ref of the tensors
@@ -200,9 +201,9 @@ class Engines:
             if ref is not None:
                 if self.held == key:  # new weights under a held name: the engines take them again
                     self.held = None
-                self.states[key] = ref
-                while len(self.states) > self.keep:  # (named ones reload from disk)
-                    self.states.popitem(last=False)
+                self.states.pop(key, None)
+                self.states[key], self.sizes[key] = ref, object_bytes(ref)
+                self._evict()
             if loader is not None:
                 self.loaders[key] = loader
         if load:
@@ -214,6 +215,14 @@ class Engines:
                 if not _died(error):
                     raise
                 raise self._revived(pool, error, "taking new weights") from None
+
+    def _evict(self) -> None:
+        """(Holding the lock.) The oldest snapshots let go (named ones reload from disk) while more
+        than ``keep`` are held or they take more than the budget's bytes; the newest always stays."""
+        while len(self.states) > 1 and (
+            len(self.states) > self.keep or sum(self.sizes[k] for k in self.states) > self.budget
+        ):
+            self.sizes.pop(self.states.popitem(last=False)[0], None)
 
     def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
         """(On a request's thread.) The samples of ``call`` from ``key``'s weights: generated in one
@@ -314,6 +323,13 @@ class Engines:
         if self.pool is not None:
             self.pool.shutdown()
             self.pool = None
+
+
+def object_bytes(ref) -> int:
+    """The size of an object in Ray's object store (0 where Ray does not know it yet)."""
+    from ray.experimental import get_object_locations
+
+    return int(get_object_locations([ref]).get(ref, {}).get("object_size") or 0)
 
 
 def base_loader(model_path: str) -> Callable[[], object]:

@@ -70,7 +70,7 @@ class Server:
         }
         self.futures = Futures(config.serve.result_ttl_s)
         self.checkpoints = Checkpoints(output_dir)
-        self.engines = Engines(config.serve.kept_snapshots)
+        self.engines = Engines(config.serve.kept_snapshots, config.serve.snapshot_mib * 2**20)
         self.sessions: dict[str, Session] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()  # (their heartbeats answered "finished")
         self.models: dict[str, ServedModel] = {}

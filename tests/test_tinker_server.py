@@ -472,18 +472,25 @@ def live_actors(class_name: str) -> int:
     return sum(a["ActorClassName"] == class_name and a["State"] == "ALIVE" for a in actors().values())
 
 
-def kill(class_name: str) -> int:
-    """SIGKILL the process of the server's live actor of ``class_name`` (the server joined the
-    session's Ray instance, which this process holds)."""
+def kill(class_name: str, alive: int) -> int:
+    """SIGKILL the process of one of the server's live actors of ``class_name`` once ``alive`` of
+    them are left (the learners of models released by earlier tests may take a moment to go; the
+    server joined the session's Ray instance, which this process holds)."""
     import signal
+    import time
 
     from ray._private.state import actors
 
-    (pid, *_) = [
-        a["Pid"] for a in actors().values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"
-    ]
-    os.kill(pid, signal.SIGKILL)
-    return pid
+    for _ in range(60):
+        pids = [
+            a["Pid"] for a in actors().values() if a["ActorClassName"] == class_name and a["State"] == "ALIVE"
+        ]
+        if len(pids) == alive:
+            break
+        time.sleep(0.5)
+    assert len(pids) == alive, (class_name, pids)
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
 
 
 def failed_as_the_servers(call, *words: str) -> str:
@@ -505,14 +512,14 @@ def test_a_killed_learner_or_engine_fails_its_call_alone_and_the_model_goes_on(s
         kept = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
         tc.forward_backward(good, "cross_entropy").result()
         tc.optim_step(ADAM).result()  # (a step after the save: lost with the learner)
-        kill("ServedLearner")
+        kill("ServedLearner", alive=2)  # (this model's two)
         failed_as_the_servers(lambda: tc.forward(good, "cross_entropy").result(), "died", saved, "is lost")
         # the model goes on from its last save: the weights it held then, bit for bit
         again = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
         assert again == kept
         sampler = tc.save_weights_and_get_sampling_client().result()
         before = sampler.compute_logprobs(seq).result()
-        kill("GeneratorActor")
+        kill("GeneratorActor", alive=1)
         failed_as_the_servers(lambda: sampler.compute_logprobs(seq).result(), "engines died", "restarted")
         assert sampler.compute_logprobs(seq).result()[1:] == pytest.approx(before[1:], abs=1e-5)
 

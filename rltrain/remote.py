@@ -10,11 +10,13 @@ time (then the peer is the cause).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,16 +86,33 @@ def gather(refs: Sequence[ray.ObjectRef], names: Sequence[str], timeout_s: float
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:  # every actor still pending is named (one hung, its peers wait in a collective)
             silent = ", ".join(names[index[ref]] for ref in pending)
+            consumed(pending)
             raise ActorFailure(silent, f"did not answer within run.actor_timeout_s={timeout_s:g}s", True)
         for ref in ready:
             try:
                 results[index[ref]] = ray.get(ref)
             except RayTaskError as error:
                 raise_dead_peer(pending, index, names)
+                consumed(pending)
                 raise error
             except (RayActorError, ActorUnavailableError) as error:
+                consumed(pending)
                 raise ActorFailure(names[index[ref]], describe(error)) from error
     return [results[i] for i in range(len(refs))]
+
+
+def consumed(refs: Sequence[ray.ObjectRef]) -> None:
+    """The calls still pending when one of their group failed, awaited on a thread and their
+    outcomes dropped: the failure is told once, by whoever raised it, and a peer's own error (its
+    collective broken a moment later) is not printed by Ray after it as an unhandled one."""
+
+    def drain():
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+
+    if refs:
+        threading.Thread(target=drain, daemon=True, name="consumed").start()
 
 
 def _with_reason(line: str, text: str) -> str:
@@ -116,6 +135,7 @@ def raise_dead_peer(pending: list, index: dict, names: Sequence[str]) -> None:
             try:
                 ray.get(ref)
             except (RayActorError, ActorUnavailableError) as error:
+                consumed(pending)
                 raise ActorFailure(names[index[ref]], describe(error)) from error
             except (RayTaskError, GetTimeoutError):
                 pass

@@ -22,7 +22,8 @@ class Worker:
         time.sleep(0.5)
         os._exit(1)
 
-    def fail(self) -> None:
+    def fail(self, after_s: float = 0.0) -> None:
+        time.sleep(after_s)
         raise ValueError("a bad batch")
 
 
@@ -34,6 +35,29 @@ def test_a_dead_actor_is_named_while_its_peer_still_blocks(ray_local):
     assert failure.value.actor == "learner 1" and failure.value.cause.startswith("died")
     assert time.monotonic() - start < 30  # not the peer's 60 s, nor the timeout
     ray.kill(blocked)
+
+
+def test_a_peer_that_fails_after_the_named_death_adds_no_line_of_its_own(ray_local):
+    # the run's last line names what died; the peer's own error, when its collective breaks a moment
+    # later, is consumed rather than printed by Ray after that line as an "Unhandled error"
+    import gc
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("ray._private.worker").addHandler(handler)
+    try:
+        peer, dying = Worker.remote(), Worker.remote()
+        with pytest.raises(ActorFailure):
+            gather([peer.fail.remote(2.0), dying.die.remote()], ["learner 0", "learner 1"], timeout_s=120)
+        time.sleep(4.0)  # (the peer's error is in by now)
+        gc.collect()
+        time.sleep(1.0)
+    finally:
+        logging.getLogger("ray._private.worker").removeHandler(handler)
+    assert not [m for m in seen if "Unhandled error" in m], seen
+    ray.kill(peer)
 
 
 @ray.remote(num_cpus=0)

@@ -163,11 +163,11 @@ def _service_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        body = await read_json(server, request, "session_heartbeat")
-        session = server.sessions.get(body.text("session_id", ""))
-        if body.text("session_id", "") in server.ended or (session is not None and session.finished):
+        session_id = (await read_json(server, request, "session_heartbeat")).text("session_id", "")
+        session = server.sessions.get(session_id)
+        if session_id in server.ended or (session is not None and session.finished):
             return JSONResponse({"error": "the session has finished", "category": "user"}, status_code=410)
-        server.session(body.text("session_id", ""), api_key(request)).heartbeat = time.monotonic()
+        server.session(session_id, api_key(request)).heartbeat = time.monotonic()
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -256,23 +256,27 @@ def _weights_routes(app: FastAPI, server: Server) -> None:
     async def load_weights(request: Request):
         body = await read_json(server, request, "load_weights")
 
-        def checked():
+        def wanted() -> tuple[str, bool, dict]:
+            """The checkpoint asked for, checked: its path, whether with the optimizer, its record."""
             path, optimizer = body.text("path", ""), body.flag("optimizer")
             if body.text("weights_access_token"):
                 raise BadRequest(
                     "load_weights: weights_access_token is not served (every checkpoint here is local)"
                 )
-            server.checkpoints.resolve(path, "weights", key_owner(api_key(request)))
-            return lambda: model.load_state(path, optimizer)
+            _, record = server.checkpoints.resolve(path, "weights", key_owner(api_key(request)))
+            return path, optimizer, record
 
         if body.text("model_id"):  # onto a live model
             model = server.model(body.text("model_id"), api_key(request))
+
+            def checked():
+                path, optimizer, _ = wanted()
+                return lambda: model.load_state(path, optimizer)
+
             return queued(server, model, body.get("seq_id"), checked)
-        checked()
-        path, optimizer = body.text("path", ""), body.flag("optimizer")
         # a new model made from the checkpoint (create_training_client_from_state)
+        path, optimizer, record = wanted()
         session = server.session(body.text("session_id", ""), api_key(request))
-        _, record = server.checkpoints.resolve(path, "weights", key_owner(session.api_key))
         base = body.text("base_model") or record["base_model"]
         if base != record["base_model"]:
             raise BadRequest(f"{path} holds adapters of {record['base_model']}, not of {base}")

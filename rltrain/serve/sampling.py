@@ -188,6 +188,7 @@ class Engines:
                 self.pool.shutdown()
             self.pool, self.pool_key, self.held = None, None, None
             self.states.clear()
+            self.sizes.clear()
             self.loaders.clear()
             self.pool, self.pool_key, self._start = start(), pool_key, start
             self.held = "base"  # a fresh engine holds the base model (no adapter yet)

@@ -5,6 +5,7 @@ piece of code issue?"""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -145,13 +146,131 @@ def _one_update(group, batch: TrainBatch) -> dict[str, torch.Tensor]:
 
 def metrics_of_one_step(config: Config, model_path: str, batch: TrainBatch) -> dict[str, float]:
     """The logged metrics of one training step on fresh policy learners."""
-    from rltrain.learner.group import LearnerGroup
-
-    group = LearnerGroup(config, model_path, total_optimizer_steps=1)
-    try:
+    with learners(config, model_path) as group:
         return group.train_step(batch)
-    finally:
+
+
+class KeptLearners:
+    """Learner groups kept from one check to the next (:func:`keeping_learners`): a check whose
+    learners are placed as a kept group's (:func:`~rltrain.learner.group.placement_of`, the same
+    learner class) restarts that group in its processes on its own config and model
+    (:meth:`~rltrain.learner.group.LearnerGroup.restart`: a fresh group's start, bit for bit)
+    instead of paying new processes' imports and torch.distributed group again. A group whose
+    check raised is stopped, not kept; kept groups give their CPUs and GPUs back when a group about
+    to start needs more than the cluster has free, or while another group waits to start."""
+
+    def __init__(self) -> None:
+        self.idle: list[tuple[tuple, Any]] = []  # (learner class and placement, group), oldest first
+        self.starting = 0
+        self.lock = threading.Lock()
+
+    def take(self, config: Config, model_path: str, total_optimizer_steps: int, learner_cls: type) -> Any:
+        from rltrain.learner.group import LearnerGroup, placement_of
+
+        lc = learner_cls.section(config)
+        key = (learner_cls, placement_of(lc))
+        with self.lock:
+            kept = next((entry for entry in self.idle if entry[0] == key), None)
+            if kept is not None:
+                self.idle.remove(kept)
+            else:
+                self.starting += 1
+                freed = self._room_for(_resources(lc))
+        if kept is not None:
+            group = kept[1]
+            try:
+                group.restart(config, total_optimizer_steps, model_path)
+            except BaseException:
+                group.shutdown()
+                raise
+            return group
+        try:
+            for group in freed:
+                group.shutdown()
+            return LearnerGroup(config, model_path, total_optimizer_steps, learner_cls)
+        finally:
+            with self.lock:
+                self.starting -= 1
+
+    def _room_for(self, need: dict[str, float]) -> list[Any]:
+        """Kept groups to stop, oldest first, until the cluster's free resources hold ``need``."""
+        import ray
+
+        free = ray.available_resources()
+        freed = []
+        while self.idle and any(free.get(r, 0) < n for r, n in need.items() if n):
+            _, group = self.idle.pop(0)
+            freed.append(group)
+            for r, n in _resources(group.lc).items():
+                free[r] = free.get(r, 0) + n
+        return freed
+
+    def give(self, group: Any) -> None:
+        """Keep ``group`` for the next check placed alike, unless another group waits to start."""
+        from rltrain.learner.group import placement_of
+
+        key = (group.learner_cls, placement_of(group.lc))
+        with self.lock:
+            if not self.starting:
+                self.idle.append((key, group))
+                return
         group.shutdown()
+
+    def close(self) -> None:
+        """Stop every kept group."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for _, group in idle:
+            group.shutdown()
+
+
+def _resources(lc: Any) -> dict[str, float]:
+    """What a learner group of section ``lc`` holds of the cluster."""
+    return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
+
+
+_KEPT: KeptLearners | None = None  # where learner groups are kept, inside keeping_learners()
+
+
+@contextlib.contextmanager
+def keeping_learners(kept: KeptLearners) -> Iterator[KeptLearners]:
+    """Within the block, the learner groups of these checks (:func:`learners`, :func:`on_learners`
+    and the functions built on them) come from ``kept`` and go back to it when their check ends
+    (one process of checks, such as a test session, pays each placement's start once); the groups
+    stay kept after it, until ``kept.close()``."""
+    global _KEPT
+    before, _KEPT = _KEPT, kept
+    try:
+        yield kept
+    finally:
+        _KEPT = before
+
+
+@contextlib.contextmanager
+def learners(
+    config: Config, model_path: str, total_optimizer_steps: int = 1, learner_cls: type | None = None
+) -> Iterator[Any]:
+    """The :class:`~rltrain.learner.group.LearnerGroup` of ``learner_cls`` (the policy's by
+    default) for one check, started on ``config`` from the weights at ``model_path``: a kept group
+    restarted inside :func:`keeping_learners`, else a new one; stopped or kept when the block ends."""
+    from rltrain.learner.group import LearnerGroup
+    from rltrain.learner.policy import PolicyLearner
+
+    learner_cls = learner_cls or PolicyLearner
+    kept = _KEPT
+    if kept is None:
+        group = LearnerGroup(config, model_path, total_optimizer_steps, learner_cls)
+    else:
+        group = kept.take(config, model_path, total_optimizer_steps, learner_cls)
+    try:
+        yield group
+    except BaseException:
+        group.shutdown()
+        raise
+    if kept is None:
+        group.shutdown()
+    else:
+        kept.give(group)
 
 
 def updates_after_one_step(
@@ -186,7 +305,7 @@ def on_learners(
     the cluster has no free CPUs for waits for one to end)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rltrain.learner.group import LearnerGroup, placement_of  # ray and deepspeed load only for this check
+    from rltrain.learner.group import placement_of  # ray and deepspeed load only for this check
     from rltrain.learner.policy import PolicyLearner
 
     learner_cls = learner_cls or PolicyLearner
@@ -196,14 +315,11 @@ def on_learners(
     results: list[Any] = [None] * len(configs)
 
     def run_alike(indices: list[int]) -> None:
-        group = LearnerGroup(configs[indices[0]], model_path, total_optimizer_steps, learner_cls)
-        try:
+        with learners(configs[indices[0]], model_path, total_optimizer_steps, learner_cls) as group:
             for n, i in enumerate(indices):
                 if n:
                     group.restart(configs[i], total_optimizer_steps)
                 results[i] = run(group, i)
-        finally:
-            group.shutdown()
 
     with ThreadPoolExecutor(at_once) as pool:
         list(pool.map(run_alike, alike.values()))

@@ -10,6 +10,11 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+from rltrain.diagnostics import KeptLearners, keeping_learners  # noqa: E402
+
+# the learner groups of the tests that keep them (fixture kept_learners), between those tests
+KEPT = KeptLearners()
+
 # The modules that take longest, longest first (minutes on 2 cores, measured with --durations).
 # `make test` hands whole modules to two pytest-xdist workers (--dist loadfile: a module's fixtures
 # are built once); starting with the longest keeps either worker from finishing long before the other.
@@ -48,7 +53,26 @@ def ray_local(tmp_path_factory):
         log_to_driver=False,
     )
     yield ray
+    KEPT.close()
     ray.shutdown()
+
+
+@pytest.fixture
+def kept_learners():
+    """This test's learner groups (:func:`rltrain.diagnostics.learners` and the checks on it) are
+    the groups earlier such tests left, restarted in their processes where placed alike, and are
+    left for the next ones: a group's start costs ~6-10 s of 2 cores (imports, torch.distributed,
+    DeepSpeed), a restart ~0.5 s. A test that starts learners itself closes them first."""
+    with keeping_learners(KEPT):
+        yield KEPT
+
+
+@pytest.fixture(autouse=True)
+def _kept_learners_only_where_asked(request):
+    """Every other test, and every test that runs a trainer on the session's cluster, finds the
+    cluster's CPUs free of kept learners."""
+    if "kept_learners" not in request.fixturenames or "ray_cluster" in request.fixturenames:
+        KEPT.close()
 
 
 @pytest.fixture(scope="session")

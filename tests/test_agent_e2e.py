@@ -114,7 +114,9 @@ def test_gateway_episodes_on_vllm_are_token_in_token_out_and_split_where_the_age
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.tool_mask) if not m)
 
 
-def test_token_mode_update_on_episodes_is_layout_invariant(episodes, guessing_model, ray_local):
+def test_token_mode_update_on_episodes_is_layout_invariant(
+    episodes, guessing_model, ray_local, kept_learners
+):
     # the environment's episodes and the gateway's (split ones included) in one batch
     config, scored, gateway = episodes
     batch = build_batch(ScoredGroups.concat([scored, gateway]), config, pad_id=0)

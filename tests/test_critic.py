@@ -10,6 +10,7 @@ from transformers import AutoModelForTokenClassification
 
 from rltrain.diagnostics import (
     critic_layout_config,
+    learners,
     relative_difference,
     synthetic_rollouts,
     updates_after_one_step,
@@ -17,12 +18,11 @@ from rltrain.diagnostics import (
 )
 from rltrain.forward import token_outputs
 from rltrain.learner.critic import CriticLearner
-from rltrain.learner.group import LearnerGroup
 
 pytestmark = pytest.mark.slow
 
 
-def test_critic_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path):
+def test_critic_update_is_layout_invariant_in_token_mode(ray_local, kept_learners, tiny_model_path):
     # 8 sequences with tool tokens and an all-masked one; random returns and rollout-time values;
     # padded micro-batches under ZeRO-3 and packed rows under ZeRO-0, against one learner with one
     # micro-batch (the critic's loss is aggregated as the policy's, whose every stage x layout
@@ -47,17 +47,13 @@ def test_critic_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_p
 
 
 def test_exported_critic_loads_with_transformers_and_predicts_the_same_values(
-    ray_local, tiny_model_path, tmp_path
+    ray_local, kept_learners, tiny_model_path, tmp_path
 ):
     batch = with_value_targets(synthetic_rollouts(seed=1), 1)
-    group = LearnerGroup(critic_layout_config(2, 2, 2, lr=1e-2), tiny_model_path, total_optimizer_steps=1,
-                         learner_cls=CriticLearner)  # fmt: skip
-    try:
+    with learners(critic_layout_config(2, 2, 2, lr=1e-2), tiny_model_path, 1, CriticLearner) as group:
         group.train_step(batch)  # the head leaves 0, so the values below are not trivially equal
         group.save_hf(tmp_path / "critic_hf")
         values = group.per_token(batch)
-    finally:
-        group.shutdown()
     model = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic_hf")
     with torch.no_grad():
         out = token_outputs(model, batch.input_ids, batch.attention_mask)[..., 0]
@@ -87,15 +83,12 @@ def _value_task(g: torch.Generator, shift: int):
 def _train_critic(config, model_path: str, batches: list, metric: str) -> list[float]:
     """A fresh critic learner trained on each batch in turn, its values scored before each update
     (as a run does): ``metric`` at every step."""
-    critic = LearnerGroup(config, model_path, total_optimizer_steps=len(batches), learner_cls=CriticLearner)
-    try:
+    with learners(config, model_path, len(batches), CriticLearner) as critic:
         return [critic.train_step(b.replace(old_values=critic.per_token(b)))[metric] for b in batches]
-    finally:
-        critic.shutdown()
 
 
 @pytest.mark.parametrize("shift", [0, 1])
-def test_the_critic_learns_values_that_explain_the_returns(shift, ray_local, tiny_model_path):
+def test_the_critic_learns_values_that_explain_the_returns(shift, ray_local, kept_learners, tiny_model_path):
     # the real critic learner (DeepSpeed, ZeRO-2, AdamW) on fresh batches: the explained variance of
     # its rollout-time values (1 - Var(R - V) / Var(R), as logged each step) passes 0.9 within a few
     # dozen updates; with the targets one position off it cannot pass 0.5
@@ -149,7 +142,7 @@ def _mixed_questions(step: int, tokenizer):
                       returns=returns)  # fmt: skip
 
 
-def test_the_critic_learns_what_a_question_is_worth(ray_local, tiny_model_path):
+def test_the_critic_learns_what_a_question_is_worth(ray_local, kept_learners, tiny_model_path):
     # the shipped PPO config's critic (configs/cpu_ppo.yaml: its learning rate, mini-batches and epochs)
     # on a task whose values are plainly learnable. The prompt oracle, a critic that knows each
     # question's success rate: Var(R) = 0.5 * 0.5 = 0.25 (half the questions easy, p 0.9, half

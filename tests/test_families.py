@@ -278,7 +278,7 @@ def test_a_family_trains_through_the_cli_exactly_with_packing_and_sharing(family
 
 @pytest.mark.slow
 def test_a_hybrid_models_token_mode_update_is_the_same_in_every_layout_and_the_naive_mean_is_not(
-    ray_local, tmp_path
+    ray_local, kept_learners, tmp_path
 ):
     # builtin:tiny-qwen3.5 (a Gated DeltaNet layer beside a full-attention one) through real learners
     # and DeepSpeed: 8 sequences of 4-14 tokens in groups of 4 sharing a prompt. One learner, every

@@ -9,10 +9,10 @@ from rltrain.config import Config
 from rltrain.diagnostics import (
     critic_layout_config,
     layout_config,
+    learners,
     metrics_of_one_step,
     relative_difference,
     synthetic_rollouts,
-    update_after_one_step,
     updates_after_one_step,
     with_value_targets,
 )
@@ -23,7 +23,7 @@ from rltrain.learner.policy import PolicyLearner
 from rltrain.loss.logprobs import token_entropy
 from rltrain.plan import plan_packed_micro_batches
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kept_learners")]
 
 
 # (learners, micro-batch size): 2 x 2 micro-batches of 2; 2 x (3 + 1), under ZeRO 0, 2 and 3
@@ -66,7 +66,7 @@ def test_uneven_batch_is_trained_in_full(ray_local, tiny_model_path):
     assert relative_difference(split, whole) < 1e-5
 
 
-def test_a_restarted_group_gives_a_fresh_group_s_update(ray_local, tiny_model_path):
+def test_a_restarted_group_gives_a_fresh_group_s_update(ray_local, tiny_model_path, kept_learners):
     # updates_after_one_step runs the configs of a placement in one group of processes, restarted
     # between them: nothing of the config before may survive a restart (the weights it moved,
     # AdamW's moments, the schedule's step, ZeRO-3's partitioned parameters and its head-chunk
@@ -77,18 +77,27 @@ def test_a_restarted_group_gives_a_fresh_group_s_update(ray_local, tiny_model_pa
     before = layout_config(2, 1, 3, optimizer="adamw", lr=1e-2, max_tokens_per_micro_batch=70,
                            sequence_parallel_size=2)  # fmt: skip
     after = layout_config(2, 2, 0)
-    fresh = update_after_one_step(after, tiny_model_path, batch)
-    group = LearnerGroup(before, tiny_model_path, total_optimizer_steps=1)
+    kept_learners.close()  # (their CPUs back: the two groups below start in new processes)
+
+    def update(group: LearnerGroup) -> dict[str, torch.Tensor]:
+        start = group.state_dict()
+        group.train_step(batch)
+        return {k: v - start[k] for k, v in group.state_dict().items()}
+
+    groups = [
+        LearnerGroup(c, tiny_model_path, total_optimizer_steps=1) for c in (after, before)
+    ]  # new processes
     try:
+        fresh = update(groups[0])
+        group = groups[1]
         group.train_step(batch)
         with pytest.raises(ValueError, match="restart where they are placed"):
             group.restart(layout_config(1, 2, 0), total_optimizer_steps=1)  # one learner, not two
         group.restart(after, total_optimizer_steps=1)
-        start = group.state_dict()
-        group.train_step(batch)
-        restarted = {k: v - start[k] for k, v in group.state_dict().items()}
+        restarted = update(group)
     finally:
-        group.shutdown()
+        for group in groups:
+            group.shutdown()
     for name in fresh:
         torch.testing.assert_close(restarted[name], fresh[name], rtol=0, atol=0)
 
@@ -122,26 +131,24 @@ def test_checkpoint_round_trip_continues_exactly_on_its_own_layout_and_others(
     # (the policy ignores the value targets the critic trains on)
     first = with_value_targets(synthetic_rollouts(seed=1), seed=1)
     second = with_value_targets(synthetic_rollouts(seed=2), seed=2)
-    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=4, learner_cls=learner_cls)
-    try:
+    with learners(config, tiny_model_path, 4, learner_cls) as group:
         group.train_step(first)
         group.save_checkpoint(tmp_path, "step1", {"step": 1})
         group.train_step(second)
         uninterrupted = group.state_dict()
 
+        def resumed_from(fresh) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+            assert fresh.load_checkpoint(tmp_path, "step1") == {"step": 1}
+            return fresh.train_step(second), fresh.state_dict()
+
         def resumed_on(layout: Config) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
             # a layout of as many learners resumes in the same processes, restarted (their weights
-            # back to the model's, then the checkpoint's), any other in new ones
-            here = placement_of(learner_cls.section(layout)) == placement_of(learner_cls.section(config))
-            if here:
+            # back to the model's, then the checkpoint's), any other in other ones
+            if placement_of(learner_cls.section(layout)) == placement_of(learner_cls.section(config)):
                 group.restart(layout, total_optimizer_steps=4)
-            fresh = group if here else LearnerGroup(layout, tiny_model_path, 4, learner_cls=learner_cls)
-            try:
-                assert fresh.load_checkpoint(tmp_path, "step1") == {"step": 1}
-                return fresh.train_step(second), fresh.state_dict()
-            finally:
-                if not here:
-                    fresh.shutdown()
+                return resumed_from(group)
+            with learners(layout, tiny_model_path, 4, learner_cls) as fresh:
+                return resumed_from(fresh)
 
         metrics, resumed = resumed_on(config)  # DeepSpeed's own checkpoint
         # the learning rate after 1 of 2 warm-up steps proves the scheduler state came back: 1e-2 * 1/2
@@ -160,8 +167,6 @@ def test_checkpoint_round_trip_continues_exactly_on_its_own_layout_and_others(
             worst = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
             print(f"resumed on {changes}: largest difference {worst:.1e}")
             assert worst < 1e-5, (changes, worst)
-    finally:
-        group.shutdown()
 
 
 def test_a_save_one_rank_cannot_write_fails_on_every_rank_and_the_group_trains_on(
@@ -171,8 +176,7 @@ def test_a_save_one_rank_cannot_write_fails_on_every_rank_and_the_group_trains_o
     # goes makes its write fail while rank 0's succeed. DeepSpeed's save ends in a barrier that a
     # rank raising out of it would leave its peer waiting in.
     config = layout_config(2, 2, 2, optimizer="adamw")
-    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=3)
-    try:
+    with learners(config, tiny_model_path, total_optimizer_steps=3) as group:
         group.train_step(synthetic_rollouts(seed=1))
         shard = tmp_path / "blocked" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         shard.mkdir(parents=True)
@@ -182,8 +186,6 @@ def test_a_save_one_rank_cannot_write_fails_on_every_rank_and_the_group_trains_o
         group.train_step(synthetic_rollouts(seed=2))
         assert group.save_checkpoint(tmp_path, "written", {"step": 2}) is None
         assert (tmp_path / "written" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
-    finally:
-        group.shutdown()
 
 
 def test_logged_metrics_are_global_token_means(ray_local, tiny_model_path):
@@ -219,15 +221,12 @@ def test_several_optimizer_steps_per_batch_use_the_pre_update_policy_and_stay_in
     # ratio to the old (pre-update) log-probs moves away from 1; the layout still does not matter
     batch = synthetic_rollouts(n=8, seed=5)
     updates, metrics = {}, {}
-    for name, (learners, micro) in {"1x2": (1, 2), "2x3": (2, 3)}.items():
-        config = layout_config(learners, micro, 2, num_mini_batches=2)
-        group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=2)
-        try:
+    for name, (ranks, micro) in {"1x2": (1, 2), "2x3": (2, 3)}.items():
+        config = layout_config(ranks, micro, 2, num_mini_batches=2)
+        with learners(config, tiny_model_path, total_optimizer_steps=2) as group:
             before = group.state_dict()
             metrics[name] = group.train_step(batch)
             after = group.state_dict()
-        finally:
-            group.shutdown()
         updates[name] = {k: after[k] - before[k] for k in before}
     assert metrics["1x2"]["train/optimizer_steps"] == 2
     assert abs(metrics["1x2"]["train/ratio"] - 1.0) > 1e-4
@@ -476,11 +475,8 @@ def test_reference_logprobs_under_sequence_parallelism_cover_every_rank_s_tokens
     expected = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)[0].detach()
     loss = {"kl_beta": 0.1}  # a reference model on the learners
     config = layout_config(2, 1, 2, max_tokens_per_micro_batch=70, sequence_parallel_size=2, loss=loss)
-    group = LearnerGroup(config, tiny_model_path, total_optimizer_steps=1)
-    try:
+    with learners(config, tiny_model_path) as group:
         got = group.per_token(batch)
-    finally:
-        group.shutdown()
     # every predicted token (from position 1 on) of all 5 rows is the model's, on both ranks' halves
     torch.testing.assert_close(got[:, 1:], expected[:, 1:], rtol=0, atol=1e-5)
 

@@ -39,7 +39,7 @@ def with_lora(config: Config) -> Config:
 
 
 def test_the_adapters_update_is_the_same_over_layouts_and_zero_stages_in_token_mode(
-    ray_local, tiny_model_path
+    ray_local, kept_learners, tiny_model_path
 ):
     # 1 learner x 4 micro-batches of 2 (ZeRO-0) against 2 learners x micro-batches of 3 and 1 under
     # ZeRO 2 and 3 (the stages that partition), and packed (the tiny model's attention heads and

@@ -40,7 +40,7 @@ def routers(update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in update.items() if k.endswith("mlp.gate.weight")}
 
 
-def test_load_balancing_loss_is_exact_over_the_step_under_every_layout(ray_local, moe_path):
+def test_load_balancing_loss_is_exact_over_the_step_under_every_layout(ray_local, kept_learners, moe_path):
     # the reference: one learner, all 8 sequences in one padded micro-batch (one forward: there the
     # step's loss and transformers' per-forward loss are the same). Every split of the same batch
     # over ranks x micro-batches x ZeRO stage, packed rows and sequence parallelism gives its update
@@ -73,7 +73,9 @@ def test_load_balancing_loss_is_exact_over_the_step_under_every_layout(ray_local
     assert naive > 1e-2, naive
 
 
-def test_logged_load_balancing_loss_and_expert_load_are_transformers_on_the_whole_step(ray_local, moe_path):
+def test_logged_load_balancing_loss_and_expert_load_are_transformers_on_the_whole_step(
+    ray_local, kept_learners, moe_path
+):
     # 2 learners x micro-batches of 3 (one padding micro-batch): the logged moe/aux_loss is
     # transformers' load_balancing_loss_func on all 8 sequences at once (padding excluded), and
     # moe/expert_load_max is the busiest expert's share of each layer's top-2 assignments over 1/8
@@ -186,7 +188,7 @@ def test_each_kind_of_router_trains_through_the_cli_with_the_load_balancing_loss
 
 @pytest.mark.parametrize("model_type", ["glm4_moe", "granitemoe", "llama4_text", "jetmoe"])
 def test_a_kind_of_routers_update_is_the_same_in_every_layout_and_the_per_forward_loss_is_not(
-    model_type, ray_local, tmp_path
+    model_type, ray_local, kept_learners, tmp_path
 ):
     # the load-balancing loss read from each kind of router, at step scope: one learner with all 8
     # sequences in one padded micro-batch (the reference, where the step's loss is transformers'

@@ -66,7 +66,7 @@ def test_a_gguf_checkpoint_trains_with_vllm_in_sync_and_exports_whole(tmp_path, 
     assert again.chat_template == tokenizer.chat_template and len(again) == len(tokenizer)
 
 
-def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_local):
+def test_token_mode_update_is_layout_invariant_on_the_real_model(smollm2, ray_local, kept_learners):
     # groups of 4 share a prompt: the reference runs every sequence in its own document of one
     # packed row, the split computes each micro-batch's shared prompt once (learner.prefix_sharing
     # =true; tied head). Padded rows round differently from a packed one at this depth (30 layers,

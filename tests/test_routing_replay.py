@@ -249,19 +249,16 @@ def replay_config(*args, **kwargs) -> Config:
         ),  # fmt: skip
     ],
 )
-def test_learners_replay_the_engine_s_routes_in_every_layout(ray_local, models, layout):
-    from rltrain.learner.group import LearnerGroup
+def test_learners_replay_the_engine_s_routes_in_every_layout(ray_local, kept_learners, models, layout):
+    from rltrain.diagnostics import learners
 
     engine, learner = models
     batch = synthetic_rollouts()
     expected, routes = engine_pass(engine, batch)
-    group = LearnerGroup(replay_config(**layout), learner, total_optimizer_steps=1)
-    try:
+    with learners(replay_config(**layout), learner) as group:
         replayed = group.per_token(batch.replace(routes=routes), own=True)
         reference = group.per_token(batch.replace(routes=routes))  # the frozen reference's forward
         own = group.per_token(batch, own=True)  # no routes: the learner's own routers
-    finally:
-        group.shutdown()
     scored = batch.response_mask.bool()
     assert (replayed - expected)[scored].abs().max() < 1e-4, layout
     assert (reference - expected)[scored].abs().max() < 1e-4, layout

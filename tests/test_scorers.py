@@ -242,13 +242,10 @@ def scorer_config(section: str, path: str, **layout) -> Config:
 
 
 def scored_by(config: Config, learner_cls, batch: TrainBatch) -> torch.Tensor:
-    from rltrain.learner.group import LearnerGroup
+    from rltrain.diagnostics import learners
 
-    group = LearnerGroup(config, "unused: the scorers load their own model", 0, learner_cls)
-    try:
+    with learners(config, "unused: the scorers load their own model", 0, learner_cls) as group:
         return group.per_token(batch)
-    finally:
-        group.shutdown()
 
 
 SCORER_LAYOUTS = {
@@ -259,7 +256,7 @@ SCORER_LAYOUTS = {
 
 
 @pytest.mark.slow
-def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, teacher_path):
+def test_the_teachers_actors_give_its_log_probs_on_every_layout(ray_local, kept_learners, teacher_path):
     from transformers import AutoModelForCausalLM
 
     from rltrain.diagnostics import synthetic_rollouts
@@ -301,7 +298,9 @@ def test_a_teacher_whose_actor_dies_gives_no_log_probs_and_starts_afresh(ray_loc
 
 
 @pytest.mark.slow
-def test_the_reward_models_actors_score_as_sequence_classification(ray_local, reward_model_path):
+def test_the_reward_models_actors_score_as_sequence_classification(
+    ray_local, kept_learners, reward_model_path
+):
     from transformers import AutoModelForSequenceClassification
 
     from rltrain.diagnostics import synthetic_rollouts
@@ -357,7 +356,9 @@ def test_a_reward_model_whose_actor_dies_scores_zero_is_counted_and_starts_afres
 
 
 @pytest.mark.slow
-def test_the_distillation_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path, teacher_path):
+def test_the_distillation_update_is_layout_invariant_in_token_mode(
+    ray_local, kept_learners, tiny_model_path, teacher_path
+):
     from transformers import AutoModelForCausalLM
 
     from rltrain.diagnostics import (

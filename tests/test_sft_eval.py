@@ -286,7 +286,7 @@ def test_the_step_line_shows_what_the_held_out_set_is_scored_by_and_tools_only_w
 
 
 @pytest.mark.slow
-def test_sft_update_is_layout_invariant_in_token_mode(ray_local, tiny_model_path):
+def test_sft_update_is_layout_invariant_in_token_mode(ray_local, kept_learners, tiny_model_path):
     from rltrain.learner.sft import SFTLearner
 
     batch = synthetic_rollouts()  # tool tokens (masked out of the loss) and an all-masked sequence

@@ -47,7 +47,7 @@ def case_config(case: str, skip: bool) -> Config:
 
 @pytest.mark.slow
 def test_skipping_zero_gradient_sequences_leaves_the_update_as_it_is_and_dropping_them_does_not(
-    ray_local, tiny_model_path
+    ray_local, kept_learners, tiny_model_path
 ):
     # each case: with the skip, without it, and the control trained on the batch without those
     # sequences (their tokens and sequences out of every denominator); two learners a case, one

@@ -38,7 +38,9 @@ def batch_of(prompts: list[list[int]], lengths: list[int], seed: int = 0) -> Tra
     return batch.replace(generator_logprobs=None)
 
 
-def test_autos_check_and_blank_micro_batches_under_zero3_run_alike_on_every_rank(ray_local, tiny_model_path):
+def test_autos_check_and_blank_micro_batches_under_zero3_run_alike_on_every_rank(
+    ray_local, kept_learners, tiny_model_path
+):
     # rank 0's micro-batch is a group of 3 sharing a 9-token prompt (auto's check runs its forwards
     # on it, shared and padded), rank 1's holds 3 prompts of their own (nothing to check): before,
     # rank 0 gathered ZeRO-3 weights for the check while rank 1 waited in the check's all-reduce,
@@ -70,7 +72,7 @@ def tiny_vl(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("vl") / "model", family="qwen2_5_vl"))
 
 
-def test_images_on_one_rank_alone_run_the_vision_tower_on_every_rank(ray_local, tiny_vl):
+def test_images_on_one_rank_alone_run_the_vision_tower_on_every_rank(ray_local, kept_learners, tiny_vl):
     # a group of 4 completions of a picture's prompt and a group of 4 of a text prompt, on
     # builtin:tiny-vl: in micro-batches of 4, rank 0 holds the pictures and rank 1 none. Under
     # ZeRO-3 the tower's forward gathers its weights, and a trained tower's backward reduces its

@@ -156,7 +156,7 @@ def test_a_frozen_vision_tower_stays_out_of_syncs_and_an_engine_keeps_its_own(ti
 
 @pytest.mark.slow
 def test_token_mode_update_with_images_is_the_same_in_every_layout_and_the_naive_mean_is_not(
-    ray_local, shape_prompts, tiny_vl
+    ray_local, kept_learners, shape_prompts, tiny_vl
 ):
     # 8 sequences: two groups of 4 completions (3-12 tokens) of two pictures' prompts (equal token ids)
     # through real learners and DeepSpeed, the vision tower trained too (model.freeze_vision=false).

@@ -85,16 +85,17 @@ class LearnerGroup:
         self.skip_proof: str | None | bool = False
         return lc
 
-    def restart(self, config: Config, total_optimizer_steps: int) -> None:
-        """Start every rank over from the model's weights on ``config``, in the same processes:
-        :meth:`EngineLearner.restart`. ``config`` places the group as this one's did
-        (:func:`placement_of`); its other learner keys (ZeRO stage, micro-batches, packing, sharing,
-        sequence parallelism, optimizer) and the loss may differ."""
+    def restart(self, config: Config, total_optimizer_steps: int, model_path: str | None = None) -> None:
+        """Start every rank over from the weights at ``model_path`` (the group's model by default)
+        on ``config``, in the same processes: :meth:`EngineLearner.restart`. ``config`` places the
+        group as this one's did (:func:`placement_of`); its other learner keys (ZeRO stage,
+        micro-batches, packing, sharing, sequence parallelism, optimizer), the loss and the model
+        may differ."""
         if placement_of(self.learner_cls.section(config)) != placement_of(self.lc):
             raise ValueError(f"the {self.learner_cls.ROLE}s restart where they are placed: "
                              f"{placement_of(self.learner_cls.section(config))} against {placement_of(self.lc)}")  # fmt: skip
         self._configure(config)
-        self._all("restart", config, total_optimizer_steps)
+        self._all("restart", config, total_optimizer_steps, model_path)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self._gather([getattr(actor, method).remote(*args) for actor in self.actors])

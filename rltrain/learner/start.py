@@ -91,17 +91,18 @@ class EngineStart:
         self._join_group(master_addr, master_port)
         self._start_engine(total_optimizer_steps)
 
-    def restart(self, config: Config, total_optimizer_steps: int) -> None:
-        """Start over from the weights at ``model_path`` on ``config`` in this process, whose
-        torch.distributed group stays (the same ranks; sequence-parallel groups are formed anew): a
-        fresh engine, optimizer, schedule and state, without a new process's imports. Every rank at once."""
+    def restart(self, config: Config, total_optimizer_steps: int, model_path: str | None = None) -> None:
+        """Start over from the weights at ``model_path`` (this learner's by default) on ``config``
+        in this process, whose torch.distributed group stays (the same ranks; sequence-parallel
+        groups are formed anew): a fresh engine, optimizer, schedule and state, without a new
+        process's imports. Every rank at once."""
         if (n := self.section(config).num_learners) != self.world_size:
             raise ValueError(
                 f"{self.ROLE} {self.rank}: a restart keeps the ranks: {n} learners against {self.world_size}"
             )
         if hasattr(self.engine, "destroy"):  # (a frozen model without ZeRO-3 runs as a plain module)
             self.engine.destroy()
-        type(self).__init__(self, config, self.model_path, self.rank, self.world_size)
+        type(self).__init__(self, config, model_path or self.model_path, self.rank, self.world_size)
         # the old engine, model and optimizer state sit in reference cycles that only the cyclic
         # collector frees, which tensors' sizes never trigger: freed now, before the new ones load
         gc.collect()

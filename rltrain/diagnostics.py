@@ -5,7 +5,6 @@ piece of code issue?"""
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -150,92 +149,14 @@ def metrics_of_one_step(config: Config, model_path: str, batch: TrainBatch) -> d
         return group.train_step(batch)
 
 
-class KeptLearners:
-    """Learner groups kept from one check to the next (:func:`keeping_learners`): a check whose
-    learners are placed as a kept group's (:func:`~rltrain.learner.group.placement_of`, the same
-    learner class) restarts that group in its processes on its own config and model
-    (:meth:`~rltrain.learner.group.LearnerGroup.restart`: a fresh group's start, bit for bit)
-    instead of paying new processes' imports and torch.distributed group again. A group whose
-    check raised is stopped, not kept; kept groups give their CPUs and GPUs back when a group about
-    to start needs more than the cluster has free, or while another group waits to start."""
-
-    def __init__(self) -> None:
-        self.idle: list[tuple[tuple, Any]] = []  # (learner class and placement, group), oldest first
-        self.starting = 0
-        self.lock = threading.Lock()
-
-    def take(self, config: Config, model_path: str, total_optimizer_steps: int, learner_cls: type) -> Any:
-        from rltrain.learner.group import LearnerGroup, placement_of
-
-        lc = learner_cls.section(config)
-        key = (learner_cls, placement_of(lc))
-        with self.lock:
-            kept = next((entry for entry in self.idle if entry[0] == key), None)
-            if kept is not None:
-                self.idle.remove(kept)
-            else:
-                self.starting += 1
-                freed = self._room_for(_resources(lc))
-        if kept is not None:
-            group = kept[1]
-            try:
-                group.restart(config, total_optimizer_steps, model_path)
-            except BaseException:
-                group.shutdown()
-                raise
-            return group
-        try:
-            for group in freed:
-                group.shutdown()
-            return LearnerGroup(config, model_path, total_optimizer_steps, learner_cls)
-        finally:
-            with self.lock:
-                self.starting -= 1
-
-    def _room_for(self, need: dict[str, float]) -> list[Any]:
-        """Kept groups to stop, oldest first, until the cluster's free resources hold ``need``."""
-        import ray
-
-        free = ray.available_resources()
-        freed = []
-        while self.idle and any(free.get(r, 0) < n for r, n in need.items() if n):
-            _, group = self.idle.pop(0)
-            freed.append(group)
-            for r, n in _resources(group.lc).items():
-                free[r] = free.get(r, 0) + n
-        return freed
-
-    def give(self, group: Any) -> None:
-        """Keep ``group`` for the next check placed alike, unless another group waits to start."""
-        from rltrain.learner.group import placement_of
-
-        key = (group.learner_cls, placement_of(group.lc))
-        with self.lock:
-            if not self.starting:
-                self.idle.append((key, group))
-                return
-        group.shutdown()
-
-    def close(self) -> None:
-        """Stop every kept group."""
-        with self.lock:
-            idle, self.idle = self.idle, []
-        for _, group in idle:
-            group.shutdown()
-
-
-def _resources(lc: Any) -> dict[str, float]:
-    """What a learner group of section ``lc`` holds of the cluster."""
-    return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
-
-
-_KEPT: KeptLearners | None = None  # where learner groups are kept, inside keeping_learners()
+_KEPT: Any = None  # where learner groups are kept (a KeptLearners), inside keeping_learners()
 
 
 @contextlib.contextmanager
-def keeping_learners(kept: KeptLearners) -> Iterator[KeptLearners]:
+def keeping_learners(kept: Any) -> Iterator[Any]:
     """Within the block, the learner groups of these checks (:func:`learners`, :func:`on_learners`
-    and the functions built on them) come from ``kept`` and go back to it when their check ends
+    and the functions built on them) come from ``kept`` (a
+    :class:`~rltrain.learner.group.KeptLearners`) and go back to it when their check ends
     (one process of checks, such as a test session, pays each placement's start once); the groups
     stay kept after it, until ``kept.close()``."""
     global _KEPT

@@ -10,10 +10,9 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from rltrain.diagnostics import KeptLearners, keeping_learners  # noqa: E402
-
-# the learner groups of the tests that keep them (fixture kept_learners), between those tests
-KEPT = KeptLearners()
+# the learner groups of the tests that keep them (fixture kept_learners), between those tests: a
+# rltrain.learner.group.KeptLearners, made at the first such test (ray loads with it)
+KEPT = []
 
 # The modules that take longest, longest first (minutes on 2 cores, measured with --durations).
 # `make test` hands whole modules to two pytest-xdist workers (--dist loadfile: a module's fixtures
@@ -53,7 +52,8 @@ def ray_local(tmp_path_factory):
         log_to_driver=False,
     )
     yield ray
-    KEPT.close()
+    for kept in KEPT:
+        kept.close()
     ray.shutdown()
 
 
@@ -63,16 +63,21 @@ def kept_learners():
     the groups earlier such tests left, restarted in their processes where placed alike, and are
     left for the next ones: a group's start costs ~6-10 s of 2 cores (imports, torch.distributed,
     DeepSpeed), a restart ~0.5 s. A test that starts learners itself closes them first."""
-    with keeping_learners(KEPT):
-        yield KEPT
+    from rltrain.diagnostics import keeping_learners
+    from rltrain.learner.group import KeptLearners
+
+    if not KEPT:
+        KEPT.append(KeptLearners())
+    with keeping_learners(KEPT[0]):
+        yield KEPT[0]
 
 
 @pytest.fixture(autouse=True)
 def _kept_learners_only_where_asked(request):
     """Every other test, and every test that runs a trainer on the session's cluster, finds the
     cluster's CPUs free of kept learners."""
-    if "kept_learners" not in request.fixturenames or "ray_cluster" in request.fixturenames:
-        KEPT.close()
+    if KEPT and ("kept_learners" not in request.fixturenames or "ray_cluster" in request.fixturenames):
+        KEPT[0].close()
 
 
 @pytest.fixture(scope="session")

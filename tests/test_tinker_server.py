@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -47,7 +48,8 @@ def datums(rows):
 
 @contextlib.contextmanager
 def serving(out: Path, base: str, env: dict, *overrides: str):
-    """``rltrain serve`` on ``out``: its base URL once it listens; stopped at the end."""
+    """``rltrain serve`` on ``out``: its base URL once it listens, and the lines it has printed;
+    stopped at the end."""
     cmd = [sys.executable, "-m", "rltrain.train", "serve", "--config", "configs/cpu_tinker.yaml", "serve.port=0",
            f"serve.base_models=[{base}]", f"run.output_dir={out}", "serve.session_timeout_s=30", *overrides]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
@@ -66,7 +68,7 @@ def serving(out: Path, base: str, env: dict, *overrides: str):
         if not found.wait(180):
             raise AssertionError("rltrain serve did not start:\n" + "".join(lines[-40:]))
         url = re.search(r"at (http://\S+) ", next(x for x in lines if "the Tinker API at" in x)).group(1)
-        yield url
+        yield url, lines
     finally:
         proc.terminate()
         try:
@@ -104,8 +106,9 @@ def server(ray_cluster, tiny_model_path, long_context_model, tmp_path_factory, m
         "serve.order_timeout_s=5",
         "serve.max_models=3",
         "serve.max_request_mib=8",
-    ) as url:
-        yield {"url": url, "out": out, "base": tiny_model_path, "long": long_context_model, "env": env}
+    ) as (url, lines):
+        yield {"url": url, "out": out, "base": tiny_model_path, "long": long_context_model, "env": env,
+               "lines": lines}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +189,21 @@ def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero
     for name, w in state_weights(out, three).items():
         assert torch.allclose(w, after[name], atol=1e-6), name
     alone = side_by_side(server["url"], init, out)
+    # a model made once those sessions ended trains on learners one of them released, restarted on
+    # its own seed and adapters (serve.kept_learners): its start is the first model's, bit for bit
+    started = learner_pids(server)
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3, train_unembed=False).result()
+        again = state_weights(out, tc.save_state("init-again").result().path)
+    assert learner_pids(server)[-1] in started, (learner_pids(server), started)
+    first = state_weights(out, init)
+    assert set(again) == set(first) and all(torch.equal(again[n], first[n]) for n in first)
 
     # one learner (packed micro-batches), and two under ZeRO-3 taking one datum at a time, each a
     # server of its own on the same folder resuming the saved state with its optimizer
     for layout in (["learner.num_learners=1", "learner.packing=true"],
                    ["learner.zero_stage=3", "learner.micro_batch_size=1"]):  # fmt: skip
-        with serving(out, base, server["env"], *layout) as url:
+        with serving(out, base, server["env"], *layout) as (url, _):
             with tinker.ServiceClient(base_url=url) as sc:
                 tc = sc.create_training_client_from_state_with_optimizer(init).result()
                 tc.forward_backward(datums(DATA), "cross_entropy").result()
@@ -474,8 +486,7 @@ def live_actors(class_name: str) -> int:
 
 def kill(class_name: str, alive: int) -> int:
     """SIGKILL the process of one of the server's live actors of ``class_name`` once ``alive`` of
-    them are left (the learners of models released by earlier tests may take a moment to go; the
-    server joined the session's Ray instance, which this process holds)."""
+    them are left (the server joined the session's Ray instance, which this process holds)."""
     import signal
     import time
 
@@ -491,6 +502,13 @@ def kill(class_name: str, alive: int) -> int:
     assert len(pids) == alive, (class_name, pids)
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
+
+
+def learner_pids(server: dict) -> list[list[int]]:
+    """The processes of each model's learners, in the order the models started (the server's line
+    for each: learners released by an ended session's model and kept, serve.kept_learners, or new)."""
+    said = [re.search(r"trains on the learners of pids ([\d, ]+)$", line.strip()) for line in server["lines"]]
+    return [[int(p) for p in m.group(1).split(", ")] for m in said if m]
 
 
 def failed_as_the_servers(call, *words: str) -> str:
@@ -512,7 +530,7 @@ def test_a_killed_learner_or_engine_fails_its_call_alone_and_the_model_goes_on(s
         kept = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
         tc.forward_backward(good, "cross_entropy").result()
         tc.optim_step(ADAM).result()  # (a step after the save: lost with the learner)
-        kill("ServedLearner", alive=2)  # (this model's two)
+        os.kill(learner_pids(server)[-1][0], signal.SIGKILL)  # (this model's first learner)
         failed_as_the_servers(lambda: tc.forward(good, "cross_entropy").result(), "died", saved, "is lost")
         # the model goes on from its last save: the weights it held then, bit for bit
         again = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]

@@ -38,6 +38,11 @@ class ServeConfig(Section):
     result_ttl_s: float = Field(600.0, gt=0)
     """How long a result nobody retrieved is kept (a retrieved one is freed a minute after, for a
     poll the SDK repeats)."""
+    kept_learners: int = Field(2, ge=0)
+    """Learner groups of released models (their sessions ended) kept started, for the next model
+    placed alike: restarted in their processes on its base, adapters and seed (a fresh start, bit
+    for bit) in a fraction of a second instead of new processes' start; the oldest stopped past it,
+    and any whose CPUs (or GPUs) a new model's learners need. 0: stopped at release."""
     kept_snapshots: int = Field(16, ge=1)
     """Unnamed sampler weights (`save_weights_and_get_sampling_client`) kept in memory for the
     sampling clients made on them; an older client's request is refused in one sentence (named

@@ -4,6 +4,8 @@ them one after another deadlocks under ZeRO-3)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +256,93 @@ class LearnerGroup:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.placement_group)
+
+
+def _resources(lc: Any) -> dict[str, float]:
+    """What a learner group of section ``lc`` holds of the cluster."""
+    return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
+
+
+class KeptLearners:
+    """Learner groups kept started between uses: a group given back (:meth:`give`) is restarted in
+    its processes by the next :meth:`take` placed alike (:func:`placement_of`, the same learner
+    class), on that one's config and model (:meth:`LearnerGroup.restart`: a fresh group's start,
+    bit for bit), instead of new processes paying their imports, torch.distributed group and
+    DeepSpeed start again (seconds against a fraction of one). At most ``limit`` are kept (None: no
+    limit), the oldest stopped first; kept groups give their CPUs and GPUs back when a group about
+    to start needs more than the cluster has free, or while another group waits to start. A kept
+    group that fails its restart (a process died while it was kept) is stopped and a new one
+    started. ``start(config, model_path, total_optimizer_steps, learner_cls)`` starts a new group."""
+
+    def __init__(self, limit: int | None = None, start: Callable[..., LearnerGroup] = LearnerGroup) -> None:
+        self.limit, self.start = limit, start
+        self.idle: list[tuple[tuple, LearnerGroup]] = []  # (learner class and placement, group), oldest first
+        self.starting = 0
+        self.lock = threading.Lock()
+
+    def take(self, config: Config, model_path: str, total_optimizer_steps: int,
+             learner_cls: type[EngineLearner] = PolicyLearner) -> LearnerGroup:  # fmt: skip
+        lc = learner_cls.section(config)
+        key = (learner_cls, placement_of(lc))
+        with self.lock:
+            kept = next((entry for entry in self.idle if entry[0] == key), None)
+            if kept is not None:
+                self.idle.remove(kept)
+        if kept is not None:
+            try:
+                kept[1].restart(config, total_optimizer_steps, model_path)
+                return kept[1]
+            except Exception:  # (the config's own error, if it is one, comes again from a new group)
+                kept[1].shutdown()
+        with self.lock:
+            self.starting += 1
+            freed = self._room_for(_resources(lc))
+        try:
+            for group in freed:
+                group.shutdown()
+            return self.start(config, model_path, total_optimizer_steps, learner_cls)
+        finally:
+            with self.lock:
+                self.starting -= 1
+
+    def _room_for(self, need: dict[str, float]) -> list[LearnerGroup]:
+        """(Holding the lock.) Kept groups to stop, oldest first, until the cluster's free
+        resources hold ``need``."""
+        free = ray.available_resources()
+        freed = []
+        while self.idle and any(free.get(r, 0) < n for r, n in need.items() if n):
+            _, group = self.idle.pop(0)
+            freed.append(group)
+            for r, n in _resources(group.lc).items():
+                free[r] = free.get(r, 0) + n
+        return freed
+
+    def give(self, group: LearnerGroup) -> None:
+        """Keep ``group`` for the next use placed alike, unless another group waits to start (or
+        none is to be kept)."""
+        with self.lock:
+            if not self.starting and self.limit != 0:
+                self.idle.append(((group.learner_cls, placement_of(group.lc)), group))
+                over = self.idle[: -self.limit] if self.limit else []
+                del self.idle[: len(over)]
+            else:
+                over = [(None, group)]
+        for _, old in over:
+            old.shutdown()
+
+    def held(self) -> list[dict[str, float]]:
+        """What each kept group holds of the cluster, oldest first."""
+        with self.lock:
+            return [_resources(group.lc) for _, group in self.idle]
+
+    def stop_oldest(self) -> None:
+        with self.lock:
+            _, group = self.idle.pop(0)
+        group.shutdown()
+
+    def close(self) -> None:
+        """Stop every kept group."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for _, group in idle:
+            group.shutdown()

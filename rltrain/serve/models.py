@@ -128,7 +128,7 @@ class ServedModel:
                 seq_id, request_id, call = self._next()
             if call is None:
                 if self.group is not None:
-                    self.group.shutdown()
+                    self.server.kept.give(self.group)  # (restarted for a later model, serve.kept_learners)
                 return
             result = None if call is passed else outcome(functools.partial(self._survived, call))
             with self._cond:
@@ -165,9 +165,12 @@ class ServedModel:
     def start(self, load: tuple[str, bool] | None = None) -> Result:
         """The learners, and (``load``: a ``tinker://`` path and whether with the optimizer) the
         state saved there."""
-        from rltrain.learner.served import ServedGroup
+        from rltrain.learner.served import ServedLearner
 
-        self.group = ServedGroup(self.config, self.model_path)
+        self.group = self.server.kept.take(self.config, self.model_path, 1, ServedLearner)
+        pids = ", ".join(str(place["pid"]) for place in self.group.where())
+        print(f"rltrain serve: model {self.model_id} ({self.base_model}) trains on the learners of pids {pids}",
+              flush=True)  # fmt: skip
         if load is None:
             return Result(json={"type": "create_model", "model_id": self.model_id})
         return self.load_state(*load)

@@ -63,6 +63,8 @@ class Server:
     vocabulary and context."""
 
     def __init__(self, config: Config, base_models: dict[str, str], output_dir: Path):
+        from rltrain.learner.group import KeptLearners
+        from rltrain.learner.served import ServedGroup
 
         self.config, self.base_models = config, base_models
         self.shapes = {
@@ -77,6 +79,9 @@ class Server:
         self.samplers: dict[str, Sampler] = {}
         self.lock = threading.Lock()
         self.sampling = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sample")
+        self.kept = KeptLearners(
+            config.serve.kept_learners, start=lambda c, path, _steps, _cls: ServedGroup(c, path)
+        )
         self._stop = threading.Event()
         threading.Thread(target=self._sweep, daemon=True, name="sweep").start()
 
@@ -88,8 +93,9 @@ class Server:
             self.prune()
 
     def close(self) -> None:
-        """The sweep stops (the process serving ends with it otherwise)."""
+        """The sweep stops (the process serving ends with it otherwise), the kept learners too."""
         self._stop.set()
+        self.kept.close()
 
     def prune(self) -> None:
         timeout = self.config.serve.session_timeout_s
@@ -176,11 +182,16 @@ class Server:
         if len(live) >= limit:
             raise BadRequest(f"{len(live)} models are live, the most this server trains at once (serve.max_models="
                              f"{limit}): a session that ends releases its models")  # fmt: skip
+        need, total = learner_resources(config), ray.cluster_resources()
         held = [learner_resources(m.config) for m in live] + [engine_resources(self.config)]
-        problem = room_problem(learner_resources(config), held, ray.cluster_resources())
+        problem = room_problem(need, held, total)
         if problem:
             raise BadRequest(f"{problem} ({len(live)} live models and the engines): a session that ends "
                              "releases its models")  # fmt: skip
+        # released models' learners kept started give way (the engines' share stays theirs even
+        # before they start)
+        while self.kept.idle and room_problem(need, held + self.kept.held(), total):
+            self.kept.stop_oldest()
 
     def release(self, model: ServedModel) -> None:
         """The model's learners shut down after the calls already queued (its saved states stay)."""

@@ -441,3 +441,20 @@ def test_packed_rows_that_differ_from_padded_ones_stop_the_run_in_one_line(
         "learner.packing: packed rows give other outputs than padded rows (policy learner by"
     )
     assert "set learner.packing=false" in line and "\n" not in line
+
+    # the Tinker server's learners check their first call alike, and refuse every later call of the
+    # model in the same line (a forward of two datums: packed, the second attends to the first)
+    from rltrain.learner.served import Datums, ServedGroup
+
+    served = ServedGroup(Config.model_validate(raw), path)
+    datums = Datums.of([[5, 6, 7, 8, 9], [10, 11, 12]], [[6, 7, 8, 9, 10], [11, 12, 13]],
+                       [{"weights": [1.0] * 5}, {"weights": [1.0] * 3}])  # fmt: skip
+    try:
+        for _call in range(2):
+            with pytest.raises(LayoutMismatch) as stopped:
+                served.forward_backward(datums, "cross_entropy", {}, forward_only=True)
+            line = str(stopped.value)
+            assert line.startswith("learner.packing: packed rows give other outputs than padded rows (served "
+                                   "learner by") and "set learner.packing=false" in line and "\n" not in line  # fmt: skip
+    finally:
+        served.shutdown()

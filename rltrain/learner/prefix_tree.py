@@ -6,6 +6,7 @@ on its first micro-batch, every rank at once (:meth:`PrefixSharing.check`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -99,6 +100,7 @@ class PrefixSharing:
         positions: Callable[[TrainBatch], torch.Tensor],
         bf16: bool,
         rank: int,
+        blank: Callable[[Any], Any] = nonempty,
     ) -> bool | None:
         """The check of each layout still unchecked (prefix trees, packed rows) against padded rows,
         on every rank of a group at once: each model's ``[B, T]`` outputs (``forwards``) on this
@@ -108,8 +110,8 @@ class PrefixSharing:
         Every rank runs the same forwards whatever it holds (ZeRO-3 gathers, the head's chunk
         agreement and an image tower's forward are collectives): the ranks first agree, in one
         all-reduce, which layouts any of them has a micro-batch for, and a rank without one runs a
-        blank micro-batch (:func:`rltrain.batch.nonempty`) that compares nothing. A layout no rank
-        has a micro-batch for stays unchecked (the next call checks it).
+        blank micro-batch (``blank`` of an empty one: :func:`rltrain.batch.nonempty`) that compares
+        nothing. A layout no rank has a micro-batch for stays unchecked (the next call checks it).
 
         Where a model differs on any rank beyond rounding, or gives NaN: under ``auto`` sharing goes
         off for the group's run, said in one line; a layout the config asked for
@@ -124,12 +126,12 @@ class PrefixSharing:
         found = torch.tensor([mb is not None for mb in chosen], dtype=torch.float64)
         if dist.is_initialized():  # (every rank runs the forwards of a layout any rank has)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        blank = nonempty(micro_batches[0].select(torch.arange(0)))  # (on the micro-batches' device)
+        empty = blank(micro_batches[0].select(torch.arange(0)))  # (on the micro-batches' device)
         differences = torch.zeros(len(layouts), len(forwards), dtype=torch.float64)
         for i, layout in enumerate(layouts):
             if not found[i]:
                 continue
-            mb = chosen[i] if chosen[i] is not None else blank
+            mb = chosen[i] if chosen[i] is not None else empty
             keep = positions(mb).bool()
             for j, forward in enumerate(forwards.values()):
                 outs = []

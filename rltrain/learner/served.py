@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import ray
 import torch
 
 from rltrain import forward
+from rltrain.config import Config
 from rltrain.learner.group import LearnerGroup
 from rltrain.learner.policy import PolicyLearner
+from rltrain.learner.prefix_tree import LayoutMismatch
 from rltrain.loss.sums import token_losses
 from rltrain.plan import plan_micro_batches, plan_packed_micro_batches
 
@@ -81,19 +84,45 @@ class Datums:
         return self if len(self) else Datums.blank(self.inputs)
 
 
+def _compared(mb: Datums) -> torch.Tensor:
+    """Where a layout check compares a micro-batch's log-probs: every token but a blank datum's."""
+    return mb.attention_mask.bool() & ("blank" not in mb.inputs)
+
+
 class ServedLearner(PolicyLearner):
     """A policy rank (LoRA adapters or every weight, ``model.lora``) driven call by call."""
 
     ROLE = "served learner"
 
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+        super().__init__(config, model_path, rank, world_size)
+        self.layout_problem: str | None = None  # a layout check's failure: every later call fails alike
+
     def _scheduler(self, optimizer, total_optimizer_steps: int):
         return None  # each optim_step's learning rate is the call's
+
+    @torch.no_grad()
+    def _check_layout(self, micro_batches: list[Datums]) -> None:
+        """``learner.packing``: the first call's packed rows against padded rows, as a training run
+        checks them (:meth:`~rltrain.learner.prefix_tree.PrefixSharing.check`, every rank at once,
+        the positions compared: each datum's tokens). Where they differ this call fails naming the
+        setting that avoids it, and so does every later call of this model."""
+        if self.layout_problem is None and self.sharing.unchecked:
+            device = self.engine.device
+            try:
+                self.sharing.check({self.ROLE: self._target_logprobs}, [mb.nonempty().to(device) for mb in micro_batches],
+                                   _compared, self.bf16, self.rank, lambda empty: empty.nonempty().to(device))  # fmt: skip
+            except LayoutMismatch as mismatch:
+                self.layout_problem = str(mismatch)
+        if self.layout_problem is not None:
+            raise LayoutMismatch(self.layout_problem)
 
     def forward_backward(
         self, micro_batches: list[Datums], loss_fn: str, settings: dict[str, float], forward_only: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each micro-batch's ``[n, T]`` target log-probs and per-token losses (on the CPU); unless
         ``forward_only``, their sum's gradient added to the parameters' (no step)."""
+        self._check_layout(micro_batches)
         out = []
         for mb in micro_batches:
             mb = mb.nonempty().to(self.engine.device)
@@ -174,8 +203,13 @@ class ServedGroup(LearnerGroup):
         else:
             plan = plan_micro_batches(len(datums), lc.num_learners, 1, lc.micro_batch_size)
         shards = [[datums.select(idx).trim() for idx in rank[0]] for rank in plan.groups]
-        results = self._gather([a.forward_backward.remote(shards[i], loss_fn, settings, forward_only)
-                                for i, a in enumerate(self.actors)])  # fmt: skip
+        try:
+            results = self._gather([a.forward_backward.remote(shards[i], loss_fn, settings, forward_only)
+                                    for i, a in enumerate(self.actors)])  # fmt: skip
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, LayoutMismatch):  # one line, not the actor's traceback
+                raise LayoutMismatch(str(error.cause)) from None
+            raise
         logprobs: list = [None] * len(datums)
         losses: list = [None] * len(datums)
         for rank, rank_results in zip(plan.groups, results):

@@ -17,9 +17,9 @@ KEPT = []
 # The modules that take longest, longest first (minutes on 2 cores, measured with --durations).
 # `make test` hands whole modules to two pytest-xdist workers (--dist loadfile: a module's fixtures
 # are built once); starting with the longest keeps either worker from finishing long before the other.
-LONGEST_FIRST = ["test_faults.py", "test_e2e.py", "test_tinker_server.py", "test_learner.py", "test_resume.py", "test_agent_e2e.py",
-                 "test_lora.py", "test_scorers.py", "test_sft_eval.py", "test_real_model.py",
-                 "test_critic.py"]  # fmt: skip
+LONGEST_FIRST = ["test_faults.py", "test_tinker_server.py", "test_families.py", "test_e2e.py", "test_moe.py",
+                 "test_resume.py", "test_learner.py", "test_real_model.py", "test_sft_eval.py", "test_lora.py",
+                 "test_scorers.py", "test_moe_families.py", "test_skip.py", "test_agent_e2e.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

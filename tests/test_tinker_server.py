@@ -192,6 +192,7 @@ def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero
     # a model made once those sessions ended trains on learners one of them released, restarted on
     # its own seed and adapters (serve.kept_learners): its start is the first model's, bit for bit
     started = learner_pids(server)
+    released(server, len(started))
     with tinker.ServiceClient(base_url=server["url"]) as sc:
         tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3, train_unembed=False).result()
         again = state_weights(out, tc.save_state("init-again").result().path)
@@ -502,6 +503,17 @@ def kill(class_name: str, alive: int) -> int:
     assert len(pids) == alive, (class_name, pids)
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
+
+
+def released(server: dict, models: int) -> None:
+    """Wait until the server has released ``models`` models (their sessions ended)."""
+    import time
+
+    for _ in range(120):
+        if sum(line.rstrip().endswith(" released") for line in server["lines"]) >= models:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"fewer than {models} models released: " + "".join(server["lines"][-10:]))
 
 
 def learner_pids(server: dict) -> list[list[int]]:

@@ -129,6 +129,7 @@ class ServedModel:
             if call is None:
                 if self.group is not None:
                     self.server.kept.give(self.group)  # (restarted for a later model, serve.kept_learners)
+                    print(f"rltrain serve: model {self.model_id} released", flush=True)
                 return
             result = None if call is passed else outcome(functools.partial(self._survived, call))
             with self._cond:

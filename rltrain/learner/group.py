@@ -258,8 +258,8 @@ class LearnerGroup:
         remove_placement_group(self.placement_group)
 
 
-def _resources(lc: Any) -> dict[str, float]:
-    """What a learner group of section ``lc`` holds of the cluster."""
+def resources_of(lc: Any) -> dict[str, float]:
+    """The CPUs and GPUs a learner group of section ``lc`` holds of the cluster."""
     return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
 
 
@@ -296,7 +296,7 @@ class KeptLearners:
                 kept[1].shutdown()
         with self.lock:
             self.starting += 1
-            freed = self._room_for(_resources(lc))
+            freed = self._room_for(resources_of(lc))
         try:
             for group in freed:
                 group.shutdown()
@@ -313,7 +313,7 @@ class KeptLearners:
         while self.idle and any(free.get(r, 0) < n for r, n in need.items() if n):
             _, group = self.idle.pop(0)
             freed.append(group)
-            for r, n in _resources(group.lc).items():
+            for r, n in resources_of(group.lc).items():
                 free[r] = free.get(r, 0) + n
         return freed
 
@@ -333,7 +333,7 @@ class KeptLearners:
     def held(self) -> list[dict[str, float]]:
         """What each kept group holds of the cluster, oldest first."""
         with self.lock:
-            return [_resources(group.lc) for _, group in self.idle]
+            return [resources_of(group.lc) for _, group in self.idle]
 
     def stop_oldest(self) -> None:
         with self.lock:

@@ -25,8 +25,9 @@ AFTER_EVERY_CALL = 1 << 62
 
 def learner_resources(config: Config) -> dict[str, float]:
     """The CPUs and GPUs a model's learners take."""
-    lc = config.learner
-    return {"CPU": lc.num_learners * lc.cpus_per_learner, "GPU": lc.num_learners * lc.gpus_per_learner}
+    from rltrain.learner.group import resources_of
+
+    return resources_of(config.learner)
 
 
 def engine_resources(config: Config) -> dict[str, float]:
@@ -194,7 +195,8 @@ class Server:
             self.kept.stop_oldest()
 
     def release(self, model: ServedModel) -> None:
-        """The model's learners shut down after the calls already queued (its saved states stay)."""
+        """The model's learners are given back after the calls already queued (kept started for a
+        later model, ``serve.kept_learners``, or stopped); its saved states stay."""
         self.models.pop(model.model_id, None)
         model.submit(AFTER_EVERY_CALL, None, None)
 

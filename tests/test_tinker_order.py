@@ -114,6 +114,28 @@ def test_the_futures_table_frees_what_was_retrieved_and_what_nobody_retrieves(mo
     assert not table.known(forgotten)
 
 
+def test_a_held_poll_answers_when_its_result_arrives_and_one_whose_time_is_up_leaves_nothing_held():
+    import asyncio
+    import threading
+
+    table = Futures()
+    request_id = table.new()
+
+    async def held_then_resolved() -> tuple[bool, Result | None]:
+        poll = asyncio.ensure_future(table.wait(request_id, 60.0))
+        await asyncio.sleep(0.1)
+        answered_early = poll.done()  # (held: not answered "try again" while pending)
+        threading.Thread(target=table.resolve, args=(request_id, Result(json={"x": 1}))).start()
+        # woken by the result (another thread's), not at the end of its 60 s
+        return answered_early, await asyncio.wait_for(poll, 10.0)
+
+    answered_early, got = asyncio.run(held_then_resolved())
+    assert not answered_early and got is not None and got.json == {"x": 1}
+    pending = table.new()
+    assert result(table, pending, seconds=0.05) is None  # time up: "try again"
+    assert not table._waiters  # neither poll is held any longer
+
+
 def test_a_session_that_stops_heartbeating_ends_on_time_with_its_model_and_samplers(
     tiny_model_path, tmp_path
 ):

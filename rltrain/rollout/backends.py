@@ -6,10 +6,13 @@ that own one are :mod:`rltrain.rollout.engines`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -163,6 +166,10 @@ class VLLMBackend:
         self._model_path = model_path
         self._dropped: set[str] | None = None  # sent buffers vLLM's model has no place for
         self._request_ids = itertools.count()
+        self._joined: dict[str, tuple[_Joined, int]] = {}  # sample requests in the engine: whose, which
+        self._arrivals: list[_Joined] = []  # sample calls not in the engine yet
+        self._arrival_lock = threading.Lock()
+        self._stepping = False  # a sample call steps the engine for every call
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
         # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
         # which costs a third of the generation time of a small model on CPU.
@@ -332,28 +339,33 @@ class VLLMBackend:
             engine.reset_encoder_cache()
             self.stale_encodings = False
 
-    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> list[tuple[list, list | None]]:
-        """Requests of their own, generated together (one batch for vLLM): each ``(prompt,
-        num_samples, sampling, prompt_logprobs)`` with its own sampling (``max_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` strings, ``stop_token_ids``,
-        ``ignore_eos``). For each: its completions' tokens, their log-probs and why each stopped,
-        and the prompt's log-probs where asked (None for its first token)."""
-        from vllm import SamplingParams
+    def sample(
+        self, requests: list[tuple[list[int], int, dict, bool]], lock: threading.RLock
+    ) -> list[tuple[list, list | None]]:
+        """Requests of their own, each ``(prompt, num_samples, sampling, prompt_logprobs)`` with its
+        own sampling (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``
+        strings, ``stop_token_ids``, ``ignore_eos``). For each: its completions' tokens, their
+        log-probs and why each stopped, and the prompt's log-probs where asked (None for its first
+        token).
 
-        self._reset_stale_encodings()
-        params = []
-        for _, num_samples, sampling, prompt_logprobs in requests:
-            stop = sampling.get("stop") or None
-            params.append(SamplingParams(
-                n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
-                include_stop_str_in_output=True, detokenize=bool(stop), stop=stop,
-                **{k: v for k, v in sampling.items() if k != "stop"},
-            ))  # fmt: skip
-        outs = self.llm.generate(
-            [engine_prompt(r[0]) for r in requests], params, use_tqdm=False, lora_request=self.lora_request
-        )
+        Calls on other threads join the batch in progress at its next step (continuous batching,
+        as vLLM's own server does): the call that finds the engine idle steps it for every call
+        (:meth:`_step_until_empty`) while the others wait. The engine's other calls (``generate``,
+        ``prompt_logprobs``, new weights) run while no sample is in flight."""
+        if not requests:
+            return []
+        joined = _Joined(requests)
+        with self._arrival_lock:
+            self._arrivals.append(joined)
+            leads, self._stepping = not self._stepping, True
+        if leads:
+            self._step_until_empty(lock)
+        joined.finished.wait()
+        if joined.error is not None:
+            raise joined.error
         results = []
-        for (prompt, _, _, prompt_logprobs), out in zip(requests, outs):
+        for i, (prompt, _, _, prompt_logprobs) in enumerate(requests):
+            out = joined.outputs[i]
             sequences = [(list(c.token_ids), _sampled_logprobs(c), _finish(c)) for c in out.outputs]
             entries = out.prompt_logprobs if prompt_logprobs else None
             scored = (
@@ -363,6 +375,74 @@ class VLLMBackend:
             )
             results.append((sequences, scored))
         return results
+
+    def _step_until_empty(self, lock: threading.RLock) -> None:
+        """(The call that found no one stepping.) Step the engine, holding ``lock`` for each step,
+        until every sample request is finished, adding those that arrive before each step; the
+        others' calls wait for theirs."""
+        engine = self.llm.llm_engine
+        try:
+            self._step_all(engine, lock)
+        except BaseException as error:  # (its thread stopped: no call is left waiting on it)
+            with self._arrival_lock:
+                arrivals, self._arrivals, self._stepping = self._arrivals, [], False
+            with contextlib.suppress(Exception):
+                engine.abort_request(list(self._joined))
+            for owner in [*arrivals, *(owner for owner, _ in self._joined.values())]:
+                owner.fail(RuntimeError(f"the engine's sampling stopped: {error!r}"))
+            self._joined.clear()
+            raise
+
+    def _step_all(self, engine, lock: threading.RLock) -> None:
+        while True:
+            with self._arrival_lock:
+                arrivals, self._arrivals = self._arrivals, []
+                if not arrivals and not self._joined:
+                    self._stepping = False
+                    return
+            with lock:
+                self._reset_stale_encodings()
+                for joined in arrivals:
+                    self._add_sample_requests(engine, joined)
+                if not self._joined:
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # every request in the engine fails with it
+                    engine.abort_request(list(self._joined))
+                    for owner, _ in self._joined.values():
+                        owner.fail(error)
+                    self._joined.clear()
+                    continue
+                for out in outputs:
+                    if out.finished and out.request_id in self._joined:
+                        owner, i = self._joined.pop(out.request_id)
+                        owner.outputs[i] = out
+                        if len(owner.outputs) == len(owner.requests):
+                            owner.finished.set()
+
+    def _add_sample_requests(self, engine, joined: _Joined) -> None:
+        """One call's requests into the engine; one that vLLM refuses fails that call alone."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        added = []
+        try:
+            for i, (prompt, num_samples, sampling, prompt_logprobs) in enumerate(joined.requests):
+                params = SamplingParams(
+                    n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
+                    include_stop_str_in_output=True, detokenize=bool(sampling.get("stop")),
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    **{k: v for k, v in sampling.items() if k != "stop"}, stop=sampling.get("stop") or None,
+                )  # fmt: skip
+                request_id = f"sample-{next(self._request_ids)}"  # (the outputs' name for it)
+                engine.add_request(request_id, engine_prompt(prompt), params, lora_request=self.lora_request)
+                added.append(request_id)
+                self._joined[request_id] = (joined, i)
+        except Exception as error:
+            engine.abort_request(added)
+            for request_id in added:
+                del self._joined[request_id]
+            joined.fail(error)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         self._reset_stale_encodings()
@@ -376,6 +456,21 @@ class VLLMBackend:
             entries = out.prompt_logprobs  # first entry is None (no prefix)
             result.append([0.0] + [entries[t][seq[t]].logprob for t in range(1, len(seq))])
         return result
+
+
+@dataclass
+class _Joined:
+    """One :meth:`VLLMBackend.sample` call: its requests, each one's output once finished (or the
+    error that failed them), and the event its thread waits on."""
+
+    requests: list[tuple[list[int], int, dict, bool]]
+    outputs: dict[int, Any] = field(default_factory=dict)
+    error: Exception | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.finished.set()
 
 
 class AdapterFolders:

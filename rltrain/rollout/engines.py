@@ -27,6 +27,9 @@ from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode
 from rltrain.rollout.hf_backend import HFBackend
 from rltrain.rollout.inflight import generate_in_chunks
 
+# sample requests an engine runs at once, each on a thread of its own (more wait for a thread)
+SAMPLING_THREADS = 64
+
 
 class GeneratorActor:
     """One generation engine plus the tool loop, or the episodes of an environment
@@ -209,12 +212,13 @@ class GeneratorActor:
             self._take_weights()
             return self.backend.prompt_logprobs(sequences)
 
+    @ray.method(concurrency_group="sampling")  # concurrent calls join the batch in progress
     def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> list:
-        """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` (requests generated
-        together) with the weights the engine took last."""
+        """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` with the weights the
+        engine took last; calls that arrive while others run join their batch."""
         with self._engine:
             self._take_weights()
-            return self.backend.sample(requests)
+        return self.backend.sample(requests, self._engine)
 
     def weights_not_loaded(self) -> list[str]:
         """The engine's parameters that no name of the last weights it took loads (all of them
@@ -235,7 +239,9 @@ class GeneratorPool:
         rc = config.rollout
         # in-flight weights and the busy-time probe answer beside a rollout in progress
         # (and whether the process answers at all, beside a call blocked in the weight group)
-        actor_cls = ray.remote(concurrency_groups={"weights": 1, "health": 1})(GeneratorActor).options(
+        # and sample requests beside each other (a thread each, up to SAMPLING_THREADS)
+        groups = {"weights": 1, "health": 1, "sampling": SAMPLING_THREADS}
+        actor_cls = ray.remote(concurrency_groups=groups)(GeneratorActor).options(
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )
         self.actors = [actor_cls.remote(config, model_path, i, lora) for i in range(rc.num_engines)]

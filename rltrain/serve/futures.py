@@ -9,6 +9,7 @@ the SDK repeats, its answer lost, is answered again), one nobody retrieves after
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -51,6 +52,11 @@ def outcome(call: Callable[[], Result]) -> Result:
         return Result(error=f"{type(e).__name__}: {e}", category="server")
 
 
+def _wake(woken: asyncio.Future) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
 class Futures:
     """Request ids and their results, written by worker threads and read by the server's loop;
     ``ttl_s``: how long a result nobody retrieves is kept."""
@@ -61,6 +67,7 @@ class Futures:
         self._done: dict[str, Result] = {}
         self._pending: set[str] = set()
         self._expiry: dict[str, float] = {}  # request id -> when its result is freed
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}  # held polls
         self._ids = itertools.count(1)
 
     def new(self) -> str:
@@ -76,6 +83,9 @@ class Futures:
             self._pending.discard(request_id)
             self._done[request_id] = result
             self._expiry[request_id] = time.monotonic() + self.ttl_s
+            waiting = self._waiters.pop(request_id, [])
+        for loop, woken in waiting:  # the polls held for it answer now
+            loop.call_soon_threadsafe(_wake, woken)
 
     def forget(self, request_id: str) -> None:
         """A request id nobody was given: no result is kept for it."""
@@ -102,15 +112,23 @@ class Futures:
 
     async def wait(self, request_id: str, seconds: float) -> Result | None:
         """The result, once there within ``seconds`` (then freed a minute later); None: still
-        pending (try again)."""
-        deadline = time.monotonic() + seconds
-        while True:
-            with self._lock:
-                result = self._done.get(request_id)
-                if result is not None:
-                    self._expiry[request_id] = min(
-                        self._expiry[request_id], time.monotonic() + RETRIEVED_KEPT_S
-                    )
-            if result is not None or time.monotonic() >= deadline:
-                return result
-            await asyncio.sleep(0.01)
+        pending (try again). The poll wakes when the result is resolved, not on a timer."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        with self._lock:
+            held = request_id not in self._done
+            if held:
+                self._waiters.setdefault(request_id, []).append((loop, woken))
+        if held:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken, seconds)
+        with self._lock:
+            waiting = self._waiters.get(request_id, [])
+            if (loop, woken) in waiting:  # (not woken: the time was up)
+                waiting.remove((loop, woken))
+                if not waiting:
+                    del self._waiters[request_id]
+            result = self._done.get(request_id)
+            if result is not None:
+                self._expiry[request_id] = min(self._expiry[request_id], time.monotonic() + RETRIEVED_KEPT_S)
+        return result

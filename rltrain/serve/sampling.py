@@ -3,7 +3,7 @@ bound to one set of weights (the base model, the adapters of one ``save_weights_
 named sampler weights on disk), and the engines, which hold one set at a time and load another
 before a request that needs it. A sample never comes from weights other than its session's: a
 snapshot taken before the last ``optim_step`` still samples from that snapshot. Concurrent requests
-on the same weights reach the engines together, as one batch (vLLM batches them).
+on the same weights run together: each joins the engine's batch in progress (continuous batching).
 
 A request's sampling is its own (``num_samples``, ``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, stop strings or stop token ids), with each sampled token's log-prob (of the
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rltrain.serve.futures import Fault
@@ -33,9 +32,6 @@ NOT_SERVED = {
     "prompt_alt_tokens_k": "alternative prompt tokens",
     "record_stability_info": "stability records (stable_reinforce)",
 }
-
-# how long the first of several concurrent sample requests waits for the others to join its batch
-BATCH_WINDOW_S = 0.01
 
 NOT_HELD = ("this sampling client's weights are no longer held (newer snapshots took their place: "
             "serve.kept_snapshots, serve.snapshot_mib); save named sampler weights to sample from them later")  # fmt: skip
@@ -144,16 +140,6 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
     return SampleCall(tokens, n, sampling, body.flag("prompt_logprobs"), last_n)
 
 
-@dataclass
-class _Waiting:
-    """A sample request waiting for its batch: its result or error once ``done``."""
-
-    call: SampleCall
-    done: threading.Event = field(default_factory=threading.Event)
-    out: tuple | None = None
-    error: Exception | None = None
-
-
 class Engines:
     """The generator pool (started at the first need, for the base model and LoRA layout asked) and the weights
     it holds: every set a sampling session may need, by key (adapters in the Ray object store, the
@@ -173,7 +159,6 @@ class Engines:
         self._active = 0
         self._cond = threading.Condition()
         self._start: Callable[[], object] | None = None  # what starts the pool again after a death
-        self._forming: dict[str, list[_Waiting]] = {}  # key -> the batch its first request leads
 
     def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
         """The pool for ``pool_key`` (the model path and its LoRA layout): kept if it is the one
@@ -226,48 +211,20 @@ class Engines:
             self.sizes.pop(self.states.popitem(last=False)[0], None)
 
     def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
-        """(On a request's thread.) The samples of ``call`` from ``key``'s weights: generated in one
-        batch with every request on the same weights that arrived within :data:`BATCH_WINDOW_S` of
-        the first (or while the engines ran the batch before), as vLLM batches a server's requests;
-        a batch that fails runs each of its requests alone, so only a failing one fails."""
-        me = _Waiting(call)
-        with self._cond:
-            batch = self._forming.get(key)
-            leads = batch is None
-            if leads:
-                batch = self._forming[key] = []
-            batch.append(me)
-        if leads:
-            time.sleep(BATCH_WINDOW_S)
-            with self._cond:
-                batch = self._forming.pop(key)
-            self._generate(key, batch)
-        me.done.wait()
-        if me.error is not None:
-            raise me.error
-        return me.out
-
-    def _generate(self, key: str, batch: list[_Waiting]) -> None:
+        """(On a request's thread.) The samples of ``call`` from ``key``'s weights. Requests on the
+        same weights run at once: each joins the engine's batch in progress at its next step
+        (:meth:`rltrain.rollout.backends.VLLMBackend.sample`), as vLLM's own server batches; a
+        request that fails fails alone."""
         import ray
 
         pool = self.pool
         try:
-            with self._turn(key):  # (the weights held until the batch is done)
-                outs = ray.get(self.pool.sample([w.call.request() for w in batch]))
-            for waiting, out in zip(batch, outs):
-                waiting.out = out
+            with self._turn(key):  # (the weights held until the request is done)
+                return ray.get(self.pool.sample([call.request()]))[0]
         except Exception as e:
             if _died(e):
-                fault = self._revived(pool, e, "sampling")
-                for waiting in batch:
-                    waiting.error = fault
-            elif len(batch) == 1:
-                batch[0].error = e
-            else:
-                for waiting in batch:
-                    self._generate(key, [waiting])
-        for waiting in batch:
-            waiting.done.set()
+                raise self._revived(pool, e, "sampling") from None
+            raise
 
     def _revived(self, pool, error: Exception, doing: str) -> Fault:
         """The engines of ``pool`` died (or stopped answering): a new pool in its place, started

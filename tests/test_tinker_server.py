@@ -346,6 +346,40 @@ def test_samples_come_from_their_sampling_clients_weights_never_stale_ones(serve
         assert after.compute_logprobs(seq).result()[1:] == pytest.approx(lp_after[1:], abs=1e-5)  # (its own)
 
 
+def test_adapters_of_several_models_sample_side_by_side_each_from_its_own_weights(server):
+    base, seq = server["base"], types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
+    with tinker.ServiceClient(base_url=server["url"]) as sc:
+        # without train_unembed the engines serve adapters, each sampling client's its own, in one batch
+        a = sc.create_lora_training_client(base_model=base, rank=4, seed=5, train_unembed=False).result()
+        b = sc.create_lora_training_client(base_model=base, rank=4, seed=6, train_unembed=False).result()
+        a_before = a.save_weights_and_get_sampling_client().result()
+        at_start = logprobs_of(a, seq.to_ints())  # (fresh adapters: the base model's)
+        for tc, rate in ((a, 0.05), (b, 0.1)):
+            tc.forward_backward(datums(DATA), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=rate)).result()
+        a_after, b_after = (tc.save_weights_and_get_sampling_client().result() for tc in (a, b))
+        base_sampler = sc.create_sampling_client(base_model=base).result()
+        want = {a_before: at_start, base_sampler: at_start, a_after: logprobs_of(a, seq.to_ints()),
+                b_after: logprobs_of(b, seq.to_ints())}  # fmt: skip
+        assert max(abs(x - y) for x, y in zip(want[a_after], want[b_after])) > 1e-2
+        assert max(abs(x - y) for x, y in zip(want[a_after], at_start)) > 1e-2
+        prompt, params = types.ModelInput.from_ints([5, 6, 7]), types.SamplingParams(max_tokens=5, seed=4)
+        alone = {s: s.sample(prompt, 2, params).result().sequences for s in (a_after, b_after)}
+        # every client at once, interleaved: each request from its own weights (the base model's
+        # requests too, which vLLM's LoRA layers would give the last adapter's otherwise)
+        asked = [(s, s.compute_logprobs(seq)) for _ in range(3) for s in want]
+        drawn = [(s, s.sample(prompt, 2, params)) for _ in range(2) for s in (a_after, b_after)]
+        for s, future in asked:
+            assert future.result()[1:] == pytest.approx(want[s], abs=1e-4)
+        for s, future in drawn:
+            got = future.result().sequences
+            assert [x.tokens for x in got] == [x.tokens for x in alone[s]]
+            for x in got:
+                assert x.logprobs == pytest.approx(
+                    logprobs_of(a if s is a_after else b, [5, 6, 7, *x.tokens])[2:], abs=1e-4
+                )
+
+
 def test_refusals_name_what_is_refused_and_touch_nothing(server):
     base, good = server["base"], datums(DATA[:2])
     with tinker.ServiceClient(base_url=server["url"]) as sc:

@@ -170,6 +170,7 @@ class VLLMBackend:
         self._arrivals: list[_Joined] = []  # sample calls not in the engine yet
         self._arrival_lock = threading.Lock()
         self._stepping = False  # a sample call steps the engine for every call
+        self._held: dict[int, Any] = {}  # adapters served side by side (hold_adapter): LoRARequests
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
         # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
         # which costs a third of the generation time of a small model on CPU.
@@ -339,14 +340,34 @@ class VLLMBackend:
             engine.reset_encoder_cache()
             self.stale_encodings = False
 
+    def hold_adapter(self, adapter: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve LoRA adapters as ``adapter`` beside those held already (each sample request names
+        its own; vLLM runs requests of several adapters in one batch and loads one from its folder
+        again when its cache let it go)."""
+        from vllm.lora.request import LoRARequest
+
+        lora_id = HELD_ADAPTERS + adapter  # (apart from the policy's own adapters' ids)
+        folder = adapters.write_adapter(
+            self.adapters.root / f"held_{adapter}", dict(tensors), self.adapters.lora
+        )
+        self._held[adapter] = LoRARequest(f"held-{adapter}", lora_id, str(folder))
+
+    def drop_adapter(self, adapter: int) -> None:
+        request = self._held.pop(adapter)
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
+
     def sample(
-        self, requests: list[tuple[list[int], int, dict, bool]], lock: threading.RLock
+        self,
+        requests: list[tuple[list[int], int, dict, bool]],
+        lock: threading.RLock,
+        adapter: int | None = None,
     ) -> list[tuple[list, list | None]]:
         """Requests of their own, each ``(prompt, num_samples, sampling, prompt_logprobs)`` with its
         own sampling (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``
         strings, ``stop_token_ids``, ``ignore_eos``). For each: its completions' tokens, their
         log-probs and why each stopped, and the prompt's log-probs where asked (None for its first
-        token).
+        token). ``adapter``: a held adapter (:meth:`hold_adapter`) over the weights.
 
         Calls on other threads join the batch in progress at its next step (continuous batching,
         as vLLM's own server does): the call that finds the engine idle steps it for every call
@@ -354,7 +375,7 @@ class VLLMBackend:
         ``prompt_logprobs``, new weights) run while no sample is in flight."""
         if not requests:
             return []
-        joined = _Joined(requests)
+        joined = _Joined(requests, self._held[adapter] if adapter is not None else self.lora_request)
         with self._arrival_lock:
             self._arrivals.append(joined)
             leads, self._stepping = not self._stepping, True
@@ -435,7 +456,7 @@ class VLLMBackend:
                     **{k: v for k, v in sampling.items() if k != "stop"}, stop=sampling.get("stop") or None,
                 )  # fmt: skip
                 request_id = f"sample-{next(self._request_ids)}"  # (the outputs' name for it)
-                engine.add_request(request_id, engine_prompt(prompt), params, lora_request=self.lora_request)
+                engine.add_request(request_id, engine_prompt(prompt), params, lora_request=joined.lora)
                 added.append(request_id)
                 self._joined[request_id] = (joined, i)
         except Exception as error:
@@ -464,6 +485,7 @@ class _Joined:
     error that failed them), and the event its thread waits on."""
 
     requests: list[tuple[list[int], int, dict, bool]]
+    lora: Any = None  # the adapter its requests sample through (a LoRARequest), if any
     outputs: dict[int, Any] = field(default_factory=dict)
     error: Exception | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -502,6 +524,10 @@ class AdapterFolders:
         for request in dropped:
             shutil.rmtree(request.lora_path, ignore_errors=True)
         return dropped
+
+
+# held adapters' vLLM ids start past those of the policy's own versions
+HELD_ADAPTERS = 1_000_000
 
 
 def _lora_slots(rc: RolloutConfig) -> int:

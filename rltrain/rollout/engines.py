@@ -213,12 +213,22 @@ class GeneratorActor:
             return self.backend.prompt_logprobs(sequences)
 
     @ray.method(concurrency_group="sampling")  # concurrent calls join the batch in progress
-    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> list:
+    def sample(self, requests: list[tuple[list[int], int, dict, bool]], adapter: int | None = None) -> list:
         """The backend's :meth:`~rltrain.rollout.backends.VLLMBackend.sample` with the weights the
-        engine took last; calls that arrive while others run join their batch."""
+        engine took last, or the held ``adapter`` over them; calls that arrive while others run
+        join their batch."""
         with self._engine:
             self._take_weights()
-        return self.backend.sample(requests, self._engine)
+        return self.backend.sample(requests, self._engine, adapter)
+
+    def hold_adapter(self, adapter: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Serve these LoRA adapters as ``adapter``, beside the others held (sample requests name it)."""
+        with self._engine:
+            self.backend.hold_adapter(adapter, state_dict)
+
+    def drop_adapter(self, adapter: int) -> None:
+        with self._engine:
+            self.backend.drop_adapter(adapter)
 
     def weights_not_loaded(self) -> list[str]:
         """The engine's parameters that no name of the last weights it took loads (all of them
@@ -358,10 +368,19 @@ class GeneratorPool:
         answers = gather([a.prompt_logprobs.remote(sequences) for a in actors], names, self.timeout_s)
         return answers if every else answers[0]
 
-    def sample(self, requests: list[tuple[list[int], int, dict, bool]]) -> ray.ObjectRef:
+    def sample(
+        self, requests: list[tuple[list[int], int, dict, bool]], adapter: int | None = None
+    ) -> ray.ObjectRef:
         """Requests generated together (:meth:`GeneratorActor.sample`) on the next engine in turn."""
         self._turn = (self._turn + 1) % self.size
-        return self.actors[self._turn].sample.remote(requests)
+        return self.actors[self._turn].sample.remote(requests, adapter)
+
+    def hold_adapter(self, adapter: int, state_ref: ray.ObjectRef) -> None:
+        """Every engine serves these adapters as ``adapter`` beside the others it holds."""
+        gather([a.hold_adapter.remote(adapter, state_ref) for a in self.actors], self.names, self.timeout_s)
+
+    def drop_adapter(self, adapter: int) -> None:
+        gather([a.drop_adapter.remote(adapter) for a in self.actors], self.names, self.timeout_s)
 
     def weights_not_loaded(self) -> list[str]:
         """The parameters of any engine that the last weights it took do not load, each named once."""

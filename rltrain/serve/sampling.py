@@ -15,6 +15,7 @@ compute (top-k alternatives, a prompt's target log-probs) is refused.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -142,9 +143,11 @@ def sample_call(body: dict, vocab: int, context: int) -> SampleCall:
 
 class Engines:
     """The generator pool (started at the first need, for the base model and LoRA layout asked) and the weights
-    it holds: every set a sampling session may need, by key (adapters in the Ray object store, the
-    last ``keep`` snapshots; named ones reload from disk), loaded before a request that needs them
-    once the requests on other weights have finished."""
+    it holds: every set a sampling session may need, by key (in the Ray object store, the last
+    ``keep`` snapshots; named ones reload from disk). Merged weights (a model that trains the output
+    head) are held one set at a time, loaded before a request that needs them once the requests on
+    other weights have finished; adapters are served side by side (vLLM's LoRA: each request names
+    its own, and requests of different keys run in one batch, none waiting for another's weights)."""
 
     def __init__(self, keep: int, budget_bytes: float = float("inf")):
         self.keep, self.budget = keep, budget_bytes
@@ -159,11 +162,19 @@ class Engines:
         self._active = 0
         self._cond = threading.Condition()
         self._start: Callable[[], object] | None = None  # what starts the pool again after a death
+        self.side_by_side = False  # the engines serve adapters, each key's its own (no swapping)
+        self._adapters: OrderedDict[str, int] = (
+            OrderedDict()
+        )  # key -> its adapter in the engines, by last use
+        self._uses: dict[int, int] = {}  # adapter -> requests on it in flight
+        self._retired: set[int] = set()  # adapters of replaced or let-go keys, dropped once unused
+        self._adapter_ids = itertools.count(1)
 
     def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
         """The pool for ``pool_key`` (the model path and its LoRA layout): kept if it is the one
         running, otherwise the running one shut down and ``start()`` the new one; ``base`` makes
-        the base model's weights (None: the engines take adapters, and the base is them zeroed)."""
+        the base model's weights (None: the engines take adapters, served side by side, and the
+        base model is no adapter)."""
         with self._cond:
             while self._active:
                 self._cond.wait()
@@ -177,6 +188,8 @@ class Engines:
             self.loaders.clear()
             self.pool, self.pool_key, self._start = start(), pool_key, start
             self.held = "base"  # a fresh engine holds the base model (no adapter yet)
+            self.side_by_side = base is None
+            self._forget_adapters()
             if base is not None:
                 self.loaders["base"] = base
 
@@ -187,6 +200,8 @@ class Engines:
             if ref is not None:
                 if self.held == key:  # new weights under a held name: the engines take them again
                     self.held = None
+                if key in self._adapters:  # (side by side: under a new adapter; the old one retires)
+                    self._retire(self._adapters.pop(key))
                 self.states.pop(key, None)
                 self.states[key], self.sizes[key] = ref, object_bytes(ref)
                 self._evict()
@@ -208,7 +223,10 @@ class Engines:
         while len(self.states) > 1 and (
             len(self.states) > self.keep or sum(self.sizes[k] for k in self.states) > self.budget
         ):
-            self.sizes.pop(self.states.popitem(last=False)[0], None)
+            key = self.states.popitem(last=False)[0]
+            self.sizes.pop(key, None)
+            if key in self._adapters and key not in self.loaders:  # (nothing can sample from it again)
+                self._retire(self._adapters.pop(key))
 
     def sample(self, key: str, call: SampleCall) -> tuple[list, list | None]:
         """(On a request's thread.) The samples of ``call`` from ``key``'s weights. Requests on the
@@ -219,8 +237,8 @@ class Engines:
 
         pool = self.pool
         try:
-            with self._turn(key):  # (the weights held until the request is done)
-                return ray.get(self.pool.sample([call.request()]))[0]
+            with self._turn(key) as adapter:  # (the weights held until the request is done)
+                return ray.get(self.pool.sample([call.request()], adapter))[0]
         except Exception as e:
             if _died(e):
                 raise self._revived(pool, e, "sampling") from None
@@ -236,6 +254,7 @@ class Engines:
                     pool.shutdown()
                 self.pool, self.held = self._start(), "base"
                 self.version += 1
+                self._forget_adapters()
         return Fault(f"the engines died while {doing} ({error}); they were restarted: send the request again")
 
     def known(self, key: str) -> bool:
@@ -243,8 +262,20 @@ class Engines:
 
     @contextlib.contextmanager
     def _turn(self, key: str):
-        """The engines holding ``key``'s weights for the length of the block: they switch once
-        the requests on other weights have finished."""
+        """The engines holding ``key``'s weights for the length of the block, which gets the adapter
+        a request names (None: the weights the engines hold). Merged weights switch once the requests
+        on other weights have finished; adapters side by side are taken at once."""
+        if self.side_by_side:
+            with self._cond:
+                adapter = self._adapter(key)
+                self._uses[adapter] = self._uses.get(adapter, 0) + 1
+            try:
+                yield adapter
+            finally:
+                with self._cond:
+                    self._uses[adapter] -= 1
+                    self._drop_retired()
+            return
         with self._cond:
             while self.held != key and self._active:
                 self._cond.wait()
@@ -252,11 +283,57 @@ class Engines:
                 self._load(key)
             self._active += 1
         try:
-            yield
+            yield None
         finally:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
+
+    def _adapter(self, key: str) -> int | None:
+        """(Holding the lock.) ``key``'s adapter in the engines, given to them if they have none
+        for it (the least recently used past ``keep`` retire). The base model is adapters of zeros
+        once any adapter is held (vLLM's LoRA layers otherwise apply the last one's to a request
+        without any), and no adapter before."""
+        import ray
+
+        if key == "base" and self.last is None:
+            return None
+        if key not in self._adapters:
+            if key == "base":
+                ref = ray.put({k: v.new_zeros(v.shape) for k, v in ray.get(self.last).items()})
+            elif key in self.states:
+                ref = self.states[key]
+            elif key in self.loaders:
+                ref = self.loaders[key]()
+            else:
+                raise BadRequest(NOT_HELD)
+            adapter = next(self._adapter_ids)
+            self.pool.hold_adapter(adapter, ref)
+            self._adapters[key] = adapter
+            self.last = ref
+            while len(self._adapters) > self.keep:
+                self._retire(self._adapters.popitem(last=False)[1])
+        self._adapters.move_to_end(key)
+        return self._adapters[key]
+
+    def _retire(self, adapter: int) -> None:
+        self._retired.add(adapter)
+        self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        """(Holding the lock.) The engines let go of the retired adapters no request is on."""
+        for adapter in [a for a in self._retired if not self._uses.get(a)]:
+            self._retired.discard(adapter)
+            self._uses.pop(adapter, None)
+            with contextlib.suppress(Exception):  # (engines that died hold none: restarted when next used)
+                self.pool.drop_adapter(adapter)
+
+    def _forget_adapters(self) -> None:
+        """(Holding the lock.) A new pool holds no adapter."""
+        self.last = None
+        self._adapters.clear()
+        self._uses.clear()
+        self._retired.clear()
 
     def _load(self, key: str) -> None:
         """(Holding the lock, no request in flight.) The engines take ``key``'s weights."""

@@ -294,19 +294,10 @@ class Engines:
         for it (the least recently used past ``keep`` retire). The base model is adapters of zeros
         once any adapter is held (vLLM's LoRA layers otherwise apply the last one's to a request
         without any), and no adapter before."""
-        import ray
-
         if key == "base" and self.last is None:
             return None
         if key not in self._adapters:
-            if key == "base":
-                ref = ray.put({k: v.new_zeros(v.shape) for k, v in ray.get(self.last).items()})
-            elif key in self.states:
-                ref = self.states[key]
-            elif key in self.loaders:
-                ref = self.loaders[key]()
-            else:
-                raise BadRequest(NOT_HELD)
+            ref = self._weights(key)
             adapter = next(self._adapter_ids)
             self.pool.hold_adapter(adapter, ref)
             self._adapters[key] = adapter
@@ -337,22 +328,25 @@ class Engines:
 
     def _load(self, key: str) -> None:
         """(Holding the lock, no request in flight.) The engines take ``key``'s weights."""
-        import ray
-
-        if key == "base" and key not in self.loaders:
-            # the base model: the adapters zeroed (B @ A = 0), in the shape the engines hold
-            ref = ray.put({k: v.new_zeros(v.shape) for k, v in ray.get(self.last).items()})
-        elif key in self.states:
-            ref = self.states[key]
-        elif key in self.loaders:
-            ref = self.loaders[key]()
-        else:
-            raise BadRequest(NOT_HELD)
+        ref = self._weights(key)
         self.version += 1
         self.pool.load_weights(ref, self.version)
         self.held = key
         if key != "base":
             self.last = ref
+
+    def _weights(self, key: str):
+        """(Holding the lock.) The object ref of ``key``'s weights; the base model's, where the
+        engines take adapters, are the last adapters zeroed (B @ A = 0), in the shape they hold."""
+        import ray
+
+        if key == "base" and key not in self.loaders:
+            return ray.put({k: v.new_zeros(v.shape) for k, v in ray.get(self.last).items()})
+        if key in self.states:
+            return self.states[key]
+        if key in self.loaders:
+            return self.loaders[key]()
+        raise BadRequest(NOT_HELD)
 
     def shutdown(self) -> None:
         if self.pool is not None:

@@ -1,7 +1,8 @@
 """`rltrain serve` sampling many requests at once, through the unmodified Tinker SDK: 16 concurrent
-requests of 1 sample against 1 request of 16 samples (the same prompt, tokens and settings), and
-the step time of the cookbook's `math_rl` recipe (env=arithmetic) at `groups_per_batch=8
-group_size=8`, which sends its groups' requests at once.
+requests of 1 sample against 1 request of 16 samples (the same prompt, tokens and settings), the
+same 16 split between two models' sampling clients (merged weights, held one model's at a time,
+against adapters side by side), and the step time of the cookbook's `math_rl` recipe
+(env=arithmetic) at `groups_per_batch=8 group_size=8`, which sends its groups' requests at once.
 
     python benchmarks/bench_tinker_sampling.py [--rounds 5] [--max-tokens 32] [--root DIR]
 
@@ -55,6 +56,35 @@ def sampling_rounds(url: str, base: str, rounds: int, max_tokens: int) -> list[t
     return out
 
 
+def two_models_rounds(url: str, base: str, rounds: int, max_tokens: int, train_unembed: bool) -> list[float]:
+    """Per round: (16 concurrent requests of 1, 8 on each of two models' sampling clients,
+    interleaved) / (1 request of 16 on one of them). With ``train_unembed`` the engines hold merged
+    weights, one model's at a time; without it, both models' adapters side by side."""
+    import tinker
+    from tinker import types
+
+    prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+    params = types.SamplingParams(max_tokens=max_tokens, stop=[])
+    out = []
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+        samplers = [
+            sc.create_lora_training_client(base_model=base, rank=4, seed=i, train_unembed=train_unembed)
+            .result()
+            .save_weights_and_get_sampling_client()
+            .result()
+            for i in range(2)
+        ]
+        for i in range(rounds + 1):  # (the first a warm-up)
+            start = time.perf_counter()
+            samplers[0].sample(prompt, 16, params).result()
+            one = time.perf_counter() - start
+            start = time.perf_counter()
+            [f.result() for f in [samplers[k % 2].sample(prompt, 1, params) for k in range(16)]]
+            if i:
+                out.append((time.perf_counter() - start) / one)
+    return out
+
+
 def math_rl_step_s(url: str, base: str, log: Path, steps: int) -> float:
     """The median step time of the recipe after its first step (``time/total`` of its metrics)."""
     cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={base}",
@@ -82,6 +112,8 @@ def main() -> None:
     proc, url = serve_tinker(args.root.resolve(), tmp / "out", base)
     try:
         rounds = sampling_rounds(url, base, args.rounds, args.max_tokens)
+        merged = two_models_rounds(url, base, args.rounds, args.max_tokens, train_unembed=True)
+        side = two_models_rounds(url, base, args.rounds, args.max_tokens, train_unembed=False)
         step = math_rl_step_s(url, base, tmp / "math_rl", args.steps)
     finally:
         proc.terminate()
@@ -95,6 +127,13 @@ def main() -> None:
                 [[f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
                   f"{statistics.median(r[0] for r in rounds):.2f}", f"{statistics.median(r[1] for r in rounds):.2f}",
                   f"{step:.2f}"]]))  # fmt: skip
+    print(
+        "16 concurrent requests of 1 on two models' sampling clients (8 each, interleaved) / 1 request of 16:"
+    )
+    print(table(["engines hold", "median (range)"],
+                [[name, f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"]
+                 for name, r in (("merged weights, one model's at a time (train_unembed)", merged),
+                                 ("both models' adapters side by side", side))]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,9 +27,6 @@ from rltrain.rollout.backends import GeneratorBackend, VLLMBackend, decode
 from rltrain.rollout.hf_backend import HFBackend
 from rltrain.rollout.inflight import generate_in_chunks
 
-# sample requests an engine runs at once, each on a thread of its own (more wait for a thread)
-SAMPLING_THREADS = 64
-
 
 class GeneratorActor:
     """One generation engine plus the tool loop, or the episodes of an environment
@@ -244,13 +241,15 @@ class GeneratorActor:
 class GeneratorPool:
     """``rollout.num_engines`` generator actors; requests are spread evenly over them."""
 
-    def __init__(self, config: Config, model_path: str, lora: bool = False):
-        """``lora``: the engines take the policy's LoRA adapters (``model.lora``), not full weights."""
+    def __init__(self, config: Config, model_path: str, lora: bool = False, sampling_threads: int = 1):
+        """``lora``: the engines take the policy's LoRA adapters (``model.lora``), not full weights.
+        ``sampling_threads``: the :meth:`GeneratorActor.sample` calls an engine takes at once, each
+        joining the batch in progress (a server's; a training run samples none)."""
         rc = config.rollout
         # in-flight weights and the busy-time probe answer beside a rollout in progress
         # (and whether the process answers at all, beside a call blocked in the weight group)
-        # and sample requests beside each other (a thread each, up to SAMPLING_THREADS)
-        groups = {"weights": 1, "health": 1, "sampling": SAMPLING_THREADS}
+        # and sample requests beside each other (a thread each)
+        groups = {"weights": 1, "health": 1, "sampling": sampling_threads}
         actor_cls = ray.remote(concurrency_groups=groups)(GeneratorActor).options(
             num_cpus=rc.cpus_per_engine, num_gpus=rc.gpus_per_engine
         )

@@ -21,6 +21,9 @@ from rltrain.serve.wire import BadRequest, sample_response
 
 # the seq_id of a model's release, queued after every call a client can send (seq_ids lie below it)
 AFTER_EVERY_CALL = 1 << 62
+# sample requests served at once: the server's threads for them, and each engine's (each request
+# joins the batch in progress); more wait for a thread
+SAMPLING_THREADS = 32
 
 
 def learner_resources(config: Config) -> dict[str, float]:
@@ -79,7 +82,7 @@ class Server:
         self.models: dict[str, ServedModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.lock = threading.Lock()
-        self.sampling = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sample")
+        self.sampling = ThreadPoolExecutor(max_workers=SAMPLING_THREADS, thread_name_prefix="sample")
         self.kept = KeptLearners(
             config.serve.kept_learners, start=lambda c, path, _steps, _cls: ServedGroup(c, path)
         )
@@ -210,7 +213,7 @@ class Server:
         lora, path = config.model.lora, self.base_models[base]
         adapters = takes_adapters(config)
         key = (path, lora.rank if adapters else 0, tuple(lora.target_modules) if adapters else ())
-        self.engines.ensure(key, lambda: GeneratorPool(config, path, lora=adapters),
+        self.engines.ensure(key, lambda: GeneratorPool(config, path, lora=adapters, sampling_threads=SAMPLING_THREADS),
                             None if adapters else base_loader(path))  # fmt: skip
         return self.engines
 

@@ -6,14 +6,10 @@ that own one are :mod:`rltrain.rollout.engines`.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -21,9 +17,10 @@ import torch
 from rltrain.batch import Segment, images_of
 from rltrain.config import RolloutConfig
 from rltrain.media import decoded
-from rltrain.models import adapters
 from rltrain.models.adapters import is_adapter
 from rltrain.models.images import collapsed, placeholder_ids
+from rltrain.rollout.joined import JoinedBatch
+from rltrain.rollout.vllm_lora import AdapterFolders, lora_options, lora_slots
 from rltrain.rollout.vllm_reload import Reloader
 
 
@@ -114,6 +111,28 @@ def _finish(c) -> str:
     return "length" if c.finish_reason == "length" else "stop"
 
 
+def _sample_params(num_samples: int, sampling: dict, prompt_logprobs: bool):
+    """A sample request's vLLM settings: its own sampling, each token's log-prob, the final output alone."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
+        include_stop_str_in_output=True, detokenize=bool(sampling.get("stop")),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        **{k: v for k, v in sampling.items() if k != "stop"}, stop=sampling.get("stop") or None,
+    )  # fmt: skip
+
+
+def _sampled(request: tuple[list[int], int, dict, bool], out) -> tuple[list, list | None]:
+    """A sample request's completions (tokens, their log-probs, why each stopped) and its prompt's
+    log-probs where asked (None for the first token)."""
+    prompt, _, _, prompt_logprobs = request
+    sequences = [(list(c.token_ids), _sampled_logprobs(c), _finish(c)) for c in out.outputs]
+    if not prompt_logprobs:
+        return sequences, None
+    return sequences, [None] + [out.prompt_logprobs[t][prompt[t]].logprob for t in range(1, len(prompt))]
+
+
 def runs_eager(rc: RolloutConfig, cuda: bool) -> bool:
     """Whether the vLLM engine runs without CUDA graphs: on CPU (there are none), and under routing
     replay on a GPU: a replayed decode graph runs no Python, so the capture hook that records each
@@ -156,7 +175,7 @@ class VLLMBackend:
             logprobs_mode="processed_logprobs",
             # routing replay: every position's routes are recorded where it runs (rltrain.rollout.route_recorder)
             **({"enable_prefix_caching": False} if rc.routing_replay else {}),
-            **_lora_options(lora, rc),
+            **lora_options(lora, rc),
             **({"gpu_memory_utilization": rc.gpu_memory_utilization} if cuda else _cpu_options(rc)),
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -166,11 +185,7 @@ class VLLMBackend:
         self._model_path = model_path
         self._dropped: set[str] | None = None  # sent buffers vLLM's model has no place for
         self._request_ids = itertools.count()
-        self._joined: dict[str, tuple[_Joined, int]] = {}  # sample requests in the engine: whose, which
-        self._arrivals: list[_Joined] = []  # sample calls not in the engine yet
-        self._arrival_lock = threading.Lock()
-        self._stepping = False  # a sample call steps the engine for every call
-        self._held: dict[int, Any] = {}  # adapters served side by side (hold_adapter): LoRARequests
+        self._joined: JoinedBatch | None = None  # sample calls' shared batch (made at the first)
         # Stop strings need vLLM's incremental detokenizer. Without them (no tools) each completion is
         # decoded once at the end: vLLM would also detokenize every sampled token's log-prob entry,
         # which costs a third of the generation time of a small model on CPU.
@@ -180,7 +195,7 @@ class VLLMBackend:
         # record of it behind ("Encoder cache miss" at the next image), and older weights computed it
         self.stale_encodings = False
         self.multimodal = bool(self.banned)
-        self.adapters = AdapterFolders(lora, _lora_slots(rc)) if lora is not None else None
+        self.adapters = AdapterFolders(lora, lora_slots(rc)) if lora is not None else None
         self.recorder = None
         if rc.routing_replay:
             from rltrain.rollout.route_recorder import RouteRecorder
@@ -342,20 +357,11 @@ class VLLMBackend:
 
     def hold_adapter(self, adapter: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve LoRA adapters as ``adapter`` beside those held already (each sample request names
-        its own; vLLM runs requests of several adapters in one batch and loads one from its folder
-        again when its cache let it go)."""
-        from vllm.lora.request import LoRARequest
-
-        lora_id = HELD_ADAPTERS + adapter  # (apart from the policy's own adapters' ids)
-        folder = adapters.write_adapter(
-            self.adapters.root / f"held_{adapter}", dict(tensors), self.adapters.lora
-        )
-        self._held[adapter] = LoRARequest(f"held-{adapter}", lora_id, str(folder))
+        its own; vLLM runs requests of several adapters in one batch)."""
+        self.adapters.hold(adapter, dict(tensors))
 
     def drop_adapter(self, adapter: int) -> None:
-        request = self._held.pop(adapter)
-        self.llm.llm_engine.remove_lora(request.lora_int_id)
-        shutil.rmtree(request.lora_path, ignore_errors=True)
+        self.llm.llm_engine.remove_lora(self.adapters.drop(adapter))
 
     def sample(
         self,
@@ -367,103 +373,15 @@ class VLLMBackend:
         own sampling (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``
         strings, ``stop_token_ids``, ``ignore_eos``). For each: its completions' tokens, their
         log-probs and why each stopped, and the prompt's log-probs where asked (None for its first
-        token). ``adapter``: a held adapter (:meth:`hold_adapter`) over the weights.
-
-        Calls on other threads join the batch in progress at its next step (continuous batching,
-        as vLLM's own server does): the call that finds the engine idle steps it for every call
-        (:meth:`_step_until_empty`) while the others wait. The engine's other calls (``generate``,
-        ``prompt_logprobs``, new weights) run while no sample is in flight."""
-        if not requests:
-            return []
-        joined = _Joined(requests, self._held[adapter] if adapter is not None else self.lora_request)
-        with self._arrival_lock:
-            self._arrivals.append(joined)
-            leads, self._stepping = not self._stepping, True
-        if leads:
-            self._step_until_empty(lock)
-        joined.finished.wait()
-        if joined.error is not None:
-            raise joined.error
-        results = []
-        for i, (prompt, _, _, prompt_logprobs) in enumerate(requests):
-            out = joined.outputs[i]
-            sequences = [(list(c.token_ids), _sampled_logprobs(c), _finish(c)) for c in out.outputs]
-            entries = out.prompt_logprobs if prompt_logprobs else None
-            scored = (
-                None
-                if entries is None
-                else [None] + [entries[t][prompt[t]].logprob for t in range(1, len(prompt))]
-            )
-            results.append((sequences, scored))
-        return results
-
-    def _step_until_empty(self, lock: threading.RLock) -> None:
-        """(The call that found no one stepping.) Step the engine, holding ``lock`` for each step,
-        until every sample request is finished, adding those that arrive before each step; the
-        others' calls wait for theirs."""
-        engine = self.llm.llm_engine
-        try:
-            self._step_all(engine, lock)
-        except BaseException as error:  # (its thread stopped: no call is left waiting on it)
-            with self._arrival_lock:
-                arrivals, self._arrivals, self._stepping = self._arrivals, [], False
-            with contextlib.suppress(Exception):
-                engine.abort_request(list(self._joined))
-            for owner in [*arrivals, *(owner for owner, _ in self._joined.values())]:
-                owner.fail(RuntimeError(f"the engine's sampling stopped: {error!r}"))
-            self._joined.clear()
-            raise
-
-    def _step_all(self, engine, lock: threading.RLock) -> None:
-        while True:
-            with self._arrival_lock:
-                arrivals, self._arrivals = self._arrivals, []
-                if not arrivals and not self._joined:
-                    self._stepping = False
-                    return
-            with lock:
-                self._reset_stale_encodings()
-                for joined in arrivals:
-                    self._add_sample_requests(engine, joined)
-                if not self._joined:
-                    continue
-                try:
-                    outputs = engine.step()
-                except Exception as error:  # every request in the engine fails with it
-                    engine.abort_request(list(self._joined))
-                    for owner, _ in self._joined.values():
-                        owner.fail(error)
-                    self._joined.clear()
-                    continue
-                for out in outputs:
-                    if out.finished and out.request_id in self._joined:
-                        owner, i = self._joined.pop(out.request_id)
-                        owner.outputs[i] = out
-                        if len(owner.outputs) == len(owner.requests):
-                            owner.finished.set()
-
-    def _add_sample_requests(self, engine, joined: _Joined) -> None:
-        """One call's requests into the engine; one that vLLM refuses fails that call alone."""
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        added = []
-        try:
-            for i, (prompt, num_samples, sampling, prompt_logprobs) in enumerate(joined.requests):
-                params = SamplingParams(
-                    n=num_samples, logprobs=0, prompt_logprobs=0 if prompt_logprobs else None,
-                    include_stop_str_in_output=True, detokenize=bool(sampling.get("stop")),
-                    output_kind=RequestOutputKind.FINAL_ONLY,
-                    **{k: v for k, v in sampling.items() if k != "stop"}, stop=sampling.get("stop") or None,
-                )  # fmt: skip
-                request_id = f"sample-{next(self._request_ids)}"  # (the outputs' name for it)
-                engine.add_request(request_id, engine_prompt(prompt), params, lora_request=joined.lora)
-                added.append(request_id)
-                self._joined[request_id] = (joined, i)
-        except Exception as error:
-            engine.abort_request(added)
-            for request_id in added:
-                del self._joined[request_id]
-            joined.fail(error)
+        token). ``adapter``: a held adapter (:meth:`hold_adapter`) over the weights. Calls on other
+        threads join the batch in progress at its next step (:class:`~rltrain.rollout.joined.JoinedBatch`,
+        holding ``lock`` for each step); the engine's other calls (``generate``, ``prompt_logprobs``,
+        new weights) run while no sample is in flight."""
+        if self._joined is None:
+            self._joined = JoinedBatch(self.llm.llm_engine, lock, self._reset_stale_encodings)
+        entries = [(engine_prompt(prompt), _sample_params(*rest)) for prompt, *rest in requests]
+        lora = self.adapters.held[adapter] if adapter is not None else self.lora_request
+        return [_sampled(request, out) for request, out in zip(requests, self._joined.run(entries, lora))]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         self._reset_stale_encodings()
@@ -477,74 +395,6 @@ class VLLMBackend:
             entries = out.prompt_logprobs  # first entry is None (no prefix)
             result.append([0.0] + [entries[t][seq[t]].logprob for t in range(1, len(seq))])
         return result
-
-
-@dataclass
-class _Joined:
-    """One :meth:`VLLMBackend.sample` call: its requests, each one's output once finished (or the
-    error that failed them), and the event its thread waits on."""
-
-    requests: list[tuple[list[int], int, dict, bool]]
-    lora: Any = None  # the adapter its requests sample through (a LoRARequest), if any
-    outputs: dict[int, Any] = field(default_factory=dict)
-    error: Exception | None = None
-    finished: threading.Event = field(default_factory=threading.Event)
-
-    def fail(self, error: Exception) -> None:
-        self.error = error
-        self.finished.set()
-
-
-class AdapterFolders:
-    """A vLLM engine's LoRA adapters on local disk, one folder per version, as many as it keeps
-    loaded (``max_loras``): the newest, and the older ones rollouts in flight may still use."""
-
-    def __init__(self, lora, slots: int):
-        import tempfile
-        import weakref
-
-        self.lora, self.slots = lora, slots
-        self.root = Path(tempfile.mkdtemp(prefix="rltrain-adapters-"))
-        weakref.finalize(self, shutil.rmtree, self.root, True)  # (at the engine's end, or its process's)
-        self.loaded: list[Any] = []  # LoRARequests, oldest first
-        self.count = 0
-
-    @property
-    def request(self):
-        return self.loaded[-1] if self.loaded else None
-
-    def add(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
-        """Write the adapter and make it the newest; returns the requests dropped (their folders removed)."""
-        from vllm.lora.request import LoRARequest
-
-        self.count += 1  # vLLM's adapter ids start at 1
-        folder = adapters.write_adapter(self.root / f"adapter_{self.count}", tensors, self.lora)
-        self.loaded.append(LoRARequest(f"policy-{self.count}", self.count, str(folder)))
-        dropped, self.loaded = self.loaded[: -self.slots], self.loaded[-self.slots :]
-        for request in dropped:
-            shutil.rmtree(request.lora_path, ignore_errors=True)
-        return dropped
-
-
-# held adapters' vLLM ids start past those of the policy's own versions
-HELD_ADAPTERS = 1_000_000
-
-
-def _lora_slots(rc: RolloutConfig) -> int:
-    """Adapters an engine keeps loaded: the newest and one per version rollouts in flight may use
-    (``rollout.max_staleness``, and one more with in-flight updates)."""
-    return rc.max_staleness + 2
-
-
-def _lora_options(lora, rc: RolloutConfig) -> dict[str, Any]:
-    if lora is None:
-        return {}
-    slots = _lora_slots(rc)
-    # only the modules the adapters target get vLLM's LoRA layers: left open, a tied output head
-    # would get one too, and its logits path fails on prompt log-probs (the sync check's)
-    return {"enable_lora": True, "max_lora_rank": adapters.vllm_max_rank(lora.rank),
-            "max_loras": slots, "max_cpu_loras": slots,
-            "lora_target_modules": list(lora.target_modules)}  # fmt: skip
 
 
 def _buffer_names(model_path: str) -> list[str]:

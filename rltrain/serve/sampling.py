@@ -1,9 +1,10 @@
 """Sampling through the vLLM engines (the trainer's own generator actors): sampling sessions, each
 bound to one set of weights (the base model, the adapters of one ``save_weights_for_sampler``, or
-named sampler weights on disk), and the engines, which hold one set at a time and load another
-before a request that needs it. A sample never comes from weights other than its session's: a
-snapshot taken before the last ``optim_step`` still samples from that snapshot. Concurrent requests
-on the same weights run together: each joins the engine's batch in progress (continuous batching).
+named sampler weights on disk), and the engines, which hold merged weights one set at a time
+(loading another before a request that needs it) or adapters side by side. A sample never comes
+from weights other than its session's: a snapshot taken before the last ``optim_step`` still
+samples from that snapshot. Concurrent requests run together: each joins the engine's batch in
+progress (continuous batching).
 
 A request's sampling is its own (``num_samples``, ``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``seed``, stop strings or stop token ids), with each sampled token's log-prob (of the
@@ -163,9 +164,8 @@ class Engines:
         self._cond = threading.Condition()
         self._start: Callable[[], object] | None = None  # what starts the pool again after a death
         self.side_by_side = False  # the engines serve adapters, each key's its own (no swapping)
-        self._adapters: OrderedDict[str, int] = (
-            OrderedDict()
-        )  # key -> its adapter in the engines, by last use
+        # side by side: key -> its adapter in the engines, the least recently used first
+        self._adapters: OrderedDict[str, int] = OrderedDict()
         self._uses: dict[int, int] = {}  # adapter -> requests on it in flight
         self._retired: set[int] = set()  # adapters of replaced or let-go keys, dropped once unused
         self._adapter_ids = itertools.count(1)
@@ -173,8 +173,7 @@ class Engines:
     def ensure(self, pool_key: tuple, start: Callable[[], object], base: Callable[[], object] | None) -> None:
         """The pool for ``pool_key`` (the model path and its LoRA layout): kept if it is the one
         running, otherwise the running one shut down and ``start()`` the new one; ``base`` makes
-        the base model's weights (None: the engines take adapters, served side by side, and the
-        base model is no adapter)."""
+        the base model's weights (None: the engines take adapters, served side by side)."""
         with self._cond:
             while self._active:
                 self._cond.wait()
@@ -273,7 +272,8 @@ class Engines:
                 yield adapter
             finally:
                 with self._cond:
-                    self._uses[adapter] -= 1
+                    if adapter in self._uses:  # (not if the engines died and were restarted meanwhile)
+                        self._uses[adapter] -= 1
                     self._drop_retired()
             return
         with self._cond:

@@ -536,3 +536,87 @@ def test_a_plan_that_skips_counts_each_skipped_sequence_in_the_group_it_would_ha
     assert [idx.tolist() for idx in plan.counted_only] == [[1, 2, 3], [5, 6, 7, 8]]
     every = plan_skipping(4, 1, torch.ones(4, dtype=torch.bool), 2, None)  # nothing to run: blanks
     assert [[[idx.tolist() for idx in group] for group in rank] for rank in every.groups] == [[[[]]], [[[]]]]
+
+
+def test_models_sharing_served_learners_each_end_with_the_weights_they_get_alone(
+    ray_local, tiny_model_path, kept_learners, tmp_path
+):
+    # Two LoRA models on one set of 2 served learners (the Tinker server's serve.models_per_learners),
+    # their calls interleaved so that each model's state is set aside with a gradient its calls added
+    # but no step took yet: every model ends with the weights it gets alone on the same learners, under
+    # ZeRO-1 (each rank's unreduced gradient set aside as it is) and ZeRO-3 (the reduced gradient set
+    # aside and added back at the model's step). Calls of 5 datums split 3 + 2 over the ranks, and of
+    # 1 datum (one rank runs a blank micro-batch).
+    from rltrain.learner.served import Datums, ServedGroup
+
+    def datums(seed: int, n: int = 5) -> Datums:
+        g = torch.Generator().manual_seed(seed)
+        tokens = [
+            torch.randint(3, 200, (int(k),), generator=g).tolist()
+            for k in torch.randint(4, 12, (n,), generator=g)
+        ]
+        return Datums.of(tokens, [t[1:] + [5] for t in tokens], [{"weights": [1.0] * len(t)} for t in tokens])
+
+    adam = {
+        "learning_rate": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "grad_clip_norm": 1.0,
+    }
+    calls = {
+        "a": [datums(1), datums(2, 1), None, datums(3), None],
+        "b": [datums(11), None, datums(12), datums(13, 1), None],
+    }
+    interleaved = [
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("b", 2),
+        ("a", 2),
+        ("b", 3),
+        ("a", 3),
+        ("b", 4),
+        ("a", 4),
+    ]
+
+    def run(group: ServedGroup, model: str, call: Datums | None) -> None:
+        group.hold(model)
+        if call is None:
+            group.optim_step(adam)
+        else:
+            group.forward_backward(call, "cross_entropy", {}, forward_only=False)
+
+    def weights(group: ServedGroup, model: str, folder) -> dict[str, torch.Tensor]:
+        folder.mkdir()
+        group.hold(model)
+        group.save_state(folder)
+        return torch.load(folder / "state.pt", weights_only=True)["weights"]
+
+    kept_learners.close()  # (their CPUs back)
+    group = None
+    try:
+        for stage in (1, 3):
+            raw = layout_config(2, 8, stage, optimizer="adamw", prefix_sharing=False).model_dump()
+            raw["model"]["lora"]["rank"] = 4
+            config = Config.model_validate(raw)
+            if group is None:
+                group = ServedGroup(config, tiny_model_path)
+            alone = {}
+            for model, model_calls in calls.items():
+                group.restart(config, 1)
+                for call in model_calls:
+                    run(group, model, call)
+                alone[model] = weights(group, model, tmp_path / f"{stage}-{model}-alone")
+            group.restart(config, 1)
+            for model, i in interleaved:
+                run(group, model, calls[model][i])
+            for model, want in alone.items():
+                got = weights(group, model, tmp_path / f"{stage}-{model}")
+                assert all(torch.equal(got[n], w) for n, w in want.items()), (stage, model)
+            assert any(not torch.equal(alone["a"][n], alone["b"][n]) for n in alone["a"])  # (they differ)
+    finally:
+        if group is not None:
+            group.shutdown()

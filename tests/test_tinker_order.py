@@ -5,6 +5,7 @@ ended on time with its model and sampling sessions."""
 
 import time
 import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -166,6 +167,7 @@ def test_a_session_that_stops_heartbeating_ends_on_time_with_its_model_and_sampl
 
 def test_a_model_is_refused_when_its_learners_do_not_fit_beside_the_live_ones_and_the_engines():
     from rltrain.serve.server import engine_resources, learner_resources, room_problem
+    from rltrain.serve.shared import groups_needed
 
     config = load_config("configs/cpu_tinker.yaml", [])
     one = learner_resources(config)  # 2 learners x 0.5 CPU
@@ -180,6 +182,11 @@ def test_a_model_is_refused_when_its_learners_do_not_fit_beside_the_live_ones_an
         "take 2 GPUs" in room_problem(gpus, [], {"CPU": 4.0})
         and room_problem(gpus, [], {"CPU": 4.0, "GPU": 2.0}) is None
     )
+    # models alike share sets of learners (serve.models_per_learners): 3 alike and 1 of another rank
+    # at 2 a set need ceil(3 / 2) + 1 = 3 sets; a fourth alike fills the second set, a fifth a new one
+    other = load_config("configs/cpu_tinker.yaml", ["model.lora.rank=8"])
+    assert [c.model.lora.rank for c in groups_needed([config, other, config, config], 2)] == [0, 0, 8]
+    assert len(groups_needed([config] * 4 + [other], 2)) == 3 and len(groups_needed([config] * 5, 2)) == 3
 
 
 def test_a_refused_request_far_ahead_never_holds_back_the_calls_below_it():
@@ -211,3 +218,77 @@ def test_snapshots_are_let_go_oldest_first_past_their_bytes_budget(ray_local):
     # one larger than the whole budget still stays, alone: a client's newest weights are always held
     engines.add("big", ray_local.put({"lora_A": torch.zeros(1024, 1024)}))
     assert [k for k in ("m#2", "m#3", "big") if engines.known(k)] == ["big"]
+
+
+class ToyEngine:
+    """vLLM's ``LLMEngine`` as :class:`~rltrain.rollout.joined.JoinedBatch` uses it: every request
+    finishes at the next step (its output names its prompt); a prompt "refused" is refused at
+    ``add_request``, and a step fails where ``fail_steps`` says so."""
+
+    def __init__(self):
+        self.requests, self.aborted, self.fail_steps = {}, [], 0
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        if prompt == "refused":
+            raise ValueError("refused prompt")
+        self.requests[request_id] = prompt
+
+    def step(self):
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("the step failed")
+        outputs = [SimpleNamespace(request_id=r, finished=True, prompt=p) for r, p in self.requests.items()]
+        self.requests.clear()
+        return outputs
+
+    def abort_request(self, request_ids):
+        self.aborted += request_ids
+        for r in request_ids:
+            self.requests.pop(r, None)
+
+
+def test_a_joined_batch_fails_a_refused_call_alone_and_every_call_of_a_failed_step_then_goes_on():
+    import threading
+
+    from rltrain.rollout.joined import JoinedBatch
+
+    engine, stops = ToyEngine(), []
+    batch = JoinedBatch(engine, threading.RLock(), before_step=lambda: stops and stops.pop()())
+
+    def prompts(call):
+        return [out.prompt for out in batch.run([(p, None) for p in call])]
+
+    assert prompts(["a", "b"]) == ["a", "b"]
+    with pytest.raises(ValueError, match="refused prompt"):  # (its first request was added, then aborted)
+        prompts(["c", "refused"])
+    assert engine.aborted == ["joined-2"] and not engine.requests
+    engine.fail_steps = 1
+    with pytest.raises(RuntimeError, match="the step failed"):
+        prompts(["d"])
+    assert engine.aborted == ["joined-2", "joined-4"]  # ("joined-3" was the refused request's id)
+    # the stepping thread stops (an interrupt before its second step): a call that joined after its
+    # first step fails in one sentence instead of waiting for a step that never comes
+    late: dict[str, object] = {}
+
+    def second():
+        try:
+            late["h"] = prompts(["h"])
+        except RuntimeError as error:
+            late["h"] = str(error)
+
+    thread = threading.Thread(target=second, daemon=True)
+
+    def start_second():
+        thread.start()
+        while not batch._arrivals:  # (it joined: the stepping call will add it at its next step)
+            time.sleep(0.001)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    stops.extend([interrupt, start_second])  # (popped last first)
+    with pytest.raises(KeyboardInterrupt):
+        prompts(["e"])
+    thread.join(5)
+    assert late["h"] == "the engine's sampling stopped: KeyboardInterrupt()"
+    assert prompts(["f", "g"]) == ["f", "g"]  # (nothing left waiting or stepping)

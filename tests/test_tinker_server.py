@@ -188,7 +188,7 @@ def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero
     assert any(float((after[n] - before[n]).abs().max()) > 1e-4 for n in grads)  # (something moved)
     for name, w in state_weights(out, three).items():
         assert torch.allclose(w, after[name], atol=1e-6), name
-    alone = side_by_side(server["url"], init, out)
+    alone = side_by_side(server["url"], server["lines"], init, out)
     # a model made once those sessions ended trains on learners one of them released, restarted on
     # its own seed and adapters (serve.kept_learners): its start is the first model's, bit for bit
     started = learner_pids(server)
@@ -204,24 +204,26 @@ def test_a_step_is_the_hand_computed_sum_in_any_split_of_calls_learners_and_zero
     # server of its own on the same folder resuming the saved state with its optimizer
     for layout in (["learner.num_learners=1", "learner.packing=true"],
                    ["learner.zero_stage=3", "learner.micro_batch_size=1"]):  # fmt: skip
-        with serving(out, base, server["env"], *layout) as (url, _):
+        with serving(out, base, server["env"], *layout) as (url, lines):
             with tinker.ServiceClient(base_url=url) as sc:
                 tc = sc.create_training_client_from_state_with_optimizer(init).result()
                 tc.forward_backward(datums(DATA), "cross_entropy").result()
                 assert tc.optim_step(ADAM).result().metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-4)
                 other = state_weights(out, tc.save_state("layout").result().path)
             if "learner.zero_stage=3" in layout:
-                for got, want in zip(side_by_side(url, init, out), alone):
+                for got, want in zip(side_by_side(url, lines, init, out), alone):
                     for name, w in got.items():  # (and each model's weights alone, as under ZeRO-2)
                         assert torch.allclose(w, want[name], atol=1e-6), (layout, name)
         for name, w in other.items():
             assert torch.allclose(w, after[name], atol=1e-6), (layout, name)
 
 
-def side_by_side(url: str, init: str, out: Path) -> list[dict[str, torch.Tensor]]:
+def side_by_side(url: str, lines: list[str], init: str, out: Path) -> list[dict[str, torch.Tensor]]:
     """Two models from ``init`` trained side by side on one server, by two clients whose calls
     interleave (every call sent before any result is read), one on DATA[:3] in two calls and one on
-    DATA[3:]: the weights each ends with, which are those each gets alone, trained first here."""
+    DATA[3:]: the weights each ends with, which are those each gets alone, trained first here. The
+    models share one set of learners (serve.models_per_learners), which hold one model's state at a
+    time: the first model's gradient of its first call is set aside while the second's call runs."""
     halves = [[DATA[:2], DATA[2:3]], [DATA[3:]]]
     alone = []
     with tinker.ServiceClient(base_url=url) as sc:
@@ -234,9 +236,8 @@ def side_by_side(url: str, init: str, out: Path) -> list[dict[str, torch.Tensor]
             alone.append(state_weights(out, tc.save_state(f"alone-{i}").result().path))
     with tinker.ServiceClient(base_url=url) as one, tinker.ServiceClient(base_url=url) as two:
         clients = [sc.create_training_client_from_state_with_optimizer(init).result() for sc in (one, two)]
-        assert (
-            live_actors("ServedLearner") >= 4
-        )  # (two learners each, both live: neither waits for the other)
+        first, second = learner_pids({"lines": lines})[-2:]
+        assert first == second  # (the same learners)
         sent = [clients[0].forward_backward(datums(halves[0][0]), "cross_entropy"),
                 clients[1].forward_backward(datums(halves[1][0]), "cross_entropy"),
                 clients[0].forward_backward(datums(halves[0][1]), "cross_entropy"),
@@ -512,13 +513,6 @@ def files_outside_tinker(out: Path) -> set[str]:
     return inside | {f"../{p.name}" for p in out.parent.iterdir()}
 
 
-def live_actors(class_name: str) -> int:
-    """How many actors of ``class_name`` are alive in the session's Ray instance (the server's)."""
-    from ray._private.state import actors
-
-    return sum(a["ActorClassName"] == class_name and a["State"] == "ALIVE" for a in actors().values())
-
-
 def kill(class_name: str, alive: int) -> int:
     """SIGKILL the process of one of the server's live actors of ``class_name`` once ``alive`` of
     them are left (the server joined the session's Ray instance, which this process holds)."""
@@ -557,6 +551,11 @@ def learner_pids(server: dict) -> list[list[int]]:
     return [[int(p) for p in m.group(1).split(", ")] for m in said if m]
 
 
+def forward_logprobs(tc, data) -> list[list[float]]:
+    """Each datum's target log-probs under ``tc``'s weights now (a forward)."""
+    return [x["logprobs"].tolist() for x in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+
 def failed_as_the_servers(call, *words: str) -> str:
     with pytest.raises(tinker.RequestFailedError) as caught:
         call()
@@ -570,17 +569,26 @@ def test_a_killed_learner_or_engine_fails_its_call_alone_and_the_model_goes_on(s
     base, good, seq = server["base"], datums(DATA[:2]), types.ModelInput.from_ints([5, 6, 7, 8, 9, 10])
     with tinker.ServiceClient(base_url=server["url"]) as sc:
         tc = sc.create_lora_training_client(base_model=base, rank=2, seed=3, train_unembed=False).result()
+        # a second model like it shares its learners, and trains a step it never saves
+        other = sc.create_lora_training_client(base_model=base, rank=2, seed=3, train_unembed=False).result()
+        fresh = forward_logprobs(other, good)
+        other.forward_backward(good, "cross_entropy").result()
+        other.optim_step(ADAM).result()
         tc.forward_backward(good, "cross_entropy").result()
         tc.optim_step(ADAM).result()
         saved = tc.save_state("before-kill").result().path
-        kept = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
+        kept = forward_logprobs(tc, good)
         tc.forward_backward(good, "cross_entropy").result()
         tc.optim_step(ADAM).result()  # (a step after the save: lost with the learner)
         os.kill(learner_pids(server)[-1][0], signal.SIGKILL)  # (this model's first learner)
         failed_as_the_servers(lambda: tc.forward(good, "cross_entropy").result(), "died", saved, "is lost")
         # the model goes on from its last save: the weights it held then, bit for bit
-        again = [x["logprobs"].tolist() for x in tc.forward(good, "cross_entropy").result().loss_fn_outputs]
+        again = forward_logprobs(tc, good)
         assert again == kept
+        # the other model is told at its next call, and goes on from its base weights
+        failed_as_the_servers(lambda: other.forward(good, "cross_entropy").result(), "died",
+                              "during another model's call", "did not run", "is lost")  # fmt: skip
+        assert forward_logprobs(other, good) == fresh
         sampler = tc.save_weights_and_get_sampling_client().result()
         before = sampler.compute_logprobs(seq).result()
         kill("GeneratorActor", alive=1)

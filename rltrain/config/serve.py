@@ -16,11 +16,18 @@ class ServeConfig(Section):
     """The base models a client may ask for (the `base_model` the SDK sends): `builtin:*` names or
     local folders."""
     max_models: int = Field(4, ge=1)
-    """Models trained at once, each on learners of its own (`learner.num_learners` of them, their
-    own adapters, AdamW moments and order of calls), by any clients and on any served base model.
+    """Models trained at once (each with its own adapters, AdamW moments and order of calls; on
+    learners they share, `serve.models_per_learners`), by any clients and on any served base model.
     A `create_model` past it, or whose learners the cluster's free CPUs (or GPUs) cannot hold
     beside the live models' and the engines', is refused in one line saying so; a session that
     ends (or stops heartbeating) releases its models."""
+    models_per_learners: int = Field(8, ge=1)
+    """Models that share one set of learners (`learner.num_learners` of them), as Tinker serves
+    many LoRA models on one base: models of the same base model, adapters (rank, modules) and seed
+    take seats on the same learners, which hold one model's state at a time (its adapters, AdamW's
+    moments and step, the gradient its calls added since its last step) and set the others' aside,
+    so each model trains exactly as it would alone. A model past it, or unlike the live ones, gets
+    learners of its own. 1: every model its own learners."""
     max_request_mib: float = Field(256.0, gt=0)
     """The largest request body taken (the SDK sends a `forward_backward` of many datums in chunks);
     a larger one is refused (HTTP 413) before the rest of it is read."""

@@ -10,6 +10,10 @@ with the boundary on, so ZeRO-1/2 reduce what every call accumulated (they keep 
 micro-batch's gradient otherwise), then steps. No learning-rate schedule: each step's rate is the
 call's. A rank without datums in a call runs a blank micro-batch, so every rank issues the same
 collectives.
+
+Several models on one set of learners (:mod:`rltrain.serve.shared`): the learners hold one model's
+state at a time (:meth:`ServedLearner.hold`), the others' set aside whole, so each model's calls
+give the weights they give alone.
 """
 
 from __future__ import annotations
@@ -97,6 +101,13 @@ class ServedLearner(PolicyLearner):
     def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
         super().__init__(config, model_path, rank, world_size)
         self.layout_problem: str | None = None  # a layout check's failure: every later call fails alike
+        # several models on these learners (:meth:`hold`): the one whose state the engine holds, the
+        # others' set aside, and the state the learners started with (a new model's)
+        self.held: str | None = None
+        self.aside: dict[str, Aside] = {}
+        self.fresh: Aside | None = None
+        self.pending: dict[str, torch.Tensor] | None = None  # the held model's gradient set aside before
+        self.accumulated = False  # a call added a gradient to the engine's since the last step
 
     def _scheduler(self, optimizer, total_optimizer_steps: int):
         return None  # each optim_step's learning rate is the call's
@@ -136,6 +147,7 @@ class ServedLearner(PolicyLearner):
                     # until optim_step, so every call's gradient accumulates
                     self.engine.set_gradient_accumulation_boundary(False)
                     self.engine.backward(losses.sum() * self.world_size)
+                    self.accumulated = True
             out.append((logprobs.detach().cpu(), losses.detach().cpu()))
         return out
 
@@ -148,8 +160,13 @@ class ServedLearner(PolicyLearner):
         """One AdamW step with ``adam`` (``learning_rate``, ``beta1``, ``beta2``, ``eps``,
         ``weight_decay``, ``grad_clip_norm``: 0 is none) on the gradients every call since the last
         step added; the gradient norm before clipping. Every rank at once."""
-        self.engine.set_gradient_accumulation_boundary(True)  # every call's gradient reduced over ranks
-        self.engine.backward(0.0 * self._target_logprobs(Datums.blank().to(self.engine.device)).sum())
+        self._reduce()
+        if self.pending is not None:  # what the calls added before the model was last set aside
+            from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+            for name, p in self._trained_parameters():
+                safe_set_full_grad(p, safe_get_full_grad(p) + self.pending[name].to(p.device))
+            self.pending = None
         for group in self.engine.optimizer.param_groups:
             group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
                          weight_decay=adam["weight_decay"])  # fmt: skip
@@ -159,8 +176,78 @@ class ServedLearner(PolicyLearner):
             self.engine.optimizer.clip_grad = clip
         self.engine.step()
         self.optimizer_steps += 1
+        self.accumulated = False
         norm = self.engine.get_global_grad_norm()
         return {"grad_norm": float("nan") if norm is None else float(norm)}
+
+    def _reduce(self) -> None:
+        """Every call's gradient since the last step reduced over the ranks (a blank micro-batch
+        with the accumulation boundary on: ZeRO-1/2 keep only the last micro-batch's otherwise)."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(0.0 * self._target_logprobs(Datums.blank().to(self.engine.device)).sum())
+
+    # ------------------------------------------------------------------ several models
+
+    def hold(self, model: str) -> None:
+        """The engine holds ``model``'s state, every rank at once: the model it held is set aside
+        whole (its weights, AdamW's moments and step, and the gradient its calls added since its
+        last step, reduced over the ranks), and ``model``'s is put in its place (a model new to
+        these learners: the state they started with). One model's calls never touch another's."""
+        if self.held == model:
+            return
+        if self.fresh is None:  # the first model: the engine holds the state the learners started with
+            self.fresh = Aside(self._whole_state(), None, None)
+        else:
+            if self.held is not None:
+                self.aside[self.held] = self._set_aside()
+            elif self.accumulated:
+                self._set_aside()  # (a forgotten model's gradient: cleared)
+            kept = self.aside.pop(model, None) or self.fresh
+            self._load_layout_free(_with_moments(kept.state, self._moment_keys()))
+            self.pending = kept.pending
+            if kept.local is not None:
+                for name, p in self._trained_parameters():
+                    p.grad = kept.local[name]
+                self.accumulated = True
+        self.held = model
+
+    def forget(self, model: str) -> None:
+        """``model`` leaves these learners: its state is dropped (the engine's, where it is held,
+        is replaced at the next :meth:`hold`)."""
+        self.aside.pop(model, None)
+        if self.held == model:
+            self.held, self.pending = None, None
+
+    def _whole_state(self) -> dict:
+        """:meth:`_layout_free_state` kept on every rank."""
+        rank, self.rank = self.rank, 0  # (every rank gathers; each keeps a copy)
+        try:
+            return {**self._layout_free_state(), "optimizer_steps": self.optimizer_steps}
+        finally:
+            self.rank = rank
+
+    def _set_aside(self) -> Aside:
+        """The held model's state, and its gradient taken out of the engine (with what was set aside
+        before); the engine's gradient cleared by a step whose result the next model's state
+        replaces."""
+        from deepspeed.utils import safe_get_full_grad
+
+        if self.lc.zero_stage <= 1:  # each rank's own gradient stays in the parameters until the step:
+            local = {n: p.grad for n, p in self._trained_parameters()} if self.accumulated else None
+            for _, p in self._trained_parameters():  # it is set aside as it is, and put back
+                p.grad = None
+            self.accumulated = False
+            return Aside(self._whole_state(), self.pending, local)
+        pending = self.pending
+        if self.accumulated:
+            self._reduce()
+            grads = {n: safe_get_full_grad(p).float().cpu().clone() for n, p in self._trained_parameters()}
+            pending = grads if pending is None else {n: g + pending[n] for n, g in grads.items()}
+        state = self._whole_state()
+        if self.accumulated:
+            self.engine.step()
+            self.accumulated = False
+        return Aside(state, pending, None)
 
     def save_state(self, folder: str) -> None:
         """The trained weights and AdamW's moments and step, whole and by name (layout-free: they
@@ -177,11 +264,27 @@ class ServedLearner(PolicyLearner):
         """The weights :meth:`save_state` wrote; AdamW's moments and step with ``optimizer``,
         otherwise zero moments (a fresh optimizer). Every rank at once."""
         state = torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=True)
-        if not optimizer or not state["moments"]:  # (a state saved before any step has none)
-            keys = self._moment_keys()
-            state |= {"moments": {k: {n: torch.zeros_like(w) for n, w in state["weights"].items()} for k in keys},
-                      "optimizer_step": 0.0} | ({} if optimizer else {"optimizer_steps": 0})  # fmt: skip
-        self._load_layout_free(state)
+        if not optimizer:
+            state |= {"moments": {}, "optimizer_steps": 0}
+        self._load_layout_free(_with_moments(state, self._moment_keys()))
+
+
+@dataclass
+class Aside:
+    """A model's state while another's is in the engine (:meth:`ServedLearner.hold`)."""
+
+    state: dict
+    pending: dict[str, torch.Tensor] | None  # its calls' gradient since its last step, reduced
+    local: dict[str, torch.Tensor] | None  # (ZeRO 0-1) this rank's, not yet reduced
+
+
+def _with_moments(state: dict, keys: list[str]) -> dict:
+    """``state``, with zero moments and step where it has none (a state saved before any step, or
+    without its optimizer): what a fresh AdamW starts from."""
+    if state["moments"]:
+        return state
+    zeros = {k: {n: torch.zeros_like(w) for n, w in state["weights"].items()} for k in keys}
+    return {**state, "moments": zeros, "optimizer_step": 0.0}
 
 
 class ServedGroup(LearnerGroup):
@@ -191,6 +294,7 @@ class ServedGroup(LearnerGroup):
 
     def __init__(self, config, model_path: str):
         super().__init__(config, model_path, total_optimizer_steps=1, learner_cls=ServedLearner)
+        self.held: str | None = None  # the model whose state the learners hold
 
     def forward_backward(
         self, datums: Datums, loss_fn: str, settings: dict[str, float], forward_only: bool
@@ -221,6 +325,21 @@ class ServedGroup(LearnerGroup):
 
     def optim_step(self, adam: dict[str, float]) -> dict[str, float]:
         return self._all("optim_step", adam)[0]
+
+    def restart(self, *args, **kwargs) -> None:
+        super().restart(*args, **kwargs)
+        self.held = None
+
+    def hold(self, model: str) -> None:
+        """The learners hold ``model``'s state (:meth:`ServedLearner.hold`)."""
+        if self.held != model:
+            self._all("hold", model)
+            self.held = model
+
+    def forget(self, model: str) -> None:
+        self._all("forget", model)
+        if self.held == model:
+            self.held = None
 
     def save_state(self, folder: str | Path) -> None:
         self._all("save_state", str(folder))

@@ -67,11 +67,11 @@ class JoinedBatch:
         except BaseException as error:  # (its thread stopped: no call is left waiting on it)
             with self._arrival_lock:
                 arrivals, self._arrivals, self._stepping = self._arrivals, [], False
+            stopped = RuntimeError(f"the engine's sampling stopped: {error!r}")
+            for call in arrivals:
+                call.fail(stopped)
             with contextlib.suppress(Exception):
-                self.engine.abort_request(list(self._running))
-            for call in [*arrivals, *(call for call, _ in self._running.values())]:
-                call.fail(RuntimeError(f"the engine's sampling stopped: {error!r}"))
-            self._running.clear()
+                self._fail_running(stopped)
             raise
 
     def _step_all(self) -> None:
@@ -82,7 +82,12 @@ class JoinedBatch:
                     self._stepping = False
                     return
             with self.lock:
-                self.before_step()
+                try:
+                    self.before_step()
+                except BaseException:
+                    with self._arrival_lock:  # (failed with the rest where the stepping stops)
+                        self._arrivals[:0] = arrivals
+                    raise
                 for call in arrivals:
                     self._add(call)
                 if not self._running:
@@ -90,10 +95,7 @@ class JoinedBatch:
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # every request in the engine fails with it
-                    self.engine.abort_request(list(self._running))
-                    for call, _ in self._running.values():
-                        call.fail(error)
-                    self._running.clear()
+                    self._fail_running(error)
                     continue
                 for out in outputs:
                     if out.finished and out.request_id in self._running:
@@ -101,6 +103,13 @@ class JoinedBatch:
                         call.outputs[i] = out
                         if len(call.outputs) == len(call.requests):
                             call.finished.set()
+
+    def _fail_running(self, error: Exception) -> None:
+        """Every call with requests in the engine fails with ``error``; the requests are aborted."""
+        running, self._running = self._running, {}
+        for call, _ in running.values():
+            call.fail(error)
+        self.engine.abort_request(list(running))
 
     def _add(self, call: _Call) -> None:
         """(Holding the lock.) One call's requests into the engine; one that vLLM refuses fails that call alone."""

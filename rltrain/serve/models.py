@@ -4,10 +4,10 @@ anything of the model is touched: a request the caller got wrong fails alone, as
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import heapq
 import itertools
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +28,12 @@ UNORDERED = -1
 # how many of a model's recent seq_ids are remembered with their request ids (a call the SDK sends
 # again, its answer lost, gets the first one's request id rather than running twice)
 REMEMBERED = 1024
+
+
+def say(line: str) -> None:
+    """One line of the server's log, written whole (the models' threads print side by side)."""
+    sys.stdout.write(f"rltrain serve: {line}\n")
+    sys.stdout.flush()
 
 
 def passed() -> None:
@@ -128,8 +134,8 @@ class ServedModel:
                 seq_id, request_id, call = self._next()
             if call is None:
                 if self.group is not None:
-                    self.server.kept.give(self.group)  # (restarted for a later model, serve.kept_learners)
-                    print(f"rltrain serve: model {self.model_id} released", flush=True)
+                    self.server.seating.leave(self.group)  # (the last model's: kept, serve.kept_learners)
+                    say(f"model {self.model_id} released")
                 return
             result = None if call is passed else outcome(functools.partial(self._survived, call))
             with self._cond:
@@ -146,32 +152,36 @@ class ServedModel:
         in one sentence naming what died and what the model was restored to."""
         from rltrain.remote import ActorFailure
 
+        seat = self.group
+        if seat is not None and seat.lost:  # another model's call saw the shared learners die
+            self._restore(f"{seat.lost}; this call did not run")
+        generation = None if seat is None else seat.shared.generation
         try:
             return call()
         except ActorFailure as failure:
-            if self.group is None or failure.actor not in self.group.names:
+            if seat is None or failure.actor not in seat.names:
                 raise  # (an engine's: the engines restart themselves)
-            with contextlib.suppress(Exception):
-                self.group.shutdown()
-            self.group = None
-            self.start()
-            if self.saved is None:
-                raise Fault(f"{failure} during this call; the model's learners were restarted from its base weights "
-                            "(nothing was saved with save_state): its training so far is lost") from None  # fmt: skip
-            folder, path, optimizer = self.saved
-            self.group.load_state(folder, optimizer)
-            raise Fault(f"{failure} during this call; the model's learners were restarted from {path}, its last "
-                        "saved state: what ran after it is lost") from None  # fmt: skip
+            self.server.seating.restart(seat, generation, failure)
+            self._restore(f"{failure} during this call")
+
+    def _restore(self, what: str) -> None:
+        """After the learners were started again: the model's last saved state put back (or its
+        base weights), and the call fails saying so."""
+        self.group.lost = None
+        if self.saved is None:  # (the learners started again hold a new model's state: its base weights)
+            raise Fault(f"{what}; the model's learners were restarted from its base weights (nothing was saved "
+                        "with save_state): its training so far is lost") from None  # fmt: skip
+        folder, path, optimizer = self.saved
+        self.group.load_state(folder, optimizer)
+        raise Fault(f"{what}; the model's learners were restarted from {path}, its last saved state: what ran "
+                    "after it is lost") from None  # fmt: skip
 
     def start(self, load: tuple[str, bool] | None = None) -> Result:
         """The learners, and (``load``: a ``tinker://`` path and whether with the optimizer) the
         state saved there."""
-        from rltrain.learner.served import ServedLearner
-
-        self.group = self.server.kept.take(self.config, self.model_path, 1, ServedLearner)
+        self.group = self.server.seating.seat(self.model_id, self.config, self.model_path)
         pids = ", ".join(str(place["pid"]) for place in self.group.where())
-        print(f"rltrain serve: model {self.model_id} ({self.base_model}) trains on the learners of pids {pids}",
-              flush=True)  # fmt: skip
+        say(f"model {self.model_id} ({self.base_model}) trains on the learners of pids {pids}")
         if load is None:
             return Result(json={"type": "create_model", "model_id": self.model_id})
         return self.load_state(*load)

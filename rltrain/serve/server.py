@@ -17,6 +17,7 @@ from rltrain.serve.checkpoints import Checkpoints, key_owner
 from rltrain.serve.futures import Futures, Result, outcome
 from rltrain.serve.models import ServedModel, Session, model_shape, served_config, takes_adapters
 from rltrain.serve.sampling import Engines, Sampler, base_loader
+from rltrain.serve.shared import Seating, groups_needed
 from rltrain.serve.wire import BadRequest, sample_response
 
 # the seq_id of a model's release, queued after every call a client can send (seq_ids lie below it)
@@ -86,6 +87,7 @@ class Server:
         self.kept = KeptLearners(
             config.serve.kept_learners, start=lambda c, path, _steps, _cls: ServedGroup(c, path)
         )
+        self.seating = Seating(self.kept, config.serve.models_per_learners)
         self._stop = threading.Event()
         threading.Thread(target=self._sweep, daemon=True, name="sweep").start()
 
@@ -186,8 +188,12 @@ class Server:
         if len(live) >= limit:
             raise BadRequest(f"{len(live)} models are live, the most this server trains at once (serve.max_models="
                              f"{limit}): a session that ends releases its models")  # fmt: skip
-        need, total = learner_resources(config), ray.cluster_resources()
-        held = [learner_resources(m.config) for m in live] + [engine_resources(self.config)]
+        per, total = self.config.serve.models_per_learners, ray.cluster_resources()
+        now = groups_needed([m.config for m in live], per)
+        if len(groups_needed([m.config for m in live] + [config], per)) == len(now):
+            return  # (it takes a seat on learners that hold models like it)
+        need = learner_resources(config)
+        held = [learner_resources(c) for c in now] + [engine_resources(self.config)]
         problem = room_problem(need, held, total)
         if problem:
             raise BadRequest(f"{problem} ({len(live)} live models and the engines): a session that ends "

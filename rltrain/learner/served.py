@@ -162,10 +162,16 @@ class ServedLearner(PolicyLearner):
         step added; the gradient norm before clipping. Every rank at once."""
         self._reduce()
         if self.pending is not None:  # what the calls added before the model was last set aside
-            from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+            from deepspeed.utils import safe_set_local_grad
 
-            for name, p in self._trained_parameters():
-                safe_set_full_grad(p, safe_get_full_grad(p) + self.pending[name].to(p.device))
+            params = dict(self._trained_parameters())
+            for name, g in self._local_grads().items():
+                if g is None:
+                    continue
+                if hasattr(params[name], "ds_id"):  # (ZeRO-3)
+                    safe_set_local_grad(params[name], g + self.pending[name])
+                else:
+                    g.add_(self.pending[name])
             self.pending = None
         for group in self.engine.optimizer.param_groups:
             group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
@@ -191,19 +197,20 @@ class ServedLearner(PolicyLearner):
     def hold(self, model: str) -> None:
         """The engine holds ``model``'s state, every rank at once: the model it held is set aside
         whole (its weights, AdamW's moments and step, and the gradient its calls added since its
-        last step, reduced over the ranks), and ``model``'s is put in its place (a model new to
-        these learners: the state they started with). One model's calls never touch another's."""
+        last step: under ZeRO 0-1 each rank's own, under ZeRO 2-3 this rank's share of it reduced
+        over the ranks), and ``model``'s is put in its place (a model new to these learners: the
+        state they started with). One model's calls never touch another's."""
         if self.held == model:
             return
         if self.fresh is None:  # the first model: the engine holds the state the learners started with
-            self.fresh = Aside(self._whole_state(), None, None)
+            self.fresh = Aside(self._state_now(), None, None)
         else:
             if self.held is not None:
                 self.aside[self.held] = self._set_aside()
             elif self.accumulated:
                 self._set_aside()  # (a forgotten model's gradient: cleared)
             kept = self.aside.pop(model, None) or self.fresh
-            self._load_layout_free(_with_moments(kept.state, self._moment_keys()))
+            self._put_state(kept.state)
             self.pending = kept.pending
             if kept.local is not None:
                 for name, p in self._trained_parameters():
@@ -218,32 +225,84 @@ class ServedLearner(PolicyLearner):
         if self.held == model:
             self.held, self.pending = None, None
 
-    def _whole_state(self) -> dict:
-        """:meth:`_layout_free_state` kept on every rank."""
-        rank, self.rank = self.rank, 0  # (every rank gathers; each keeps a copy)
-        try:
-            return {**self._layout_free_state(), "optimizer_steps": self.optimizer_steps}
-        finally:
-            self.rank = rank
+    def _state_now(self) -> dict:
+        """The held model's weights and optimizer state as this rank holds them. Under ZeRO 0-2,
+        copies of this rank's own tensors that a step writes (no collective): the trained
+        parameters (whole on every rank), ZeRO's fp32 partitions and AdamW's state of the tensors it
+        steps. Under ZeRO-3, whose parameters are gathered whole and partitioned again as the
+        forward goes, :meth:`_layout_free_state`, gathered on every rank."""
+        if self.lc.zero_stage == 3:
+            rank, self.rank = self.rank, 0  # (every rank gathers; each keeps a copy)
+            try:
+                return {**self._layout_free_state(), "optimizer_steps": self.optimizer_steps}
+            finally:
+                self.rank = rank
+        tensors, stepped = self._own_tensors()
+        inner = self._torch_optimizer()
+        return {"tensors": [t.detach().clone() for t in tensors],
+                "moments": [{k: v.clone() if torch.is_tensor(v) else v for k, v in inner.state.get(t, {}).items()}
+                            for t in stepped],
+                "optimizer_steps": self.optimizer_steps}  # fmt: skip
+
+    def _put_state(self, state: dict) -> None:
+        """Set what :meth:`_state_now` took (a state before any step: zero moments and step, which
+        is what a fresh AdamW starts from)."""
+        if self.lc.zero_stage == 3:
+            self._load_layout_free(_with_moments(state, self._moment_keys()))
+            return
+        tensors, stepped = self._own_tensors()
+        with torch.no_grad():
+            for t, saved in zip(tensors, state["tensors"]):
+                t.copy_(saved)
+        inner = self._torch_optimizer()
+        if any(state["moments"]) and not any(inner.state.get(t) for t in stepped):
+            self._create_optimizer_state()
+        for t, saved in zip(stepped, state["moments"]):
+            for k, v in inner.state.get(t, {}).items():
+                if torch.is_tensor(v):
+                    v.copy_(saved[k]) if saved else v.zero_()
+                else:
+                    inner.state[t][k] = saved[k] if saved else 0
+        self.optimizer_steps = state["optimizer_steps"]
+
+    def _local_grads(self) -> dict[str, torch.Tensor | None]:
+        """(ZeRO 2-3, after the boundary's reduction) This rank's share of each trained parameter's
+        reduced gradient, as the step reads it (None: no share here); no collective."""
+        from deepspeed.utils import safe_get_local_grad
+
+        out = {}
+        for name, p in self._trained_parameters():
+            if hasattr(p, "ds_id"):
+                out[name] = safe_get_local_grad(p)
+            elif getattr(p, "_hp_mapping", None) is not None:
+                out[name] = p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group)
+            else:
+                out[name] = None
+        return out
+
+    def _own_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(ZeRO 0-2) This rank's tensors that a step writes, and those the torch optimizer steps
+        (ZeRO's fp32 partitions, or the parameters themselves without ZeRO)."""
+        params = [p for _, p in self._trained_parameters()]
+        masters = list(getattr(self.engine.optimizer, "single_partition_of_fp32_groups", None) or [])
+        return params + masters, masters or params
 
     def _set_aside(self) -> Aside:
         """The held model's state, and its gradient taken out of the engine (with what was set aside
         before); the engine's gradient cleared by a step whose result the next model's state
         replaces."""
-        from deepspeed.utils import safe_get_full_grad
-
         if self.lc.zero_stage <= 1:  # each rank's own gradient stays in the parameters until the step:
             local = {n: p.grad for n, p in self._trained_parameters()} if self.accumulated else None
             for _, p in self._trained_parameters():  # it is set aside as it is, and put back
                 p.grad = None
             self.accumulated = False
-            return Aside(self._whole_state(), self.pending, local)
+            return Aside(self._state_now(), self.pending, local)
         pending = self.pending
         if self.accumulated:
             self._reduce()
-            grads = {n: safe_get_full_grad(p).float().cpu().clone() for n, p in self._trained_parameters()}
-            pending = grads if pending is None else {n: g + pending[n] for n, g in grads.items()}
-        state = self._whole_state()
+            grads = {n: None if g is None else g.detach().clone() for n, g in self._local_grads().items()}
+            pending = grads if pending is None else {n: _plus(g, pending[n]) for n, g in grads.items()}
+        state = self._state_now()
         if self.accumulated:
             self.engine.step()
             self.accumulated = False
@@ -276,6 +335,10 @@ class Aside:
     state: dict
     pending: dict[str, torch.Tensor] | None  # its calls' gradient since its last step, reduced
     local: dict[str, torch.Tensor] | None  # (ZeRO 0-1) this rank's, not yet reduced
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 def _with_moments(state: dict, keys: list[str]) -> dict:
